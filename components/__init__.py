@@ -1,0 +1,1 @@
+"""Kubeflow components: thin wrappers over rlhf_core."""

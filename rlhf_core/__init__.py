@@ -1,0 +1,1 @@
+"""rlhf_core: the library (no Kubernetes or Kubeflow knowledge lives here)."""

