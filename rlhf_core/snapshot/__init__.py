@@ -1,0 +1,36 @@
+"""Pickle-free Zarr snapshots of DataProtos on any fsspec store (local disk, S3).
+
+Public API (names are part of the contract)::
+
+    save_snapshot(dp, uri, *, storage_options=None, annotations=None) -> SnapshotInfo
+    load_snapshot(uri, *, fields=None, rows=None, uids=None, verify="marker"|"full",
+                  storage_options=None) -> DataProto
+    list_snapshots(prefix_uri, *, storage_options=None, include_incomplete=False)
+    snapshot_info(uri) / verify_snapshot(uri) -> SnapshotInfo
+
+A snapshot becomes visible only when its manifest is committed (written last,
+create-only); readers refuse anything else. See ``layout.py`` for the format.
+"""
+
+from rlhf_core.snapshot.errors import (
+    CorruptSnapshotError,
+    IncompleteSnapshotError,
+    SnapshotAccessError,
+    SnapshotError,
+    SnapshotExistsError,
+    SnapshotSchemaError,
+)
+from rlhf_core.snapshot.reader import (
+    SnapshotInfo,
+    list_snapshots,
+    load_snapshot,
+    snapshot_info,
+    verify_snapshot,
+)
+from rlhf_core.snapshot.writer import save_snapshot
+
+__all__ = [
+    "save_snapshot", "load_snapshot", "list_snapshots", "snapshot_info", "verify_snapshot",
+    "SnapshotInfo", "SnapshotError", "IncompleteSnapshotError", "CorruptSnapshotError",
+    "SnapshotExistsError", "SnapshotSchemaError", "SnapshotAccessError",
+]

@@ -1,0 +1,154 @@
+"""Where snapshots live: fsspec URIs, credentials, create-only writes, zarr stores.
+
+Any fsspec URI works; ``file://`` (and plain paths) and ``s3://`` are tested. S3
+credentials and endpoint come from ``storage_options`` or from the standard AWS
+environment variables; they are only ever passed to the client, never written anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from rlhf_core.snapshot.errors import SnapshotAccessError, SnapshotExistsError
+
+# Fail fast instead of hanging when an endpoint is unreachable or refuses us.
+_S3_CONFIG = {"connect_timeout": 5, "read_timeout": 120,
+              "retries": {"max_attempts": 3, "mode": "standard"}}
+
+
+@dataclass(frozen=True)
+class Location:
+    """A resolved URI: the filesystem, the path inside it, and how to name it again."""
+
+    fs: Any
+    path: str          # protocol-less path as the filesystem wants it
+    uri: str           # canonical URI, printed in messages and recorded in SnapshotInfo
+    protocol: str
+    storage_options: dict
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol in ("file", "local")
+
+    def child(self, *parts: str) -> "Location":
+        path = "/".join([self.path.rstrip("/"), *[p.strip("/") for p in parts]])
+        uri = "/".join([self.uri.rstrip("/"), *[p.strip("/") for p in parts]])
+        return Location(self.fs, path, uri, self.protocol, self.storage_options)
+
+
+def s3_options_from_env(storage_options: dict | None) -> dict:
+    """Merge explicit options with AWS_* environment variables (explicit wins)."""
+    opts = dict(storage_options or {})
+    env_key, env_secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
+    if "key" not in opts and env_key:
+        opts["key"] = env_key
+    if "secret" not in opts and env_secret:
+        opts["secret"] = env_secret
+    client_kwargs = dict(opts.get("client_kwargs") or {})
+    endpoint = opts.pop("endpoint_url", None) or client_kwargs.get("endpoint_url") \
+        or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    if client_kwargs:
+        opts["client_kwargs"] = client_kwargs
+    config = dict(_S3_CONFIG)
+    config.update(opts.get("config_kwargs") or {})
+    opts["config_kwargs"] = config
+    opts.setdefault("max_concurrency", 1)
+    return opts
+
+
+def resolve(uri: str, storage_options: dict | None = None) -> Location:
+    """Turn a URI (or a plain local path) into a :class:`Location`."""
+    if not isinstance(uri, str) or not uri:
+        raise ValueError(f"snapshot uri must be a non-empty string; found {uri!r}")
+    protocol = uri.split("://", 1)[0] if "://" in uri else "file"
+    if protocol == "s3":
+        opts = s3_options_from_env(storage_options)
+    else:
+        opts = dict(storage_options or {})
+    fs, path = fsspec.core.url_to_fs(uri, **opts)
+    if protocol == "file":
+        path = os.path.abspath(path)
+        canonical = "file://" + path
+    else:
+        canonical = uri.rstrip("/")
+    return Location(fs=fs, path=path.rstrip("/") or "/", uri=canonical.rstrip("/"),
+                    protocol=protocol, storage_options=opts)
+
+
+def describe_access_error(loc: Location, exc: BaseException) -> SnapshotAccessError:
+    """A clear error for refused credentials, without echoing the secret."""
+    endpoint = (loc.storage_options.get("client_kwargs") or {}).get("endpoint_url", "AWS default")
+    key = loc.storage_options.get("key")
+    source = "storage_options/AWS_ACCESS_KEY_ID" if key else "no access key (anonymous or instance role)"
+    key_hint = f"{key[:4]}..." if key else "-"
+    return SnapshotAccessError(
+        f"access to {loc.uri} was refused by {endpoint}: {exc}. Credentials used: key {key_hint} "
+        f"from {source}. Check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or storage_options "
+        f"'key'/'secret') and AWS_ENDPOINT_URL."
+    )
+
+
+def put_create_only(loc: Location, data: bytes) -> None:
+    """Write ``data`` at ``loc`` only if nothing is there yet; atomically visible.
+
+    Local disk: write a private temp file, fsync, then ``link`` it into place (link fails
+    when the name exists, and readers never see a partly written file). Object stores:
+    a conditional PUT (``If-None-Match: *``), which S3 and SeaweedFS enforce.
+    """
+    if loc.is_local:
+        directory = os.path.dirname(loc.path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, loc.path)
+        except FileExistsError:
+            raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
+        finally:
+            os.unlink(tmp)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return
+    try:
+        loc.fs.pipe_file(loc.path, data, mode="create")
+    except PermissionError as exc:
+        raise describe_access_error(loc, exc) from exc
+    except OSError as exc:
+        if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower() \
+                or isinstance(exc, FileExistsError):
+            raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
+        raise
+
+
+def read_bytes(loc: Location) -> bytes | None:
+    """The object's bytes, or None when it does not exist."""
+    try:
+        return loc.fs.cat_file(loc.path)
+    except FileNotFoundError:
+        return None
+    except PermissionError as exc:
+        raise describe_access_error(loc, exc) from exc
+
+
+def zarr_store(loc: Location, *, read_only: bool):
+    """A zarr v3 store rooted at ``loc`` (LocalStore on disk, FsspecStore elsewhere)."""
+    from zarr.storage import FsspecStore, LocalStore
+
+    if loc.is_local:
+        return LocalStore(loc.path, read_only=read_only)
+    # zarr needs the async flavour of the filesystem; build it from the same options.
+    async_fs, path = fsspec.core.url_to_fs(loc.uri, asynchronous=True, **loc.storage_options)
+    return FsspecStore(fs=async_fs, path=path, read_only=read_only)

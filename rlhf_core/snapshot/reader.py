@@ -1,0 +1,288 @@
+"""Reading snapshots: manifest first, checks before decoding, only what was asked for."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from rlhf_core.protocol import DataProto
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot.errors import (
+    CorruptSnapshotError, IncompleteSnapshotError, SnapshotSchemaError,
+)
+from rlhf_core.snapshot.layout import (
+    DATA_PREFIX, MANIFEST_NAME, check_array_metadata, parse_manifest,
+)
+
+
+@dataclass
+class SnapshotInfo:
+    """What a manifest says about a snapshot (nothing here requires reading data)."""
+
+    uri: str
+    state: str                          # "committed" or "incomplete"
+    num_rows: int = 0
+    fields: dict[str, dict] = field(default_factory=dict)
+    stored_bytes: int = 0
+    created_at: str = ""
+    schema_version: int = 0
+    data_prefix: str = ""
+    annotations: dict = field(default_factory=dict)
+    manifest_sha256: str = ""
+
+
+def _info_from_manifest(uri: str, manifest: dict, manifest_sha256: str) -> SnapshotInfo:
+    return SnapshotInfo(
+        uri=uri, state="committed", num_rows=int(manifest["num_rows"]),
+        fields=manifest["fields"],
+        stored_bytes=sum(int(o["size"]) for o in manifest["objects"].values()),
+        created_at=manifest.get("created_at", ""), schema_version=manifest["schema_version"],
+        data_prefix=manifest["data_prefix"], annotations=manifest.get("annotations") or {},
+        manifest_sha256=manifest_sha256,
+    )
+
+
+def _open_manifest(loc: sfs.Location) -> tuple[dict, str]:
+    raw = sfs.read_bytes(loc.child(MANIFEST_NAME))
+    if raw is None:
+        try:
+            found = [p.rsplit("/", 1)[-1] for p in loc.fs.ls(loc.path, detail=False)]
+        except FileNotFoundError:
+            found = []
+        except PermissionError as exc:
+            raise sfs.describe_access_error(loc, exc) from exc
+        partial = [p for p in found if p.startswith(DATA_PREFIX)]
+        if partial:
+            raise IncompleteSnapshotError(
+                f"{loc.uri} has no {MANIFEST_NAME}: its writer did not commit (found "
+                f"uncommitted data {partial}); the snapshot is refused. Re-run the stage that "
+                f"writes it."
+            )
+        raise IncompleteSnapshotError(f"no committed snapshot at {loc.uri} (no {MANIFEST_NAME})")
+    return parse_manifest(raw, loc.uri), hashlib.sha256(raw).hexdigest()
+
+
+def snapshot_info(uri: str, *, storage_options: dict | None = None) -> SnapshotInfo:
+    """The committed snapshot's manifest summary (reads one object)."""
+    loc = sfs.resolve(uri, storage_options)
+    manifest, digest = _open_manifest(loc)
+    return _info_from_manifest(loc.uri, manifest, digest)
+
+
+def verify_snapshot(uri: str, *, storage_options: dict | None = None) -> SnapshotInfo:
+    """Check every object against the manifest (exists, size, SHA-256); raise
+    CorruptSnapshotError listing each mismatch."""
+    loc = sfs.resolve(uri, storage_options)
+    manifest, digest = _open_manifest(loc)
+    _verify_objects(loc, manifest)
+    return _info_from_manifest(loc.uri, manifest, digest)
+
+
+def _verify_objects(loc: sfs.Location, manifest: dict) -> None:
+    data_loc = loc.child(manifest["data_prefix"])
+
+    def check(item):
+        key, expected = item
+        raw = sfs.read_bytes(data_loc.child(key))
+        if raw is None:
+            return f"{key}: missing"
+        if len(raw) != expected["size"]:
+            return f"{key}: size {len(raw)} != {expected['size']} in the manifest"
+        if hashlib.sha256(raw).hexdigest() != expected["sha256"]:
+            return f"{key}: checksum mismatch (altered after commit)"
+        return None
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        problems = [p for p in pool.map(check, manifest["objects"].items()) if p]
+    if problems:
+        shown = "; ".join(problems[:10]) + (f"; ... {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise CorruptSnapshotError(f"{loc.uri} does not match its manifest: {shown}")
+
+
+def _checked_metadata(data_loc: sfs.Location, manifest: dict, key: str, uri: str) -> dict:
+    """Read a zarr.json, check it against the manifest's checksum and the safety rules.
+
+    Metadata documents are tiny, so even ``verify="marker"`` checks them: nothing
+    a reader decodes is described by metadata the writer did not commit.
+    """
+    expected = manifest["objects"].get(key)
+    if expected is None:
+        legacy = [k for k in manifest["objects"] if k.endswith((".zarray", ".zattrs", ".zgroup"))]
+        hint = f" (found zarr v2 metadata {legacy})" if legacy else ""
+        raise SnapshotSchemaError(f"{uri}: the manifest lists no {key}{hint}; only zarr v3 is read")
+    raw = sfs.read_bytes(data_loc.child(key))
+    if raw is None:
+        raise CorruptSnapshotError(f"{uri}: {key} is listed in the manifest but missing")
+    if hashlib.sha256(raw).hexdigest() != expected["sha256"]:
+        raise CorruptSnapshotError(f"{uri}: {key} was altered after commit (checksum mismatch)")
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise CorruptSnapshotError(f"{uri}: {key} is not valid JSON: {exc}") from None
+
+
+def _resolve_rows(rows: Any, num_rows: int) -> slice | np.ndarray:
+    if rows is None:
+        return slice(None)
+    if isinstance(rows, slice):
+        return slice(*rows.indices(num_rows))
+    index = np.asarray(rows)
+    if index.dtype == bool:
+        if index.shape != (num_rows,):
+            raise ValueError(f"rows: boolean mask has {index.size} entries; the snapshot has {num_rows} rows")
+        return np.nonzero(index)[0]
+    if index.dtype.kind not in "iu":
+        raise TypeError(f"rows must be a slice, int indices or a bool mask; found dtype {index.dtype}")
+    index = index.reshape(-1).astype(np.int64)
+    if index.size and (index.max() >= num_rows or index.min() < -num_rows):
+        raise IndexError(f"rows: index out of range for a snapshot of {num_rows} rows")
+    return index % max(num_rows, 1)
+
+
+def _read_array(store, path: str, metadata: dict, rows):
+    import zarr
+    from zarr.storage import StorePath
+
+    array = zarr.Array(zarr.AsyncArray(metadata, StorePath(store, path)))
+    if isinstance(rows, slice):
+        return array[rows]
+    if rows.size == 0:
+        return np.empty((0, *array.shape[1:]), dtype=array.dtype)
+    # zarr's orthogonal selection wants sorted unique indices; map back afterwards.
+    unique, inverse = np.unique(rows, return_inverse=True)
+    return array.oindex[(unique,) + (slice(None),) * (len(array.shape) - 1)][inverse]
+
+
+def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor | np.ndarray:
+    encoding = info.get("encoding")
+    if info["layer"] == "batch":
+        if encoding == "raw_bits":
+            bits = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e5m2": torch.uint8}
+            target = getattr(torch, info["dtype"])
+            as_signed = data.view(np.int16) if bits[info["dtype"]] == torch.int16 else data
+            return torch.from_numpy(np.ascontiguousarray(as_signed)).view(target)
+        return torch.from_numpy(np.ascontiguousarray(data))
+    if encoding == "native":
+        return data
+    if encoding == "utf8":
+        if info["dtype"].startswith("<U"):
+            return data.astype(info["dtype"])
+        out = np.empty(data.shape, dtype=object)
+        out[...] = data
+        return out
+    if encoding == "json":
+        flat = data.ravel()
+        out = np.empty(flat.shape, dtype=object)
+        for i, text in enumerate(flat.tolist()):
+            out[i] = json.loads(text)
+        return out.reshape(data.shape)
+    raise SnapshotSchemaError(f"{uri}: field {name!r} has unknown encoding {encoding!r}")
+
+
+def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = None,
+                  uids: Sequence[str] | None = None, verify: str = "marker",
+                  storage_options: dict | None = None, max_workers: int = 8) -> DataProto:
+    """Load a committed snapshot (or part of it) as a DataProto.
+
+    ``fields``: names of tensor fields and/or object columns (default: all).
+    ``rows``: a slice, int indices or a bool mask. ``uids``: every row whose ``uid``
+    column equals one of these (in the order given). Only the chunks holding the chosen
+    rows of the chosen fields are read. ``verify="marker"`` requires the manifest and
+    checks metadata checksums; ``verify="full"`` also checks every object's size and
+    SHA-256 first (CorruptSnapshotError on any mismatch). meta_info is always loaded.
+    """
+    if verify not in ("marker", "full"):
+        raise ValueError(f"verify must be 'marker' or 'full'; found {verify!r}")
+    if rows is not None and uids is not None:
+        raise ValueError("pass rows or uids, not both")
+    loc = sfs.resolve(uri, storage_options)
+    manifest, _ = _open_manifest(loc)
+    if verify == "full":
+        _verify_objects(loc, manifest)
+    catalog = manifest["fields"]
+    wanted = list(catalog) if fields is None else list(fields)
+    unknown = [f for f in wanted if f not in catalog]
+    if unknown:
+        raise KeyError(f"{loc.uri}: no field(s) {unknown}; available: {sorted(catalog)}")
+
+    data_loc = loc.child(manifest["data_prefix"])
+    store = sfs.zarr_store(data_loc, read_only=True)
+    root = _checked_metadata(data_loc, manifest, "zarr.json", loc.uri)
+    meta_info = dict((root.get("attributes") or {}).get("meta_info") or {})
+    num_rows = int(manifest["num_rows"])
+
+    if uids is not None:
+        if "uid" not in catalog:
+            raise KeyError(f"{loc.uri}: selecting by uid needs a 'uid' column; fields: {sorted(catalog)}")
+        uid_meta = check_array_metadata(
+            _checked_metadata(data_loc, manifest, f"{catalog['uid']['array']}/zarr.json", loc.uri),
+            f"{loc.uri}: uid")
+        uid_column = _read_array(store, catalog["uid"]["array"], uid_meta, slice(None))
+        positions: dict[str, list[int]] = {}
+        for i, u in enumerate(uid_column.tolist()):
+            positions.setdefault(u, []).append(i)
+        missing = [u for u in uids if u not in positions]
+        if missing:
+            raise KeyError(f"{loc.uri}: uid(s) {missing[:5]} not in this snapshot "
+                           f"({len(positions)} distinct uids)")
+        selection: Any = np.array([i for u in uids for i in positions[u]], dtype=np.int64)
+    else:
+        selection = _resolve_rows(rows, num_rows)
+
+    def read(name: str):
+        info = catalog[name]
+        key = f"{info['array']}/zarr.json"
+        metadata = check_array_metadata(_checked_metadata(data_loc, manifest, key, loc.uri),
+                                        f"{loc.uri}: field {name!r}")
+        if list(metadata.get("shape", [])) != list(info["shape"]) and info.get("shape"):
+            raise CorruptSnapshotError(f"{loc.uri}: field {name!r} has shape {metadata.get('shape')} "
+                                       f"but the manifest says {info['shape']}")
+        return name, _decode(info, _read_array(store, info["array"], metadata, selection), name, loc.uri)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(wanted) or 1))) as pool:
+        columns = dict(pool.map(read, wanted))
+    tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] == "batch"}
+    non_tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] != "batch"}
+    return DataProto.from_dict(tensors, non_tensors, meta_info)
+
+
+def list_snapshots(prefix_uri: str, *, storage_options: dict | None = None,
+                   include_incomplete: bool = False) -> list[SnapshotInfo]:
+    """Every committed snapshot under ``prefix_uri`` (sorted by URI); with
+    ``include_incomplete``, also folders holding uncommitted data (state="incomplete")."""
+    loc = sfs.resolve(prefix_uri, storage_options)
+    try:
+        if hasattr(loc.fs, "invalidate_cache"):
+            loc.fs.invalidate_cache()
+        paths = loc.fs.find(loc.path, withdirs=True, detail=False)
+    except FileNotFoundError:
+        return []
+    except PermissionError as exc:
+        raise sfs.describe_access_error(loc, exc) from exc
+    base = loc.path.rstrip("/")
+    committed, partial = set(), set()
+    for path in paths:
+        rel = path[len(base):].strip("/") if path.startswith(base) else path
+        parts = rel.split("/") if rel else []
+        if parts and parts[-1] == MANIFEST_NAME:
+            committed.add("/".join(parts[:-1]))
+        for i, part in enumerate(parts):
+            if part.startswith(DATA_PREFIX):
+                partial.add("/".join(parts[:i]))
+                break
+    out = []
+    for rel in sorted(committed):
+        child = loc.child(rel) if rel else loc
+        manifest, digest = _open_manifest(child)
+        out.append(_info_from_manifest(child.uri, manifest, digest))
+    if include_incomplete:
+        for rel in sorted(partial - committed):
+            out.append(SnapshotInfo(uri=(loc.child(rel) if rel else loc).uri, state="incomplete"))
+        out.sort(key=lambda i: i.uri)
+    return out
