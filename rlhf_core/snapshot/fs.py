@@ -7,6 +7,8 @@ environment variables; they are only ever passed to the client, never written an
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -149,6 +151,38 @@ def zarr_store(loc: Location, *, read_only: bool):
 
     if loc.is_local:
         return LocalStore(loc.path, read_only=read_only)
-    # zarr needs the async flavour of the filesystem; build it from the same options.
-    async_fs, path = fsspec.core.url_to_fs(loc.uri, asynchronous=True, **loc.storage_options)
-    return FsspecStore(fs=async_fs, path=path, read_only=read_only)
+    # zarr needs the async flavour of the filesystem. One instance per set of options, on
+    # zarr's own event loop: a second instance of the same client would later be closed
+    # from the wrong loop (aiohttp "attached to a different loop" noise at exit).
+    key = (loc.protocol, json.dumps(loc.storage_options, sort_keys=True, default=str))
+    async_fs = _ASYNC_FS.get(key)
+    if async_fs is None:
+        try:
+            from zarr.core.sync import _get_loop
+            loop_kwargs = {"loop": _get_loop()}
+        except ImportError:  # pragma: no cover - other zarr layouts
+            loop_kwargs = {}
+        async_fs, _ = fsspec.core.url_to_fs(loc.uri, asynchronous=True, skip_instance_cache=True,
+                                            **loop_kwargs, **loc.storage_options)
+        _ASYNC_FS[key] = async_fs
+        if len(_ASYNC_FS) == 1:
+            atexit.register(_close_async_filesystems)
+    return FsspecStore(fs=async_fs, path=async_fs._strip_protocol(loc.uri), read_only=read_only)
+
+
+_ASYNC_FS: dict[tuple, Any] = {}
+
+
+def _close_async_filesystems() -> None:
+    """Close the S3 clients on zarr's loop while it still runs (at interpreter exit)."""
+    from zarr.core.sync import sync
+
+    for fs in _ASYNC_FS.values():
+        client = getattr(fs, "_s3", None)
+        if client is not None:
+            try:
+                sync(client.__aexit__(None, None, None))
+            except Exception:
+                pass
+            fs._s3 = None
+    _ASYNC_FS.clear()

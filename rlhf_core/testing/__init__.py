@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks (local S3 server)."""

@@ -1,0 +1,434 @@
+"""Snapshot store: the same suite on local disk and on a real S3 server (SeaweedFS)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.protocol import DataProto, UnsupportedObjectError
+from rlhf_core.snapshot import (
+    CorruptSnapshotError,
+    IncompleteSnapshotError,
+    SnapshotAccessError,
+    SnapshotExistsError,
+    SnapshotSchemaError,
+    list_snapshots,
+    load_snapshot,
+    save_snapshot,
+    snapshot_info,
+    verify_snapshot,
+)
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.testing.s3server import LocalS3
+
+
+def obj(values):
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def sample_batch(n=12, seq=5):
+    g = torch.Generator().manual_seed(0)
+    return DataProto.from_dict(
+        tensors={
+            "input_ids": torch.randint(0, 1000, (n, seq), generator=g),
+            "attention_mask": torch.rand(n, seq, generator=g) > 0.3,
+            "old_log_probs": -torch.rand(n, seq, generator=g),
+            "ref_log_prob": (-torch.rand(n, seq, generator=g)).to(torch.bfloat16),
+            "values": torch.rand(n, seq, generator=g).to(torch.float16),
+            "scores": torch.arange(n, dtype=torch.float64),
+        },
+        non_tensors={
+            "uid": obj([f"p{i // 3}" for i in range(n)]),  # 3 samples per prompt
+            "prompt": obj([f"What is {i} + {i}? ünïcode ✓" for i in range(n)]),
+            "reward_extra": obj([{"acc": i % 2, "why": ["a", None]} if i % 2 else None for i in range(n)]),
+            "data_source": np.array(["gsm8k"] * n),       # fixed-width numpy unicode
+            "index": np.arange(n, dtype=np.int32),
+        },
+        meta_info={"temperature": 0.7, "global_step": 3, "metrics": {"x": [1.0, 2.5]}},
+    )
+
+
+def assert_same(a: DataProto, b: DataProto):
+    assert sorted(a.batch.keys()) == sorted(b.batch.keys())
+    for k in a.batch.keys():
+        assert a.batch[k].dtype == b.batch[k].dtype, k
+        assert torch.equal(a.batch[k], b.batch[k]), k
+    assert sorted(a.non_tensor_batch) == sorted(b.non_tensor_batch)
+    for k in a.non_tensor_batch:
+        assert a.non_tensor_batch[k].dtype == b.non_tensor_batch[k].dtype, k
+        assert a.non_tensor_batch[k].tolist() == b.non_tensor_batch[k].tolist(), k
+    assert a.meta_info == b.meta_info
+
+
+# ------------------------------------------------------------------ backends
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    with LocalS3() as server:
+        yield server
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """(base URI, storage_options) of a fresh, empty place on each backend."""
+    if request.param == "local":
+        return str(tmp_path / "store"), None
+    server = request.getfixturevalue("s3_server")
+    return f"s3://{server.bucket}/{uuid.uuid4().hex}", server.storage_options
+
+
+def put(loc, data: bytes):
+    """Overwrite one object (as an attacker or a bad disk would)."""
+    loc.fs.makedirs(loc.path.rsplit("/", 1)[0], exist_ok=True)
+    if loc.fs.exists(loc.path):
+        loc.fs.rm(loc.path)
+    loc.fs.pipe_file(loc.path, data)
+
+
+def objects_under(base, options, prefix):
+    loc = sfs.resolve(f"{base}/{prefix}", options)
+    if hasattr(loc.fs, "invalidate_cache"):
+        loc.fs.invalidate_cache()
+    return loc, sorted(p for p in loc.fs.find(loc.path))
+
+
+# ------------------------------------------------------------------ round trips
+
+
+def test_roundtrip_every_dtype_and_layer(store):
+    base, opts = store
+    dp = sample_batch()
+    info = save_snapshot(dp, f"{base}/s", storage_options=opts)
+    assert info.state == "committed" and info.num_rows == 12
+    assert info.fields["ref_log_prob"]["dtype"] == "bfloat16"
+    assert info.fields["ref_log_prob"]["stored_dtype"] == "uint16"
+    assert_same(load_snapshot(f"{base}/s", storage_options=opts), dp)
+    assert_same(load_snapshot(f"{base}/s", storage_options=opts, verify="full"), dp)
+
+
+def test_empty_batch_roundtrip(store):
+    base, opts = store
+    dp = DataProto.from_dict({"x": torch.zeros(0, 3)}, {"uid": obj([])}, {"k": 1})
+    save_snapshot(dp, f"{base}/empty", storage_options=opts)
+    back = load_snapshot(f"{base}/empty", storage_options=opts)
+    assert len(back) == 0 and back.batch["x"].shape == (0, 3) and back.meta_info == {"k": 1}
+
+
+def test_partial_reads_fields_rows_and_uids(store):
+    base, opts = store
+    dp = sample_batch()
+    uri = f"{base}/s"
+    save_snapshot(dp, uri, storage_options=opts)
+    only = load_snapshot(uri, fields=["old_log_probs", "prompt"], storage_options=opts)
+    assert list(only.batch.keys()) == ["old_log_probs"] and list(only.non_tensor_batch) == ["prompt"]
+    assert only.meta_info == dp.meta_info
+    assert_same(load_snapshot(uri, rows=slice(2, 9, 3), storage_options=opts), dp.slice(2, 9, 3))
+    assert_same(load_snapshot(uri, rows=[7, 1, 1], storage_options=opts), dp.select_idxs([7, 1, 1]))
+    mask = np.arange(12) % 5 == 0
+    assert_same(load_snapshot(uri, rows=mask, storage_options=opts), dp.select_idxs(mask))
+    by_uid = load_snapshot(uri, uids=["p3", "p0"], storage_options=opts)
+    assert_same(by_uid, dp.select_idxs([9, 10, 11, 0, 1, 2]))
+
+
+def test_partial_read_errors_name_what_exists(store):
+    base, opts = store
+    save_snapshot(sample_batch(), f"{base}/s", storage_options=opts)
+    with pytest.raises(KeyError, match=r"no field\(s\) \['nope'\]; available: \['attention_mask'"):
+        load_snapshot(f"{base}/s", fields=["nope"], storage_options=opts)
+    with pytest.raises(KeyError, match=r"uid\(s\) \['zz'\] not in this snapshot \(4 distinct uids\)"):
+        load_snapshot(f"{base}/s", uids=["zz"], storage_options=opts)
+    with pytest.raises(IndexError, match="out of range for a snapshot of 12 rows"):
+        load_snapshot(f"{base}/s", rows=[12], storage_options=opts)
+
+
+def test_partial_read_touches_only_the_chosen_field_and_chunk(tmp_path, monkeypatch):
+    from zarr.storage import WrapperStore
+
+    n, seq = 256, 4096  # each int64 row is 32 KiB, so one row's chunk is a small part
+    dp = DataProto.from_dict({"a": torch.arange(n * seq).reshape(n, seq),
+                              "b": torch.zeros(n, seq)},
+                             {"uid": obj([f"u{i}" for i in range(n)])})
+    uri = str(tmp_path / "s")
+    info = save_snapshot(dp, uri)
+    reads = []
+
+    class Counting(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            result = await self._store.get(key, prototype, byte_range)
+            reads.append((key, 0 if result is None else len(result.to_bytes())))
+            return result
+
+    real = sfs.zarr_store
+    monkeypatch.setattr(sfs, "zarr_store", lambda loc, read_only: Counting(real(loc, read_only=read_only)))
+    part = load_snapshot(uri, fields=["a"], uids=["u200"])
+    assert part.batch["a"].tolist() == [list(range(200 * seq, 201 * seq))]
+    touched = {k for k, _ in reads}
+    assert not any(k.startswith("batch/b") for k in touched), touched
+    a_bytes = sum(size for k, size in reads if k.startswith("batch/a/c"))
+    field_bytes = info.fields["a"] and sum(
+        o["size"] for k, o in json.loads((tmp_path / "s" / "SNAPSHOT.json").read_text())["objects"].items()
+        if k.startswith("batch/a/c"))
+    assert 0 < a_bytes < field_bytes / 8, f"read {a_bytes} of {field_bytes} stored bytes of field a"
+
+
+def test_list_snapshots_finds_committed_and_incomplete(store):
+    base, opts = store
+    save_snapshot(sample_batch(4), f"{base}/run/iter-000000/rollout", storage_options=opts)
+    save_snapshot(sample_batch(4), f"{base}/run/iter-000000/reward", storage_options=opts)
+    # a writer that died after writing data but before its manifest
+    put(sfs.resolve(f"{base}/run/iter-000001/rollout/data-deadbeef/zarr.json", opts), b"{}")
+    infos = list_snapshots(f"{base}/run", storage_options=opts)
+    assert [i.uri.rsplit("/", 2)[-2:] for i in infos] == [["iter-000000", "reward"], ["iter-000000", "rollout"]]
+    everything = list_snapshots(f"{base}/run", storage_options=opts, include_incomplete=True)
+    assert [(i.uri.rsplit("/", 2)[-2], i.state) for i in everything][-1] == ("iter-000001", "incomplete")
+    assert list_snapshots(f"{base}/nothing-here", storage_options=opts) == []
+
+
+def test_annotations_are_kept(store):
+    base, opts = store
+    save_snapshot(sample_batch(3), f"{base}/r", storage_options=opts,
+                  annotations={"replay_of": "s3://x/y", "override": {"clip": 0.3}})
+    assert snapshot_info(f"{base}/r", storage_options=opts).annotations == {
+        "replay_of": "s3://x/y", "override": {"clip": 0.3}}
+
+
+# ------------------------------------------------------------------ commit protocol
+
+
+def test_second_commit_is_refused_and_first_is_untouched(store):
+    base, opts = store
+    first = save_snapshot(sample_batch(), f"{base}/s", storage_options=opts)
+    with pytest.raises(SnapshotExistsError, match="already holds a committed snapshot"):
+        save_snapshot(sample_batch(5), f"{base}/s", storage_options=opts)
+    assert verify_snapshot(f"{base}/s", storage_options=opts).manifest_sha256 == first.manifest_sha256
+
+
+def test_racing_writers_one_wins_and_the_loser_cleans_up(store, monkeypatch):
+    base, opts = store
+    uri = f"{base}/race"
+    # Both writers pass the early existence check, as two processes would.
+    monkeypatch.setattr(sfs, "read_bytes", lambda loc: None)
+    winner = save_snapshot(sample_batch(), uri, storage_options=opts)
+    with pytest.raises(SnapshotExistsError):
+        save_snapshot(sample_batch(6), uri, storage_options=opts)
+    monkeypatch.undo()
+    assert_same(load_snapshot(uri, storage_options=opts, verify="full"), sample_batch())
+    _, paths = objects_under(base, opts, "race")
+    prefixes = {p.split("/race/")[1].split("/")[0] for p in paths}
+    assert prefixes == {"SNAPSHOT.json", winner.data_prefix}, prefixes
+
+
+def test_missing_manifest_is_incomplete(store):
+    base, opts = store
+    with pytest.raises(IncompleteSnapshotError, match="no committed snapshot at"):
+        load_snapshot(f"{base}/never", storage_options=opts)
+    save_snapshot(sample_batch(), f"{base}/s", storage_options=opts)
+    loc = sfs.resolve(f"{base}/s/SNAPSHOT.json", opts)
+    loc.fs.rm(loc.path)
+    with pytest.raises(IncompleteSnapshotError, match="did not commit.*uncommitted data"):
+        load_snapshot(f"{base}/s", storage_options=opts)
+
+
+WRITER = textwrap.dedent("""
+    import sys, time, torch, numpy as np
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.snapshot import writer
+    real = writer._write_field
+    def slow(group, field):
+        real(group, field)
+        open(sys.argv[2], "w").write("one field written")
+        time.sleep(600)  # the test kills us here
+    writer._write_field = slow
+    dp = DataProto.from_dict({"a": torch.ones(64, 64), "b": torch.zeros(64, 64)})
+    writer.save_snapshot(dp, sys.argv[1], max_workers=1)
+""")
+
+
+def test_sigkilled_writer_leaves_nothing_a_reader_accepts(tmp_path, s3_server, request):
+    for backend in ("local", "s3"):
+        if backend == "local":
+            base, opts, env = str(tmp_path / "kill"), None, {}
+        else:
+            base, opts, env = f"s3://{s3_server.bucket}/kill-{uuid.uuid4().hex}", s3_server.storage_options, s3_server.env
+        committed = save_snapshot(sample_batch(), f"{base}/iter-000000/rollout", storage_options=opts)
+        marker = tmp_path / f"{backend}.started"
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, f"{base}/iter-000001/rollout", str(marker)],
+                                env={**os.environ, **env})
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.exists():
+                assert proc.poll() is None, "writer exited before it was killed"
+                assert time.monotonic() < deadline, "writer never got going"
+                time.sleep(0.05)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        with pytest.raises(IncompleteSnapshotError, match="did not commit"):
+            load_snapshot(f"{base}/iter-000001/rollout", storage_options=opts)
+        again = verify_snapshot(f"{base}/iter-000000/rollout", storage_options=opts)
+        assert again.manifest_sha256 == committed.manifest_sha256
+        states = {i.uri.rsplit("/", 2)[-2]: i.state
+                  for i in list_snapshots(base, storage_options=opts, include_incomplete=True)}
+        assert states == {"iter-000000": "committed", "iter-000001": "incomplete"}
+
+
+# ------------------------------------------------------------------ corruption
+
+
+def test_full_verify_refuses_deleted_resized_or_altered_chunks(store):
+    base, opts = store
+    for damage in ("delete", "resize", "alter"):
+        uri = f"{base}/{damage}"
+        info = save_snapshot(sample_batch(), uri, storage_options=opts)
+        loc = sfs.resolve(f"{uri}/{info.data_prefix}/batch/old_log_probs/c/0/0", opts)
+        raw = loc.fs.cat_file(loc.path)
+        if damage == "delete":
+            loc.fs.rm(loc.path)
+        elif damage == "resize":
+            put(loc, raw + b"\0")
+        else:
+            put(loc, raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+        expected = {"delete": "missing", "resize": "size", "alter": "checksum mismatch"}[damage]
+        with pytest.raises(CorruptSnapshotError, match=rf"batch/old_log_probs/c/0/0: {expected}"):
+            load_snapshot(uri, storage_options=opts, verify="full")
+
+
+def test_altered_metadata_is_refused_even_in_marker_mode(store):
+    base, opts = store
+    info = save_snapshot(sample_batch(), f"{base}/s", storage_options=opts)
+    loc = sfs.resolve(f"{base}/s/{info.data_prefix}/batch/input_ids/zarr.json", opts)
+    doc = json.loads(loc.fs.cat_file(loc.path))
+    doc["attributes"] = {"tampered": True}
+    put(loc, json.dumps(doc).encode())
+    with pytest.raises(CorruptSnapshotError, match="input_ids/zarr.json was altered after commit"):
+        load_snapshot(f"{base}/s", storage_options=opts)
+
+
+def _rewrite_manifest(base, opts, name, edit):
+    loc = sfs.resolve(f"{base}/{name}/SNAPSHOT.json", opts)
+    manifest = json.loads(loc.fs.cat_file(loc.path))
+    edit(manifest)
+    put(loc, json.dumps(manifest).encode())
+
+
+def test_newer_schema_version_is_refused(store):
+    base, opts = store
+    save_snapshot(sample_batch(), f"{base}/s", storage_options=opts)
+    _rewrite_manifest(base, opts, "s", lambda m: m.update(schema_version=99))
+    with pytest.raises(SnapshotSchemaError, match="schema_version 99 is not readable by this build"):
+        load_snapshot(f"{base}/s", storage_options=opts)
+
+
+class _Canary:
+    """Unpickling this would create a file: the proof that nothing was unpickled."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_pickle_coded_arrays_are_refused_and_never_unpickled(tmp_path):
+    import hashlib
+    import pickle
+
+    canary = tmp_path / "UNPICKLED"
+    base = str(tmp_path / "evil")
+    info = save_snapshot(sample_batch(), f"{base}/s")
+    data = tmp_path / "evil" / "s" / info.data_prefix
+
+    # 1) a zarr v2 array with numcodecs' pickle object codec, listed in a valid manifest
+    payload = pickle.dumps(obj([_Canary(str(canary))]))
+    v2 = data / "non_tensor" / "prompt"
+    for f in v2.iterdir():
+        if f.is_dir():
+            import shutil
+            shutil.rmtree(f)
+        else:
+            f.unlink()
+    (v2 / ".zarray").write_text(json.dumps({
+        "zarr_format": 2, "shape": [1], "chunks": [1], "dtype": "|O", "compressor": None,
+        "fill_value": None, "filters": [{"id": "pickle", "protocol": 5}], "order": "C"}))
+    (v2 / "0").write_bytes(payload)
+
+    def relist(manifest):
+        objects = {}
+        for path in sorted(data.rglob("*")):
+            if path.is_file():
+                raw = path.read_bytes()
+                objects[str(path.relative_to(data))] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        manifest["objects"] = objects
+
+    _rewrite_manifest(base, None, "s", relist)
+    with pytest.raises(SnapshotSchemaError, match=r"lists no non_tensor/prompt/zarr.json \(found zarr v2 metadata"):
+        load_snapshot(f"{base}/s", verify="full")
+    assert not canary.exists()
+
+    # 2) a zarr v3 array whose codec list names a pickle codec, checksums all consistent
+    meta_path = data / "batch" / "input_ids" / "zarr.json"
+    doc = json.loads(meta_path.read_text())
+    doc["codecs"] = [{"name": "numcodecs.pickle", "configuration": {}}]
+    meta_path.write_text(json.dumps(doc))
+    _rewrite_manifest(base, None, "s", relist)
+    with pytest.raises(SnapshotSchemaError, match="codec 'numcodecs.pickle' is not allowed"):
+        load_snapshot(f"{base}/s", fields=["input_ids"], verify="full")
+    assert not canary.exists()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_unsupported_object_is_refused_before_anything_is_committed(store):
+    base, opts = store
+    dp = sample_batch(3)
+    dp.non_tensor_batch["raw_image"] = obj([b"\x89PNG", None, None])
+    with pytest.raises(UnsupportedObjectError, match=r"non_tensor_batch\['raw_image'\].*builtins.bytes"):
+        save_snapshot(dp, f"{base}/s", storage_options=opts)
+    with pytest.raises(IncompleteSnapshotError):
+        load_snapshot(f"{base}/s", storage_options=opts)
+
+
+def test_wrong_credentials_fail_fast_with_a_clear_error(s3_server):
+    bad = {**s3_server.storage_options, "secret": "not-the-secret"}
+    outcome = {}
+
+    def attempt():
+        try:
+            save_snapshot(sample_batch(2), f"s3://{s3_server.bucket}/denied", storage_options=bad)
+        except Exception as exc:
+            outcome["exc"] = exc
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=120)  # a hang guard, not a speed check
+    assert not worker.is_alive(), "save_snapshot hung on bad credentials"
+    exc = outcome.get("exc")
+    assert isinstance(exc, SnapshotAccessError), repr(exc)
+    assert "refused" in str(exc) and "AWS_SECRET_ACCESS_KEY" in str(exc)
+    assert "not-the-secret" not in str(exc)
+
+
+def test_credentials_from_environment_and_never_stored(s3_server, monkeypatch):
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://{s3_server.bucket}/env-{uuid.uuid4().hex}"
+    save_snapshot(sample_batch(3), uri)  # no storage_options: AWS_* variables only
+    assert_same(load_snapshot(uri, verify="full"), sample_batch(3))
+    loc = sfs.resolve(uri, None)
+    for path in loc.fs.find(loc.path):
+        raw = loc.fs.cat_file(path)
+        assert s3_server.secret_key.encode() not in raw and s3_server.access_key.encode() not in raw, path
