@@ -99,7 +99,7 @@ def parse_manifest(raw: bytes, uri: str) -> dict:
             f"{uri}: snapshot schema_version {version!r} is not readable by this build (reads "
             f"1..{SCHEMA_VERSION}); upgrade rlhf_core to read snapshots written by a newer version"
         )
-    for key in ("data_prefix", "num_rows", "fields", "objects"):
+    for key in ("data_prefix", "num_rows", "fields", "objects", "metadata"):
         if key not in manifest:
             raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: missing required key {key!r}")
     prefix = manifest["data_prefix"]

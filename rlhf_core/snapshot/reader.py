@@ -105,26 +105,19 @@ def _verify_objects(loc: sfs.Location, manifest: dict) -> None:
         raise CorruptSnapshotError(f"{loc.uri} does not match its manifest: {shown}")
 
 
-def _checked_metadata(data_loc: sfs.Location, manifest: dict, key: str, uri: str) -> dict:
-    """Read a zarr.json, check it against the manifest's checksum and the safety rules.
+def _checked_metadata(manifest: dict, key: str, uri: str) -> dict:
+    """The zarr metadata document ``key`` as committed in the manifest.
 
-    Metadata documents are tiny, so even ``verify="marker"`` checks them: nothing
-    a reader decodes is described by metadata the writer did not commit.
+    Readers never decode with metadata read from the data objects themselves: the
+    manifest is the one trusted root, and ``verify="full"`` separately checks that the
+    stored ``zarr.json`` objects still match it byte for byte.
     """
-    expected = manifest["objects"].get(key)
-    if expected is None:
+    doc = (manifest.get("metadata") or {}).get(key)
+    if doc is None:
         legacy = [k for k in manifest["objects"] if k.endswith((".zarray", ".zattrs", ".zgroup"))]
         hint = f" (found zarr v2 metadata {legacy})" if legacy else ""
         raise SnapshotSchemaError(f"{uri}: the manifest lists no {key}{hint}; only zarr v3 is read")
-    raw = sfs.read_bytes(data_loc.child(key))
-    if raw is None:
-        raise CorruptSnapshotError(f"{uri}: {key} is listed in the manifest but missing")
-    if hashlib.sha256(raw).hexdigest() != expected["sha256"]:
-        raise CorruptSnapshotError(f"{uri}: {key} was altered after commit (checksum mismatch)")
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise CorruptSnapshotError(f"{uri}: {key} is not valid JSON: {exc}") from None
+    return doc
 
 
 def _resolve_rows(rows: Any, num_rows: int) -> slice | np.ndarray:
@@ -145,18 +138,51 @@ def _resolve_rows(rows: Any, num_rows: int) -> slice | np.ndarray:
     return index % max(num_rows, 1)
 
 
-def _read_array(store, path: str, metadata: dict, rows):
+def _manifest_checked(store, manifest: dict, uri: str):
+    """A read store that turns "object listed in the manifest but gone" into an error.
+
+    zarr treats a missing chunk as fill values (it skips writing all-fill chunks), so
+    without this a chunk deleted after commit would read back as silent zeros.
+    """
+    from zarr.storage import WrapperStore
+
+    listed = manifest["objects"]
+
+    class ManifestChecked(WrapperStore):
+        async def get(self, key, prototype, byte_range=None):
+            result = await self._store.get(key, prototype, byte_range)
+            if result is None and key in listed:
+                raise CorruptSnapshotError(f"{uri}: {key} is listed in the manifest but missing")
+            return result
+
+    return ManifestChecked(store)
+
+
+async def _read_array(store, path: str, metadata: dict, rows):
+    """Read ``rows`` of one array (a coroutine on zarr's loop, so fields read concurrently)."""
     import zarr
     from zarr.storage import StorePath
 
-    array = zarr.Array(zarr.AsyncArray(metadata, StorePath(store, path)))
+    array = zarr.AsyncArray(metadata, StorePath(store, path))
+    rest = (slice(None),) * (len(array.shape) - 1)
     if isinstance(rows, slice):
-        return array[rows]
+        return await array.getitem((rows, *rest))
     if rows.size == 0:
         return np.empty((0, *array.shape[1:]), dtype=array.dtype)
     # zarr's orthogonal selection wants sorted unique indices; map back afterwards.
     unique, inverse = np.unique(rows, return_inverse=True)
-    return array.oindex[(unique,) + (slice(None),) * (len(array.shape) - 1)][inverse]
+    return (await array.get_orthogonal_selection((unique, *rest)))[inverse]
+
+
+def _read_arrays(store, requests: list[tuple[str, dict]], rows) -> list[np.ndarray]:
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    async def gather():
+        return await asyncio.gather(*(_read_array(store, path, meta, rows) for path, meta in requests))
+
+    return sync(gather())
 
 
 def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor | np.ndarray:
@@ -187,7 +213,7 @@ def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor |
 
 def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = None,
                   uids: Sequence[str] | None = None, verify: str = "marker",
-                  storage_options: dict | None = None, max_workers: int = 8) -> DataProto:
+                  storage_options: dict | None = None) -> DataProto:
     """Load a committed snapshot (or part of it) as a DataProto.
 
     ``fields``: names of tensor fields and/or object columns (default: all).
@@ -212,8 +238,8 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
         raise KeyError(f"{loc.uri}: no field(s) {unknown}; available: {sorted(catalog)}")
 
     data_loc = loc.child(manifest["data_prefix"])
-    store = sfs.zarr_store(data_loc, read_only=True)
-    root = _checked_metadata(data_loc, manifest, "zarr.json", loc.uri)
+    store = _manifest_checked(sfs.zarr_store(data_loc, read_only=True), manifest, loc.uri)
+    root = _checked_metadata(manifest, "zarr.json", loc.uri)
     meta_info = dict((root.get("attributes") or {}).get("meta_info") or {})
     num_rows = int(manifest["num_rows"])
 
@@ -221,9 +247,9 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
         if "uid" not in catalog:
             raise KeyError(f"{loc.uri}: selecting by uid needs a 'uid' column; fields: {sorted(catalog)}")
         uid_meta = check_array_metadata(
-            _checked_metadata(data_loc, manifest, f"{catalog['uid']['array']}/zarr.json", loc.uri),
+            _checked_metadata(manifest, f"{catalog['uid']['array']}/zarr.json", loc.uri),
             f"{loc.uri}: uid")
-        uid_column = _read_array(store, catalog["uid"]["array"], uid_meta, slice(None))
+        uid_column = _read_arrays(store, [(catalog["uid"]["array"], uid_meta)], slice(None))[0]
         positions: dict[str, list[int]] = {}
         for i, u in enumerate(uid_column.tolist()):
             positions.setdefault(u, []).append(i)
@@ -235,18 +261,17 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
     else:
         selection = _resolve_rows(rows, num_rows)
 
-    def read(name: str):
+    requests = []
+    for name in wanted:
         info = catalog[name]
-        key = f"{info['array']}/zarr.json"
-        metadata = check_array_metadata(_checked_metadata(data_loc, manifest, key, loc.uri),
+        metadata = check_array_metadata(_checked_metadata(manifest, f"{info['array']}/zarr.json", loc.uri),
                                         f"{loc.uri}: field {name!r}")
-        if list(metadata.get("shape", [])) != list(info["shape"]) and info.get("shape"):
+        if list(metadata.get("shape", [])) != list(info["shape"]):
             raise CorruptSnapshotError(f"{loc.uri}: field {name!r} has shape {metadata.get('shape')} "
                                        f"but the manifest says {info['shape']}")
-        return name, _decode(info, _read_array(store, info["array"], metadata, selection), name, loc.uri)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(wanted) or 1))) as pool:
-        columns = dict(pool.map(read, wanted))
+        requests.append((info["array"], metadata))
+    arrays = _read_arrays(store, requests, selection)
+    columns = {name: _decode(catalog[name], data, name, loc.uri) for name, data in zip(wanted, arrays)}
     tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] == "batch"}
     non_tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] != "batch"}
     return DataProto.from_dict(tensors, non_tensors, meta_info)

@@ -24,8 +24,11 @@ from rlhf_core.snapshot.layout import (
 #: Target uncompressed bytes of one inner chunk (the unit a partial read fetches) and of
 #: one shard (the unit written as one object). Small chunks keep one-sample reads cheap;
 #: big shards keep object-store request counts low.
-INNER_CHUNK_BYTES = 256 * 1024
+INNER_CHUNK_BYTES = 1024 * 1024
 SHARD_BYTES = 256 * 1024 * 1024
+#: Blosc settings for tensor fields: byte-shuffle + a fast codec. Object stores are
+#: bandwidth-bound, so fewer bytes usually beat a cheaper codec (benchmarks/snapshot_io.py).
+BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
 
 # dtypes numpy cannot hold natively travel as their raw bit patterns.
 _RAW_BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float8_e4m3fn: (torch.uint8, np.uint8),
@@ -93,54 +96,71 @@ def _chunking(data: np.ndarray) -> tuple[tuple, tuple | None]:
     return (inner, *rest), (shard, *rest)
 
 
-class _RecordingStore:
-    """Build lazily: a zarr WrapperStore that records size and SHA-256 of every object
-    written, so the manifest is made from the bytes that went out, not a re-read."""
+class _Uploader:
+    """Writes encoded objects under the data prefix, hashing each as it goes.
 
-    @staticmethod
-    def wrap(store):
-        from zarr.storage import WrapperStore
+    zarr encodes into a MemoryStore (its many existence checks stay in memory instead of
+    becoming object-store requests); finished objects are handed here and written in
+    parallel, each PUT with its SHA-256 computed in the same worker thread (hashlib and
+    the network both release the GIL). The manifest is built from these digests, i.e.
+    from the bytes that went out.
+    """
 
-        class Recording(WrapperStore):
-            def __init__(self, inner, written=None):
-                super().__init__(inner)
-                self.written = {} if written is None else written
+    def __init__(self, loc: sfs.Location, workers: int) -> None:
+        self.loc = loc
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        self.pending = []
+        self.objects: dict[str, dict] = {}
+        self.metadata: dict[str, dict] = {}
 
-            def _with_store(self, inner):
-                return type(self)(inner, self.written)
+    def submit(self, key: str, raw: bytes) -> None:
+        if key == "zarr.json" or key.endswith("/zarr.json"):
+            self.metadata[key] = json.loads(raw)
+        self.pending.append(self.pool.submit(self._put, key, raw))
 
-            def with_read_only(self, read_only: bool = False):
-                return type(self)(self._store.with_read_only(read_only), self.written)
+    def _put(self, key: str, raw: bytes) -> None:
+        digest = hashlib.sha256(raw).hexdigest()
+        target = self.loc.child(key)
+        if self.loc.is_local:
+            os.makedirs(os.path.dirname(target.path), exist_ok=True)
+            with open(target.path, "wb") as f:
+                f.write(raw)
+        else:
+            try:
+                target.fs.pipe_file(target.path, raw)
+            except PermissionError as exc:
+                raise sfs.describe_access_error(self.loc, exc) from exc
+        self.objects[key] = {"size": len(raw), "sha256": digest}
 
-            async def set(self, key, value):
-                raw = value.to_bytes()
-                self.written[key] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-                await self._store.set(key, value)
+    def drain(self, memory: dict, *, metadata_too: bool) -> None:
+        """Hand over what zarr has finished. Metadata documents stay in memory until the
+        end: zarr looks up parent groups while creating the next arrays."""
+        for key in list(memory):
+            if metadata_too or not key.endswith("zarr.json"):
+                self.submit(key, memory.pop(key).to_bytes())
 
-            async def set_if_not_exists(self, key, value):
-                if not await self._store.exists(key):
-                    await self.set(key, value)
-
-            async def delete(self, key):
-                self.written.pop(key, None)
-                await self._store.delete(key)
-
-        return Recording(store)
+    def finish(self) -> None:
+        try:
+            for future in self.pending:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True)
 
 
-def _write_field(group, field: EncodedField) -> None:
+def _write_field(parent, field: EncodedField) -> None:
     from zarr.codecs import BloscCodec
 
     path = field_path(field.layer, field.name)
+    name = path.split("/", 1)[1]
     if field.info["stored_dtype"] == "string":
         chunks = (max(1, min(field.data.shape[0], 4096)), *field.data.shape[1:])
-        array = group.create_array(path, shape=field.data.shape, dtype=str, chunks=chunks,
-                                   compressors=None, fill_value="")
+        array = parent.create_array(name, shape=field.data.shape, dtype=str, chunks=chunks,
+                                    compressors=None, fill_value="")
     else:
         chunks, shards = _chunking(field.data)
-        array = group.create_array(
-            path, shape=field.data.shape, dtype=field.data.dtype, chunks=chunks, shards=shards,
-            compressors=BloscCodec(cname="lz4", clevel=5, shuffle="shuffle"), fill_value=0,
+        array = parent.create_array(
+            name, shape=field.data.shape, dtype=field.data.dtype, chunks=chunks, shards=shards,
+            compressors=BloscCodec(**BLOSC), fill_value=0,
         )
     if field.data.size:
         array[...] = field.data
@@ -158,6 +178,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
     e.g. ``{"replay_of": ...}``. The input DataProto is not modified.
     """
     import zarr
+    from zarr.storage import MemoryStore
 
     from rlhf_core.snapshot.reader import SnapshotInfo, _info_from_manifest
 
@@ -175,14 +196,18 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
 
     data_prefix = f"{DATA_PREFIX}{uuid.uuid4().hex}"
     data_loc = loc.child(data_prefix)
-    store = _RecordingStore.wrap(sfs.zarr_store(data_loc, read_only=False))
+    memory: dict = {}
+    uploader = _Uploader(data_loc, max_workers)
     try:
-        group = zarr.create_group(store=store, zarr_format=3,
-                                  attributes={"meta_info": meta, "rlhf_snapshot": {"schema_version": SCHEMA_VERSION}})
-        with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-            list(pool.map(lambda f: _write_field(group, f), fields))
-    except PermissionError as exc:
-        raise sfs.describe_access_error(loc, exc) from exc
+        group = zarr.create_group(store=MemoryStore(memory), zarr_format=3, attributes={
+            "meta_info": meta, "rlhf_snapshot": {"schema_version": SCHEMA_VERSION}})
+        parents = {"batch": group.create_group("batch"), "non_tensor": group.create_group("non_tensor")}
+        for f in fields:  # encode one field at a time; its objects upload meanwhile
+            _write_field(parents[f.layer], f)
+            uploader.drain(memory, metadata_too=False)
+        uploader.drain(memory, metadata_too=True)
+    finally:
+        uploader.finish()
 
     manifest = {
         "format": FORMAT,
@@ -191,7 +216,10 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
         "data_prefix": data_prefix,
         "num_rows": len(dp),
         "fields": {f.name: f.info for f in fields},
-        "objects": dict(sorted(store.written.items())),
+        "objects": dict(sorted(uploader.objects.items())),
+        # The zarr metadata documents, verbatim: readers take them from here (one request
+        # instead of one per field) and the manifest is the only thing they trust.
+        "metadata": dict(sorted(uploader.metadata.items())),
         "annotations": annotations or {},
         "writer": {"host": socket.gethostname(), "pid": os.getpid()},
     }
