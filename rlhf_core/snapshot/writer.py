@@ -28,7 +28,7 @@ INNER_CHUNK_BYTES = 1024 * 1024
 SHARD_BYTES = 256 * 1024 * 1024
 #: Blosc settings for tensor fields: byte-shuffle + a fast codec. Object stores are
 #: bandwidth-bound, so fewer bytes usually beat a cheaper codec (benchmarks/snapshot_io.py).
-BLOSC = {"cname": "lz4", "clevel": 5, "shuffle": "shuffle"}
+BLOSC = {"cname": "lz4", "clevel": 1, "shuffle": "bitshuffle"}
 
 # dtypes numpy cannot hold natively travel as their raw bit patterns.
 _RAW_BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float8_e4m3fn: (torch.uint8, np.uint8),
