@@ -13,7 +13,13 @@ def ray_local():
 
     temp_dir = tempfile.mkdtemp(prefix="rlhf-test-ray-")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir,
+    # Ray workers import the classes they host by module name (tests define workers in
+    # test modules): give them the test folder and the repository on their path.
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # Logical CPUs and fake GPUs: pools are placed by Ray's accounting, not the hardware.
+    ray.init(address="local", num_cpus=8, num_gpus=4, include_dashboard=False, _temp_dir=temp_dir,
              configure_logging=False, log_to_driver=False, object_store_memory=300 * 1024**2)
     yield ray
     ray.shutdown()

@@ -1,0 +1,125 @@
+"""Resource pools: where a WorkerGroup's processes go, as Ray placement groups.
+
+A pool is "N processes on each of these nodes". Each process slot is one placement-group
+bundle (1 GPU when ``use_gpu``); ``max_colocate_count`` roles may share a slot, each
+taking ``1 / max_colocate_count`` of its GPU. Ranks are numbered node by node in a stable
+order (by node IP, then bundle index), so rank 0 is the same machine on every restart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ResourcePoolError(RuntimeError):
+    """A pool cannot be placed on this cluster; the message has the numbers."""
+
+
+@dataclass
+class ResourcePool:
+    """The shape of a pool, independent of Ray: processes per node."""
+
+    process_on_nodes: list[int] = field(default_factory=lambda: [1])
+    max_colocate_count: int = 1
+    use_gpu: bool = False
+    name_prefix: str = "pool"
+
+    def __post_init__(self) -> None:
+        if not self.process_on_nodes or any(not isinstance(n, int) or n < 1 for n in self.process_on_nodes):
+            raise ValueError(f"process_on_nodes must be a non-empty list of positive ints; found "
+                             f"{self.process_on_nodes!r}")
+        if self.max_colocate_count < 1:
+            raise ValueError(f"max_colocate_count must be >= 1; found {self.max_colocate_count}")
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+    @property
+    def store(self) -> list[int]:  # verl's name
+        return self.process_on_nodes
+
+
+@dataclass
+class RayResourcePool(ResourcePool):
+    """A ResourcePool realised as one STRICT_PACK placement group per node.
+
+    ``cpus_per_process``: CPUs reserved per process slot (fractions allowed, e.g. on small
+    CPU machines). ``detached``: placement groups outlive the creating driver (for the
+    long-lived training session). ``ready_timeout_s`` bounds the wait for placement.
+    """
+
+    cpus_per_process: float = 1.0
+    detached: bool = False
+    accelerator_resource: str = "GPU"
+    ready_timeout_s: float = 60.0
+    _pgs: list | None = field(default=None, init=False, repr=False)
+
+    def _check_capacity(self) -> None:
+        import ray
+
+        totals = ray.cluster_resources()
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        if self.use_gpu:
+            need = self.world_size
+            have = totals.get(self.accelerator_resource, 0)
+            if need > have:
+                raise ResourcePoolError(
+                    f"resource pool {self.name_prefix!r} needs {need} {self.accelerator_resource}s "
+                    f"({self.process_on_nodes} per node) but the cluster has {have:g} in total")
+            per_node = max((n["Resources"].get(self.accelerator_resource, 0) for n in nodes), default=0)
+            for i, count in enumerate(self.process_on_nodes):
+                if count > per_node:
+                    raise ResourcePoolError(
+                        f"resource pool {self.name_prefix!r} asks for {count} {self.accelerator_resource}s "
+                        f"on node slot {i}, but the largest node has {per_node:g}")
+        need_cpu = self.world_size * self.cpus_per_process
+        have_cpu = totals.get("CPU", 0)
+        if need_cpu > have_cpu:
+            raise ResourcePoolError(
+                f"resource pool {self.name_prefix!r} needs {need_cpu:g} CPUs ({self.world_size} "
+                f"processes x {self.cpus_per_process:g}) but the cluster has {have_cpu:g}")
+
+    def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list:
+        """Create (once) and return the placement groups, sorted into stable rank order."""
+        import ray
+        from ray.util.placement_group import placement_group, placement_group_table
+
+        if self._pgs is not None:
+            return self._pgs
+        self._check_capacity()
+        bundle = {"CPU": self.cpus_per_process}
+        if self.use_gpu:
+            bundle[self.accelerator_resource] = 1
+        pgs = [placement_group([dict(bundle) for _ in range(count)], strategy=strategy,
+                               name=f"{self.name_prefix}_pg{i}" if self.detached else "",
+                               lifetime="detached" if self.detached else None)
+               for i, count in enumerate(self.process_on_nodes)]
+        ready = [pg.ready() for pg in pgs]
+        done, pending = ray.wait(ready, num_returns=len(ready), timeout=self.ready_timeout_s)
+        if pending:
+            for pg in pgs:
+                ray.util.remove_placement_group(pg)
+            raise ResourcePoolError(
+                f"resource pool {self.name_prefix!r}: {len(pending)} of {len(pgs)} placement "
+                f"groups not placed after {self.ready_timeout_s:.0f}s (bundles {bundle} x "
+                f"{self.process_on_nodes}); cluster has {ray.available_resources()} available")
+        node_ip = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+
+        def where(pg):
+            table = placement_group_table(pg)
+            first = table["bundles_to_node_id"][0]
+            return tuple(int(p) if p.isdigit() else p for p in node_ip.get(first, "").split("."))
+
+        order = sorted(range(len(pgs)), key=lambda i: (where(pgs[i]), i))
+        self._pgs = [pgs[i] for i in order]
+        self.process_on_nodes = [self.process_on_nodes[i] for i in order]
+        return self._pgs
+
+    def release(self) -> None:
+        """Remove the placement groups (actors placed in them are killed by Ray)."""
+        import ray
+
+        for pg in self._pgs or []:
+            ray.util.remove_placement_group(pg)
+        self._pgs = None

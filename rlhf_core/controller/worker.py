@@ -1,0 +1,107 @@
+"""The Worker base class: one process (Ray actor) of a WorkerGroup.
+
+A worker knows its rank and world size, where rank 0 listens for ``torch.distributed``
+rendezvous, and, for nd-mesh layouts, its dp rank and whether it is the rank whose output
+is collected. Subclasses hold state (models, optimizers, engines) and expose methods with
+``@register``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from typing import Any
+
+from rlhf_core.controller.dispatch import Dispatch, register
+
+# Environment a WorkerGroup sets on each actor (torch.distributed's env:// contract).
+ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """Base class of every role worker.
+
+    ``self.rank`` / ``self.world_size`` come from the environment the WorkerGroup set, so
+    the same class runs under Ray and under ``torchrun`` alike.
+    """
+
+    def __init__(self) -> None:
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._dispatch_info: dict[str, int] = {}
+        self._collect_info: dict[str, bool] = {}
+
+    # ---------------------------------------------------------------- identity
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this rank's place in an nd mesh: its dp rank (which data chunk it gets)
+        and whether its output is the one collected for that dp group."""
+        self._dispatch_info[mesh_name] = int(dp_rank)
+        self._collect_info[mesh_name] = bool(is_collect)
+
+    def _query_dispatch_info(self, mesh_name: str) -> int:
+        if mesh_name not in self._dispatch_info:
+            raise KeyError(f"rank {self.rank} has not registered mesh {mesh_name!r}; call "
+                           f"_register_dispatch_collect_info in __init__ (known: {sorted(self._dispatch_info)})")
+        return self._dispatch_info[mesh_name]
+
+    def _query_collect_info(self, mesh_name: str) -> bool:
+        self._query_dispatch_info(mesh_name)
+        return self._collect_info[mesh_name]
+
+    def _get_master_addr_port(self) -> tuple[str, int]:
+        """Rank 0 picks where the process group rendezvouses (its node IP, a free port)."""
+        return node_ip(), free_port()
+
+    def _get_pid_and_node(self) -> tuple[int, str]:
+        return os.getpid(), node_ip()
+
+    # ---------------------------------------------------------------- distributed
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 600.0) -> str:
+        """Join this group's ``torch.distributed`` process group (NCCL on GPU, gloo on CPU).
+
+        Uses RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by the WorkerGroup. Returns the
+        backend used. ``timeout_s`` bounds collectives, so a dead peer becomes an error
+        instead of a hang.
+        """
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return dist.get_backend()
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+        if missing:
+            raise RuntimeError(f"rank {self.rank}: {missing} not set; was this worker started by a "
+                               f"RayWorkerGroup (or torchrun)?")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        return backend
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def execute_with_func(self, func, *args, **kwargs) -> Any:
+        """Run ``func(self, *args, **kwargs)`` on every rank (debugging, one-off probes)."""
+        return func(self, *args, **kwargs)
