@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -348,7 +349,7 @@ def _object_column_to_wire(name: str, column: np.ndarray) -> tuple:
 def _object_column_from_wire(entry: tuple) -> np.ndarray:
     kind = entry[0]
     if kind == "raw":
-        return np.array(entry[1])  # writable copy of the received buffer
+        return entry[1]
     if kind == "json":
         values = json.loads(entry[1].tobytes().decode("utf-8"))
         out = np.empty(len(values), dtype=object)
@@ -372,9 +373,15 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[str, np.ndarray]:
 
 
 def _tensor_from_wire(dtype: str, array: np.ndarray) -> torch.Tensor:
-    # The received buffer may live read-only in Ray's shared object store; copy it once
-    # into process memory so that workers can modify the batch in place safely.
-    t = torch.from_numpy(np.array(array, copy=True))
+    # Zero-copy: the tensor is a view of the received buffer. Under Ray that buffer is
+    # the object's memory in the node's object store; every dispatch sends each rank
+    # its own object, so in-place edits stay private to the receiving task. (Tensors
+    # obtained by ray.get of a ref that is shared by several readers must be cloned
+    # before in-place edits, exactly as with numpy arrays from ray.get.) Copying here
+    # would cost one full pass over fresh memory per hop (benchmarks/dispatch.py).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(array)
     target = getattr(torch, dtype)
     return t if t.dtype == target else t.view(target)
 
@@ -958,7 +965,8 @@ class DataProto:
 
     @staticmethod
     def from_wire(state: dict) -> "DataProto":
-        """Inverse of :meth:`to_wire` (copies every buffer into process memory)."""
+        """Inverse of :meth:`to_wire`. Tensors and numeric columns are views of the
+        received buffers (no copy); object columns and meta are decoded from JSON."""
         return _from_wire(state)
 
     def __reduce__(self):
