@@ -1,33 +1,81 @@
 """The ``rlhf`` command.
 
-Subcommands grow with the project; today:
-
-* ``rlhf run``: the main job on the embedded default. Until the trainer lands it runs the
-  DataProto demo: a GRPO-shaped batch goes through repeat -> chunk -> a Ray worker and back
-  over the pickle-free wire -> concat -> union, and the command prints what it did.
+    rlhf run [--iterations N] [--store URI] [--run-id ID] [key=value ...]
+        PPO/GRPO on the embedded default (built-in task and model, local Ray); prints
+        `metrics: PATH` and `curve: PATH` last.
+    rlhf config [key=value ...]
+        Print every config field with its value and documentation.
+    rlhf demo
+        Walk one batch through the DataProto contract on a local Ray (a quick smoke check).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
+def _config(overrides: list[str]):
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+
+    try:
+        return apply_overrides(RunConfig(), overrides).validate()
+    except ConfigError as exc:
+        raise SystemExit(f"rlhf: config error: {exc}") from None
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    from rlhf_core.trainer.run import run_direct
+
+    cfg = _config(args.overrides)
+    iterations = args.iterations or cfg.trainer.total_iterations
+    store = args.store or "file://" + os.path.abspath(os.path.join(cfg.trainer.output_dir, "store"))
+    result = run_direct(cfg, iterations, store, args.run_id)
+    rows = result["rows"]
+    if rows:
+        first, last = rows[0], rows[-1]
+        print(f"reward: {first['critic/score/mean']:.3f} (iteration 0) -> {last['critic/score/mean']:.3f} "
+              f"(iteration {last['iteration']}), {last['wall_clock_s']:.0f}s of training")
+    print(f"checkpoint: {result['checkpoint']}")
+    print(f"metrics: {result['metrics']}")
+    print(f"curve: {result['curve']}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from rlhf_core.config import describe
+
+    print(describe(_config(args.overrides)))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
     from rlhf_core.demo import run_dataproto_demo
 
     return run_dataproto_demo(prompts=args.prompts, n=args.n, workers=args.workers)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the main job on the embedded default")
-    run.add_argument("--prompts", type=int, default=6, help="prompts in the demo batch")
-    run.add_argument("--n", type=int, default=4, help="responses sampled per prompt")
-    run.add_argument("--workers", type=int, default=2, help="Ray worker actors")
+    run = sub.add_parser("run", help="run PPO/GRPO iterations on the embedded default")
+    run.add_argument("--iterations", type=int, default=None, help="iterations (default trainer.total_iterations)")
+    run.add_argument("--store", default=None, help="fsspec URI for checkpoints (default runs/store)")
+    run.add_argument("--run-id", default=None, help="name of the run (default: timestamped)")
+    run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
     run.set_defaults(func=_cmd_run)
+
+    config = sub.add_parser("config", help="print the run config with documentation")
+    config.add_argument("overrides", nargs="*")
+    config.set_defaults(func=_cmd_config)
+
+    demo = sub.add_parser("demo", help="DataProto walk-through on a local Ray")
+    demo.add_argument("--prompts", type=int, default=6)
+    demo.add_argument("--n", type=int, default=4)
+    demo.add_argument("--workers", type=int, default=2)
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,9 +107,15 @@ def register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, execute_mode: Execute = E
                 args, kwargs, trim = _materialize(args, kwargs)
             else:
                 trim = 0
+            start = time.perf_counter()
             output = func(self, *args, **kwargs)
             if trim and isinstance(output, DataProto):
                 output = output.slice(0, len(output) - trim)
+            if isinstance(output, DataProto):
+                # Self-reported compute time: lets the controller tell time spent inside
+                # workers from dispatch/collect overhead (it pops this before using data).
+                metrics = output.meta_info.setdefault("metrics", {})
+                metrics["timing_worker_s"] = time.perf_counter() - start
             return output
 
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,

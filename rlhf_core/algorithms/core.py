@@ -1,0 +1,334 @@
+"""The math of PPO/GRPO as pure functions, registered by name.
+
+Every function takes tensors shaped ``(batch, response_len)`` with a ``response_mask``
+(1 for generated tokens, 0 for padding) and returns tensors; nothing here knows about
+workers, Ray or DataProto. Names match the metrics they feed (``pg_loss``, ``pg_clipfrac``,
+``ppo_kl``, ``vf_loss``, ...).
+
+Registries, so that users add their own without touching the trainer::
+
+    @register_adv_est("my_estimator")
+    def my_estimator(token_level_rewards, response_mask, index=None, **kw):
+        ...
+        return advantages, returns
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+import torch
+
+# --------------------------------------------------------------------- registries
+
+ADV_ESTIMATORS: dict[str, Callable] = {}
+POLICY_LOSSES: dict[str, Callable] = {}
+KL_ESTIMATORS: dict[str, Callable] = {}
+
+
+def _registrar(table: dict, kind: str):
+    def register(name: str):
+        def decorator(fn):
+            if name in table and table[name] is not fn:
+                raise ValueError(f"{kind} {name!r} is already registered")
+            table[name] = fn
+            return fn
+        return decorator
+    return register
+
+
+register_adv_est = _registrar(ADV_ESTIMATORS, "advantage estimator")
+register_policy_loss = _registrar(POLICY_LOSSES, "policy loss")
+register_kl_estimator = _registrar(KL_ESTIMATORS, "KL estimator")
+
+
+def _lookup(table: dict, name: str, kind: str) -> Callable:
+    if name not in table:
+        raise KeyError(f"unknown {kind} {name!r}; registered: {sorted(table)}")
+    return table[name]
+
+
+def get_adv_estimator_fn(name: str) -> Callable:
+    return _lookup(ADV_ESTIMATORS, name, "advantage estimator")
+
+
+def get_policy_loss_fn(name: str) -> Callable:
+    return _lookup(POLICY_LOSSES, name, "policy loss")
+
+
+def get_kl_estimator_fn(name: str) -> Callable:
+    return _lookup(KL_ESTIMATORS, name, "KL estimator")
+
+
+# --------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over positions where mask is 1 (0 when the mask is empty)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n > 1:
+            var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / std over masked positions; keeps the mean when not shift_mean."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str) -> torch.Tensor:
+    """Reduce a token-level loss: ``token-mean`` (every token weighs the same),
+    ``seq-mean-token-sum`` (sum per sequence, mean over sequences) or
+    ``seq-mean-token-mean`` (mean per sequence, then over sequences)."""
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    seq_has_tokens = (loss_mask.sum(dim=-1) > 0).float()
+    if loss_agg_mode == "seq-mean-token-sum":
+        per_seq = masked_sum(loss_mat, loss_mask, dim=-1)
+    elif loss_agg_mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
+    else:
+        raise ValueError(f"loss_agg_mode must be token-mean, seq-mean-token-sum or "
+                         f"seq-mean-token-mean; found {loss_agg_mode!r}")
+    return (per_seq * seq_has_tokens).sum() / seq_has_tokens.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------- advantages
+
+
+def _group_rows(index) -> dict:
+    groups = defaultdict(list)
+    for row, key in enumerate(np.asarray(index).tolist()):
+        groups[key].append(row)
+    return groups
+
+
+@register_adv_est("gae")
+def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
+                                 response_mask: torch.Tensor, gamma: float = 1.0,
+                                 lam: float = 1.0, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016), whitened over the batch.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t``; ``A_t = delta_t + gamma * lam * A_{t+1}``;
+    padding positions neither contribute nor receive credit.
+    """
+    with torch.no_grad():
+        mask = response_mask.float()
+        next_value = torch.zeros_like(values[:, 0])
+        last_gae = torch.zeros_like(values[:, 0])
+        advantages = torch.zeros_like(values)
+        for t in reversed(range(values.shape[1])):
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            gae = delta + gamma * lam * last_gae
+            # padding keeps the carried values from the next real token
+            next_value = values[:, t] * mask[:, t] + next_value * (1 - mask[:, t])
+            last_gae = gae * mask[:, t] + last_gae * (1 - mask[:, t])
+            advantages[:, t] = gae * mask[:, t]
+        returns = advantages + values * mask
+        advantages = masked_whiten(advantages, mask) * mask
+    return advantages, returns
+
+
+def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
+    return token_level_rewards.sum(dim=-1)
+
+
+@register_adv_est("grpo")
+def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index, norm_adv_by_std_in_grpo: bool = True,
+                                   epsilon: float = 1e-6, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024): each response's score minus its group's mean (the
+    responses sharing a ``uid``), divided by the group's std when
+    ``norm_adv_by_std_in_grpo`` (Dr. GRPO drops the division). Broadcast over tokens."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        normalized = torch.zeros_like(scores)
+        for rows in _group_rows(index).values():
+            group = scores[rows]
+            if len(rows) == 1:
+                continue  # a lone response has no baseline: advantage 0
+            centred = group - group.mean()
+            normalized[rows] = centred / (group.std() + epsilon) if norm_adv_by_std_in_grpo else centred
+        advantages = normalized.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("rloo")
+def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                   index, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the other
+    responses of the same prompt, ``n/(n-1) * (r - mean)``."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        out = torch.zeros_like(scores)
+        for rows in _group_rows(index).values():
+            n = len(rows)
+            if n > 1:
+                group = scores[rows]
+                out[rows] = group * n / (n - 1) - group.mean() * n / (n - 1)
+        advantages = out.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("reinforce_plus_plus")
+def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Tensor,
+                                                  response_mask: torch.Tensor, gamma: float = 1.0,
+                                                  **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch."""
+    with torch.no_grad():
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros_like(token_level_rewards[:, 0])
+        for t in reversed(range(token_level_rewards.shape[1])):
+            running = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = running
+            running = running * response_mask[:, t]
+        advantages = masked_whiten(returns, response_mask) * response_mask
+    return advantages, returns
+
+
+@register_adv_est("remax")
+def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor,
+                                    response_mask: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): return-to-go minus the greedy response's reward."""
+    with torch.no_grad():
+        returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        advantages = (returns - reward_baselines.unsqueeze(-1)) * response_mask
+    return advantages, returns
+
+
+# --------------------------------------------------------------------- policy / value losses
+
+
+@register_policy_loss("vanilla")
+def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, clip_ratio_low: float = 0.2,
+                        clip_ratio_high: float = 0.2, clip_ratio_c: float = 3.0,
+                        loss_agg_mode: str = "token-mean") -> dict[str, torch.Tensor]:
+    """PPO's clipped surrogate (Schulman et al. 2017) with an asymmetric clip range
+    ``[1 - clip_ratio_low, 1 + clip_ratio_high]`` (DAPO's clip-higher) and dual clip
+    (Ye et al. 2020): for negative advantages the loss is capped at ``-A * clip_ratio_c``.
+
+    Returns ``pg_loss``, ``pg_clipfrac`` (upper/lower clip active), ``ppo_kl``
+    (mean ``old - new`` log-prob) and ``pg_clipfrac_lower`` (dual clip active).
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual clip; found {clip_ratio_c}")
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clip_loss = torch.maximum(loss_unclipped, loss_clipped)
+    pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+    dual = torch.minimum(-advantages * clip_ratio_c, clip_loss)
+    pg_clipfrac_lower = masked_mean(
+        (torch.gt(clip_loss, -advantages * clip_ratio_c) & (advantages < 0)).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, dual, clip_loss)
+    return {"pg_loss": agg_loss(pg_losses, response_mask, loss_agg_mode), "pg_clipfrac": pg_clipfrac,
+            "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
+
+
+def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
+                       response_mask: torch.Tensor, cliprange_value: float = 0.5,
+                       loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped value loss: ``0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2)``.
+    Returns ``(vf_loss, vf_clipfrac)``."""
+    clipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)
+    loss_unclipped = (vpreds - returns) ** 2
+    loss_clipped = (clipped - returns) ** 2
+    vf_loss = 0.5 * agg_loss(torch.maximum(loss_unclipped, loss_clipped), response_mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+    return vf_loss, vf_clipfrac
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy of the categorical distribution given by ``logits``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# --------------------------------------------------------------------- KL
+
+
+@register_kl_estimator("k1")
+def kl_k1(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """``log p - log q``: unbiased, high variance (Schulman's k1)."""
+    return logprob - ref_logprob
+
+
+@register_kl_estimator("abs")
+def kl_abs(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    return (logprob - ref_logprob).abs()
+
+
+@register_kl_estimator("k2")
+def kl_k2(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """``0.5 * (log p - log q)^2``: biased, low variance (k2; "mse" in verl)."""
+    return 0.5 * (logprob - ref_logprob).square()
+
+
+@register_kl_estimator("k3")
+def kl_k3(logprob: torch.Tensor, ref_logprob: torch.Tensor) -> torch.Tensor:
+    """``exp(q - p) - (q - p) - 1``: unbiased and non-negative (k3, "low_var_kl"),
+    clamped to [-10, 10] as is common practice."""
+    kl = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
+KL_ESTIMATORS["low_var_kl"] = kl_k3
+KL_ESTIMATORS["mse"] = kl_k2
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "k1") -> torch.Tensor:
+    return get_kl_estimator_fn(kl_penalty)(logprob, ref_logprob)
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019): nudges ``value`` so the measured KL
+    tracks ``target_kl`` over ``horizon`` samples (proportional error clipped to +-0.2)."""
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + error * n_steps / self.horizon
+
+
+def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tensor,
+                     ref_log_prob: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
+                     kl_penalty_name: str = "k1") -> tuple[torch.Tensor, float]:
+    """KL in the reward: ``r_t = score_t - beta * KL_t``; returns rewards and the batch's
+    mean per-sequence KL (what a KL controller updates on)."""
+    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_name) * response_mask
+    rewards = token_level_scores - kl_coef * kld
+    current_kl = masked_mean(kld, response_mask, dim=-1).mean().item()
+    return rewards, current_kl

@@ -1,0 +1,259 @@
+"""One typed, documented config for a whole run, with dotted command-line overrides.
+
+Field names follow verl where verl has one (``actor.ppo_mini_batch_size``,
+``algorithm.adv_estimator``, ``rollout.n``, ...) so configs and habits port. Every field
+has a default; ``rlhf run`` with no arguments runs the built-in task on this machine.
+
+    cfg = RunConfig()
+    cfg = apply_overrides(cfg, ["actor.lr=1e-5", "rollout.n=4"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default, help: str, **kw):
+    """A field with its documentation attached (shown by ``rlhf config``)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f("builtin:digits", "HF model directory, or builtin:<task> for the built-in "
+                   "task's small model (built locally, warm-started by a short SFT, cached)")
+    dtype: str = _f("float32", "parameter dtype for training: float32 or bfloat16")
+
+
+@dataclass
+class DataConfig:
+    train_files: str = _f("builtin:digits", "parquet/jsonl with prompt, ground_truth, "
+                          "data_source columns, or builtin:<task>")
+    train_batch_size: int = _f(32, "prompts per iteration (before rollout.n repeats)")
+    max_prompt_length: int = _f(16, "prompt tokens; longer prompts are an error")
+    shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _f(2e-4, "AdamW learning rate of the policy")
+    lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    ppo_mini_batch_size: int = _f(32, "prompts per optimizer step (x rollout.n responses)")
+    ppo_epochs: int = _f(1, "passes over each iteration's batch")
+    clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)")
+    clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)")
+    clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)")
+    policy_loss: str = _f("vanilla", "registered policy loss (rlhf_core.algorithms)")
+    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    entropy_coeff: float = _f(0.0, "entropy bonus weight (0 disables)")
+    use_kl_loss: bool = _f(False, "add KL(policy || reference) to the loss (GRPO style)")
+    kl_loss_coef: float = _f(0.001, "weight of the KL loss")
+    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: k1 | k2 | k3/low_var_kl | abs")
+    grad_clip: float = _f(1.0, "max global grad norm")
+    strategy: str = _f("ddp", "data parallelism across actor ranks: ddp")
+    world_size: int = _f(1, "actor/rollout/reference ranks (processes)")
+
+
+@dataclass
+class RolloutConfig:
+    name: str = _f("vllm", "generation engine: vllm (in-process engine per rank) or hf")
+    n: int = _f(8, "responses sampled per prompt (GRPO group size)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling")
+    response_length: int = _f(8, "max new tokens per response")
+    seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset")
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)")
+    lr: float = _f(1e-3, "AdamW learning rate of the value model")
+    cliprange_value: float = _f(0.5, "value clipping range")
+    ppo_epochs: int = _f(1, "passes over each iteration's batch")
+    grad_clip: float = _f(1.0, "max global grad norm")
+
+
+@dataclass
+class RewardConfig:
+    function: str = _f("builtin", "module:function with verl's signature (data_source, "
+                       "solution_str, ground_truth, extra_info) -> float | dict; builtin = the "
+                       "built-in task's scorer")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = _f("fixed", "fixed | adaptive (Ziegler et al. 2019)")
+    kl_coef: float = _f(0.001, "initial / fixed coefficient of KL in the reward")
+    target_kl: float = _f(0.1, "adaptive: KL the controller steers to")
+    horizon: int = _f(10000, "adaptive: samples over which the coefficient adapts")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = _f("grpo", "registered estimator: gae | grpo | rloo | "
+                            "reinforce_plus_plus | remax")
+    gamma: float = _f(1.0, "discount")
+    lam: float = _f(1.0, "GAE lambda")
+    norm_adv_by_std_in_grpo: bool = _f(True, "GRPO: divide by the group std (False: Dr. GRPO)")
+    use_kl_in_reward: bool = _f(False, "subtract beta * KL(policy || ref) from token rewards")
+    kl_penalty: str = _f("k1", "KL estimator used in the reward")
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class TrainerConfig:
+    total_iterations: int = _f(40, "iterations of `rlhf run` when --iterations is not given")
+    seed: int = _f(0, "seed for data order, model init and everything else")
+    output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
+    cpus_per_worker: float = _f(1.0, "CPUs reserved per worker process in the Ray pool")
+    progress: bool = _f(True, "show a progress bar per stage")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def use_critic(self) -> bool:
+        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """sha256 of the canonical JSON of every field (part of lineage)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def validate(self) -> "RunConfig":
+        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ConfigError(f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
+                              f"data.train_batch_size ({self.data.train_batch_size})")
+        if self.rollout.name not in ("vllm", "hf"):
+            raise ConfigError(f"rollout.name must be 'vllm' or 'hf'; found {self.rollout.name!r}")
+        if self.rollout.n < 1:
+            raise ConfigError(f"rollout.n must be >= 1; found {self.rollout.n}")
+        from rlhf_core.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+
+        for name, table, key in [(self.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator"),
+                                 (self.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss"),
+                                 (self.actor.kl_loss_type, KL_ESTIMATORS, "actor.kl_loss_type"),
+                                 (self.algorithm.kl_penalty, KL_ESTIMATORS, "algorithm.kl_penalty")]:
+            if name not in table:
+                raise ConfigError(f"{key}: {name!r} is not registered; choose from {sorted(table)}")
+        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
+                              f"(a group per prompt); found {self.rollout.n}")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config field is unknown or has a value of the wrong type/range."""
+
+
+def _leaf_paths(obj, prefix="") -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(_leaf_paths(value, path + "."))
+        else:
+            out[path] = f
+    return out
+
+
+def _convert(raw: str, annotation, path: str):
+    hints = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) else ()
+    if hints:  # Optional[X]
+        if raw.lower() in ("none", "null"):
+            return None
+        annotation = next(h for h in hints if h is not type(None))
+    if isinstance(annotation, str):
+        annotation = {"int": int, "float": float, "str": str, "bool": bool}.get(
+            annotation.split("|")[0].strip(), str)
+    try:
+        if annotation is bool:
+            lowered = raw.lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if annotation is int:
+            return int(raw)
+        if annotation is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{path}: expected {getattr(annotation, '__name__', annotation)}, found {raw!r}") from None
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply ``key.path=value`` strings; unknown keys list close matches."""
+    hints_cache: dict[type, dict] = {}
+    leaves = _leaf_paths(cfg)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.path=value")
+        path, raw = item.split("=", 1)
+        path = path.strip()
+        if path not in leaves:
+            close = difflib.get_close_matches(path, leaves, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown config key {path!r}{hint}")
+        *parents, name = path.split(".")
+        target = cfg
+        for p in parents:
+            target = getattr(target, p)
+        owner = type(target)
+        if owner not in hints_cache:
+            hints_cache[owner] = typing.get_type_hints(owner)
+        setattr(target, name, _convert(raw, hints_cache[owner][name], path))
+    return cfg
+
+
+def config_from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
+    """Build a RunConfig from a (possibly partial) nested dict, e.g. a YAML/JSON file."""
+    cfg = base or RunConfig()
+    flat = []
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat.append(f"{prefix}{k}={v}")
+
+    walk(data, "")
+    return apply_overrides(cfg, flat)
+
+
+def describe(cfg: RunConfig) -> str:
+    """Every field with its value and help text (printed at the start of a run)."""
+    lines = []
+    for path, f in _leaf_paths(cfg).items():
+        value = cfg
+        for p in path.split("."):
+            value = getattr(value, p)
+        lines.append(f"  {path:<38} = {value!r:<18} # {f.metadata.get('help', '')}")
+    return "\n".join(lines)

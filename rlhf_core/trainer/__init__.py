@@ -1,0 +1,1 @@
+"""The controller's control flow: one PPO/GRPO iteration, stage by stage."""

@@ -1,0 +1,1 @@
+"""Role workers: actor/rollout/reference, critic, reward."""

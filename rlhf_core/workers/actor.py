@@ -1,0 +1,178 @@
+"""The actor + rollout + reference worker (HybridFlow's colocated policy roles).
+
+State it owns: the policy (trained with DDP across the group's ranks), its AdamW and LR
+schedule, a frozen reference copy, and the generation engine, whose weights are replaced
+with the policy's after every update.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import time
+
+import torch
+
+from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, masked_mean
+from rlhf_core.config import RunConfig
+from rlhf_core.controller import Dispatch, Worker, register
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import modeling
+from rlhf_core.workers.rollout import HFRollout, VLLMRollout
+
+
+def _metrics_proto(metrics: dict) -> DataProto:
+    return DataProto(meta_info={"metrics": metrics})
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    # ---------------------------------------------------------------- setup
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        cfg = self.config
+        torch.manual_seed(cfg.trainer.seed + self.rank)
+        self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
+        self.tokenizer = modeling.load_tokenizer(self.model_path)
+        policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
+        self.reference = None
+        if cfg.use_reference:
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.policy = modeling.init_distributed_model(self, policy)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.actor.lr,
+                                           weight_decay=cfg.actor.weight_decay)
+        warmup = max(1, cfg.actor.lr_warmup_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
+        if cfg.rollout.name == "vllm":
+            self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
+                                       max_model_len=max(64, max_len), dtype=cfg.model.dtype)
+        else:
+            self.rollout = HFRollout(modeling.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed)
+        return {"rank": self.rank, "model_path": self.model_path,
+                "parameters": sum(p.numel() for p in self.policy.parameters())}
+
+    # ---------------------------------------------------------------- stages
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        return self.rollout.generate(prompts)
+
+    def _log_probs(self, model, data: DataProto, with_entropy: bool):
+        return modeling.response_log_probs(
+            model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
+            data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        with torch.no_grad():
+            log_probs, entropy = self._log_probs(modeling.unwrap(self.policy), data, with_entropy=True)
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        if self.reference is None:
+            raise RuntimeError("no reference model: enable actor.use_kl_loss or algorithm.use_kl_in_reward")
+        with torch.no_grad():
+            log_probs, _ = self._log_probs(self.reference, data, with_entropy=False)
+        return DataProto.from_dict({"ref_log_prob": log_probs})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        """PPO epochs over mini-batches; returns metrics (one list entry per step)."""
+        cfg = self.config.actor
+        policy_loss = get_policy_loss_fn(cfg.policy_loss)
+        mini = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
+        mini = max(1, min(mini, len(data)))
+        while len(data) % mini:
+            mini -= 1
+        metrics: dict[str, list] = {}
+        seed = self.config.trainer.seed + int(data.meta_info.get("global_step", 0))
+        self.policy.train()
+        for batch in data.make_iterator(mini, cfg.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
+            mask = batch.batch["response_mask"].float()
+            log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0)
+            out = policy_loss(batch.batch["old_log_probs"], log_prob, batch.batch["advantages"], mask,
+                              clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
+            loss = out["pg_loss"]
+            if entropy is not None:
+                entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+                loss = loss - cfg.entropy_coeff * entropy_loss
+                metrics.setdefault("actor/entropy", []).append(entropy_loss.item())
+            if cfg.use_kl_loss:
+                kld = kl_penalty(log_prob, batch.batch["ref_log_prob"], cfg.kl_loss_type)
+                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
+                loss = loss + cfg.kl_loss_coef * kl_loss
+                metrics.setdefault("actor/kl_loss", []).append(kl_loss.item())
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = modeling.grad_norm_and_clip(self.policy, cfg.grad_clip)
+            if torch.isfinite(torch.tensor(grad_norm)):
+                self.optimizer.step()
+            self.scheduler.step()
+            for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+                metrics.setdefault(f"actor/{key}", []).append(float(out[key]))
+            metrics.setdefault("actor/grad_norm", []).append(grad_norm)
+        metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
+        return _metrics_proto(metrics)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> float:
+        """Push the policy's weights into the generation engine; returns seconds taken."""
+        t0 = time.perf_counter()
+        state = modeling.unwrap(self.policy).state_dict()
+        self.rollout.update_weights((k, v.detach()) for k, v in state.items())
+        return time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- checkpoints
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> str | None:
+        """Rank 0 writes weights (safetensors), optimizer + LR schedule (torch, tensors
+        only) and RNG states under ``uri`` through fsspec."""
+        if self.rank != 0:
+            return None
+        return save_training_state(uri, modeling.unwrap(self.policy), self.optimizer, self.scheduler,
+                                   storage_options, prefix="actor")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
+        load_training_state(uri, modeling.unwrap(self.policy), self.optimizer, self.scheduler,
+                            storage_options, prefix="actor")
+        self.sync_weights()
+
+
+def save_training_state(uri: str, model, optimizer, scheduler, storage_options, prefix: str) -> str:
+    import fsspec
+    from safetensors.torch import save as save_safetensors
+
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    fs.makedirs(root, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    fs.pipe_file(f"{root}/{prefix}_model.safetensors", save_safetensors(state))
+    buffer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, buffer)
+    fs.pipe_file(f"{root}/{prefix}_optim.pt", buffer.getvalue())
+    fs.pipe_file(f"{root}/{prefix}_meta.json", json.dumps({"parameters": len(state)}).encode())
+    return f"{uri.rstrip('/')}/{prefix}_model.safetensors"
+
+
+def load_training_state(uri: str, model, optimizer, scheduler, storage_options, prefix: str) -> None:
+    import fsspec
+    from safetensors.torch import load as load_safetensors
+
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    model.load_state_dict(load_safetensors(fs.cat_file(f"{root}/{prefix}_model.safetensors")))
+    # weights_only: the optimizer file holds tensors and plain containers, nothing callable
+    state = torch.load(io.BytesIO(fs.cat_file(f"{root}/{prefix}_optim.pt")), weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,76 @@
+"""The critic worker: a value model trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.algorithms import compute_value_loss, masked_mean
+from rlhf_core.config import RunConfig
+from rlhf_core.controller import Dispatch, Worker, register
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import modeling
+from rlhf_core.workers.actor import load_training_state, save_training_state
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        cfg = self.config
+        torch.manual_seed(cfg.trainer.seed + 1000 + self.rank)
+        path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
+        self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype))
+        self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
+
+    def _values(self, model, data: DataProto) -> torch.Tensor:
+        return modeling.response_values(model, data.batch["input_ids"], data.batch["attention_mask"],
+                                        data.batch["position_ids"], data.batch["responses"].shape[1])
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        with torch.no_grad():
+            values = self._values(modeling.unwrap(self.critic), data) * data.batch["response_mask"]
+        return DataProto.from_dict({"values": values})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        cfg = self.config
+        mini = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size)
+        mini = min(mini, len(data))
+        while len(data) % mini:
+            mini -= 1
+        metrics: dict[str, list] = {}
+        seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
+        self.critic.train()
+        for batch in data.make_iterator(mini, cfg.critic.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
+            mask = batch.batch["response_mask"].float()
+            vpreds = self._values(self.critic, batch)
+            vf_loss, vf_clipfrac = compute_value_loss(vpreds, batch.batch["returns"], batch.batch["values"],
+                                                      mask, cfg.critic.cliprange_value, cfg.actor.loss_agg_mode)
+            self.optimizer.zero_grad(set_to_none=True)
+            vf_loss.backward()
+            grad_norm = modeling.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            metrics.setdefault("critic/vf_loss", []).append(vf_loss.item())
+            metrics.setdefault("critic/vf_clipfrac", []).append(vf_clipfrac.item())
+            metrics.setdefault("critic/vpred_mean", []).append(masked_mean(vpreds, mask).item())
+            metrics.setdefault("critic/grad_norm", []).append(grad_norm)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> str | None:
+        if self.rank != 0:
+            return None
+        return save_training_state(uri, modeling.unwrap(self.critic), self.optimizer, self.scheduler,
+                                   storage_options, prefix="critic")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
+        load_training_state(uri, modeling.unwrap(self.critic), self.optimizer, self.scheduler,
+                            storage_options, prefix="critic")

