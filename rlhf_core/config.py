@@ -47,7 +47,7 @@ class ActorConfig:
     lr: float = _f(2e-4, "AdamW learning rate of the policy")
     lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant")
     weight_decay: float = _f(0.0, "AdamW weight decay")
-    ppo_mini_batch_size: int = _f(32, "prompts per optimizer step (x rollout.n responses)")
+    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n responses)")
     ppo_epochs: int = _f(1, "passes over each iteration's batch")
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)")
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)")
@@ -111,7 +111,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_iterations: int = _f(40, "iterations of `rlhf run` when --iterations is not given")
+    total_iterations: int = _f(300, "iterations of `rlhf run` when --iterations is not given")
     seed: int = _f(0, "seed for data order, model init and everything else")
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
     cpus_per_worker: float = _f(1.0, "CPUs reserved per worker process in the Ray pool")

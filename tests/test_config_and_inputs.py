@@ -1,0 +1,127 @@
+"""Config overrides and the bad-input errors of the training path."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
+from rlhf_core.data.dataset import DatasetError, PromptLoader, load_rows
+from rlhf_core.workers.reward import RewardFunctionError, load_reward_fn, score_rows
+
+
+def test_dotted_overrides_are_typed():
+    cfg = apply_overrides(RunConfig(), ["actor.lr=1e-5", "rollout.n=4", "critic.enable=true",
+                                        "algorithm.kl_ctrl.type=adaptive", "rollout.name=hf"])
+    assert cfg.actor.lr == 1e-5 and cfg.rollout.n == 4 and cfg.critic.enable is True
+    assert cfg.algorithm.kl_ctrl.type == "adaptive" and cfg.use_critic
+
+
+def test_unknown_key_lists_close_matches():
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout.temperatur'; did you mean rollout.temperature"):
+        apply_overrides(RunConfig(), ["rollout.temperatur=0.5"])
+
+
+def test_wrong_type_names_field_expected_and_found():
+    with pytest.raises(ConfigError, match=r"rollout.n: expected int, found 'four'"):
+        apply_overrides(RunConfig(), ["rollout.n=four"])
+    with pytest.raises(ConfigError, match="must look like key.path=value"):
+        apply_overrides(RunConfig(), ["rollout.n"])
+
+
+def test_validate_catches_inconsistent_settings():
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(32\)"):
+        apply_overrides(RunConfig(), ["actor.ppo_mini_batch_size=5"]).validate()
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator: 'ppo2' is not registered; choose from"):
+        apply_overrides(RunConfig(), ["algorithm.adv_estimator=ppo2"]).validate()
+    with pytest.raises(ConfigError, match="needs rollout.n >= 2"):
+        apply_overrides(RunConfig(), ["rollout.n=1"]).validate()
+
+
+def test_config_hash_changes_with_any_field_and_dict_roundtrip():
+    a, b = RunConfig(), apply_overrides(RunConfig(), ["actor.clip_ratio_high=0.3"])
+    assert a.config_hash() != b.config_hash()
+    assert config_from_dict(b.to_dict()).config_hash() == b.config_hash()
+
+
+# ------------------------------------------------------------------ reward function errors
+
+
+def _returns_text(data_source, solution_str, ground_truth, extra_info):
+    return "great"
+
+
+def test_reward_function_that_raises_names_function_and_uid():
+    with pytest.raises(RewardFunctionError, match=r"reward function t:f raised on uid '0-7' \(row 1\): ZeroDivisionError: oops"):
+        score_rows(_raises_on_second(), "t:f", ["d", "d"], ["1", "2"], ["1", "2"],
+                   [{}, {}], ["0-3", "0-7"])
+
+
+def _raises_on_second():
+    calls = []
+
+    def fn(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ZeroDivisionError("oops")
+        return 1.0
+
+    return fn
+
+
+def test_reward_function_returning_non_number_is_refused():
+    with pytest.raises(RewardFunctionError, match=r"returned 'great' \(str\) for uid 'u1'; expected a finite number"):
+        score_rows(_returns_text, "m:f", ["d"], ["x"], ["x"], [{}], ["u1"])
+    with pytest.raises(RewardFunctionError, match="returned a dict without 'score'"):
+        score_rows(lambda *a: {"acc": 1}, "m:f", ["d"], ["x"], ["x"], [{}], ["u1"])
+    with pytest.raises(RewardFunctionError, match="returned nan"):
+        score_rows(lambda *a: float("nan"), "m:f", ["d"], ["x"], ["x"], [{}], ["u1"])
+
+
+def test_reward_dict_extras_and_loader_errors():
+    scores, extras = score_rows(lambda *a: {"score": 0.5, "acc": 1.0}, "m:f", ["d", "d"], ["a", "b"],
+                                ["a", "b"], [{}, {}], ["u0", "u1"])
+    assert scores == [0.5, 0.5] and extras == {"acc": [1.0, 1.0]}
+    with pytest.raises(ValueError, match="must look like 'module:function'"):
+        load_reward_fn("not_a_spec")
+    with pytest.raises(ValueError, match="has no callable 'nope'"):
+        load_reward_fn("json:nope")
+
+
+# ------------------------------------------------------------------ datasets
+
+
+class _Tok:
+    bos_token_id, pad_token_id = 1, 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 50 + 3 for c in text]}
+
+
+def test_empty_dataset_and_missing_columns(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DatasetError, match="the dataset is empty"):
+        load_rows(str(empty))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DatasetError, match=r"row 0 lacks column\(s\) \['ground_truth', 'data_source'\]"):
+        load_rows(str(bad))
+
+
+def test_prompt_longer_than_context_is_refused():
+    rows = [{"prompt": "x" * 40, "ground_truth": "y", "data_source": "t"}]
+    with pytest.raises(DatasetError, match="prompt of row 0 has 41 tokens, more than data.max_prompt_length=16"):
+        PromptLoader(rows, _Tok(), batch_size=1, max_prompt_length=16, seed=0)
+
+
+def test_loader_left_pads_keeps_uids_and_cursor(tmp_path):
+    rows = [{"prompt": "ab" * (i + 1), "ground_truth": str(i), "data_source": "t"} for i in range(5)]
+    loader = PromptLoader(rows, _Tok(), batch_size=2, max_prompt_length=12, seed=3, shuffle=False)
+    first = loader.next_batch()
+    assert first.non_tensor_batch["uid"].tolist() == ["0-0", "0-1"]
+    assert first.batch["attention_mask"][0].tolist() == [0] * 9 + [1] * 3
+    loader.next_batch()
+    third = loader.next_batch()  # 4, then rolls over into epoch 1
+    assert third.non_tensor_batch["uid"].tolist() == ["0-4", "1-0"]
+    assert loader.cursor.to_dict() == {"epoch": 1, "position": 1}
