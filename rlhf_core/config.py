@@ -114,7 +114,7 @@ class TrainerConfig:
     total_iterations: int = _f(300, "iterations of `rlhf run` when --iterations is not given")
     seed: int = _f(0, "seed for data order, model init and everything else")
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
-    cpus_per_worker: float = _f(1.0, "CPUs reserved per worker process in the Ray pool")
+    cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch threads)")
     progress: bool = _f(True, "show a progress bar per stage")
 
 

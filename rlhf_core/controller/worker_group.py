@@ -78,9 +78,14 @@ def ray_get_ranked(refs: list, role: str, method: str, ranks: list[int] | None =
     rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        if len(pending) == 1:  # nothing to race against: skip the extra wait round trip
+            done, pending = pending, []
+        else:
+            done, pending = ray.wait(pending, num_returns=1)
         ref = done[0]
         try:
+            if not pending and len(refs) == 1:
+                return [ray.get(ref)]
             ray.get(ref)
         except RayActorError as exc:
             rank = rank_of[ref]

@@ -23,6 +23,9 @@ from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
 
+#: What a model forward needs; stages send workers only the columns they read.
+SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
+
 STAGES = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
           "update_critic", "update_actor", "weight_sync")
 
@@ -84,20 +87,25 @@ class PPOTrainer:
             batch.union(self._take(self.actor.generate_sequences(prompts), worker_time, "rollout"))
 
         with self._stage("reward", timing):
-            batch.union(self._take(self.reward.compute_reward(batch), worker_time, "reward"))
+            needed = batch.select(["responses", "response_mask"],
+                                  ["uid", "data_source", "ground_truth", "extra_info"])
+            batch.union(self._take(self.reward.compute_reward(needed), worker_time, "reward"))
 
         with self._stage("old_log_prob", timing):
-            old = self._take(self.actor.compute_log_prob(batch), worker_time, "old_log_prob")
+            old = self._take(self.actor.compute_log_prob(batch.select(SEQUENCE_KEYS, [])),
+                             worker_time, "old_log_prob")
             entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
             batch.union(old)
 
         if cfg.use_reference:
             with self._stage("ref_log_prob", timing):
-                batch.union(self._take(self.actor.compute_ref_log_prob(batch), worker_time, "ref_log_prob"))
+                ref = self.actor.compute_ref_log_prob(batch.select(SEQUENCE_KEYS, []))
+                batch.union(self._take(ref, worker_time, "ref_log_prob"))
 
         if cfg.use_critic:
             with self._stage("values", timing):
-                batch.union(self._take(self.critic.compute_values(batch), worker_time, "values"))
+                values = self.critic.compute_values(batch.select(SEQUENCE_KEYS + ["response_mask"], []))
+                batch.union(self._take(values, worker_time, "values"))
 
         with self._stage("advantage", timing):
             mask = batch.batch["response_mask"].float()
@@ -121,11 +129,14 @@ class PPOTrainer:
 
         if cfg.use_critic:
             with self._stage("update_critic", timing):
-                out = self._take(self.critic.update_critic(batch), worker_time, "update_critic")
+                needed = batch.select(SEQUENCE_KEYS + ["response_mask", "values", "returns"], [])
+                out = self._take(self.critic.update_critic(needed), worker_time, "update_critic")
                 metrics.update(reduce_metrics(out.meta_info["metrics"]))
 
         with self._stage("update_actor", timing):
-            out = self._take(self.actor.update_actor(batch), worker_time, "update_actor")
+            keys = SEQUENCE_KEYS + ["response_mask", "old_log_probs", "advantages"]
+            keys += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
+            out = self._take(self.actor.update_actor(batch.select(keys, [])), worker_time, "update_actor")
             metrics.update(reduce_metrics(out.meta_info["metrics"]))
 
         with self._stage("weight_sync", timing):
@@ -137,6 +148,7 @@ class PPOTrainer:
         total = time.perf_counter() - t_start
         metrics.update(compute_data_metrics(batch, entropys, use_critic=cfg.use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update({f"timing_worker_s/{k}": v for k, v in worker_time.items()})
         metrics["timing_s/iteration"] = total
         inside = sum(worker_time.values())
         metrics["perf/worker_time_s"] = inside

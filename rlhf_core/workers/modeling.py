@@ -75,6 +75,8 @@ def init_distributed_model(worker, model: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     worker.init_process_group()
+    if worker.world_size == 1:
+        return model  # DDP on one rank only adds a bucket all-reduce per step
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         model = model.to(device)
