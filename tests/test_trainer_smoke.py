@@ -30,7 +30,7 @@ def model_cache(tmp_path_factory):
     os.environ.setdefault("RLHF_CACHE", str(tmp_path_factory.mktemp("rlhf-cache")))
 
 
-def run_iterations(overrides, iterations=2):
+def run_iterations(overrides, iterations=2, after=None):
     cfg = apply_overrides(RunConfig(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
                                         "rollout.n=4", "trainer.progress=false", *overrides]).validate()
     path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
@@ -40,6 +40,8 @@ def run_iterations(overrides, iterations=2):
     try:
         trainer = PPOTrainer(cfg, workers, loader)
         metrics = [trainer.run_iteration() for _ in range(iterations)]
+        if after is not None:
+            after(cfg, trainer, workers)
         return cfg, trainer, metrics
     finally:
         workers["_group"].kill()
@@ -62,8 +64,32 @@ def check_batch(cfg, batch):
     assert diff.max().item() < 1e-3, diff.max().item()
 
 
-def test_grpo_with_vllm(ray_local):
-    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true"])
+def checkpoint_roundtrip(tmp_path):
+    """Save, train one more iteration (weights move), load: log-probs are back exactly."""
+    from rlhf_core.trainer.ppo import SEQUENCE_KEYS
+    from rlhf_core.trainer.run import save_checkpoint
+
+    def check(cfg, trainer, workers):
+        uri = "file://" + str(tmp_path / "ckpt")
+        probe = trainer.last_batch.select(SEQUENCE_KEYS, [])
+        before = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
+        save_checkpoint(workers, trainer, cfg, uri)
+        trainer.run_iteration()
+        moved = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
+        assert not torch.equal(before, moved), "an update must change the policy"
+        workers["actor"].load_checkpoint(uri)
+        after = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
+        assert torch.equal(before, after)
+        state = __import__("json").loads((tmp_path / "ckpt" / "trainer_state.json").read_text())
+        assert state["global_step"] == 2 and state["config_hash"] == cfg.config_hash()
+        assert set(state["cursor"]) == {"epoch", "position"}
+
+    return check
+
+
+def test_grpo_with_vllm(ray_local, tmp_path):
+    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true"],
+                                           after=checkpoint_roundtrip(tmp_path))
     for m in metrics:
         missing = [k for k in EXPECTED_METRICS + ["actor/kl_loss", "timing_s/ref_log_prob"] if k not in m]
         assert not missing, missing
@@ -72,7 +98,7 @@ def test_grpo_with_vllm(ray_local):
     # GRPO: within a group the (per-sequence) advantages sum to ~0
     seq_adv = batch.batch["advantages"][:, 0].reshape(-1, cfg.rollout.n)
     assert torch.allclose(seq_adv.sum(dim=1), torch.zeros(seq_adv.shape[0]), atol=1e-4)
-    assert trainer.state.global_step == 2
+    assert trainer.state.global_step == 3  # two iterations + the one inside the checkpoint check
 
 
 def test_ppo_gae_with_critic_and_hf_rollout(ray_local):

@@ -80,6 +80,22 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def save_checkpoint(workers: dict, trainer, cfg: RunConfig, uri: str, storage_options: dict | None = None) -> None:
+    """Everything needed to continue exactly: the workers write weights, optimizer, LR
+    schedule and their RNG; the controller writes its own state (global step, data
+    cursor, KL coefficient) and the config hash, last."""
+    import dataclasses
+
+    import fsspec
+
+    workers["actor"].save_checkpoint(uri, storage_options)
+    if "critic" in workers:
+        workers["critic"].save_checkpoint(uri, storage_options)
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    state = {**dataclasses.asdict(trainer.state), "config_hash": cfg.config_hash(), "config": cfg.to_dict()}
+    fs.pipe_file(f"{root}/trainer_state.json", json.dumps(state, indent=1).encode())
+
+
 def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
                log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None) -> dict:
     """Run ``iterations`` PPO/GRPO iterations in this process's controller.
@@ -132,9 +148,7 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
                 break
     bar.close()
     checkpoint = f"{store.rstrip('/')}/{run_id}/checkpoints/iter-{trainer.state.global_step:06d}"
-    workers["actor"].save_checkpoint(checkpoint)
-    if "critic" in workers:
-        workers["critic"].save_checkpoint(checkpoint)
+    save_checkpoint(workers, trainer, cfg, checkpoint)
     curve = run_dir / "reward_curve.png"
     plot_curve(rows, curve)
     workers["_group"].kill()
