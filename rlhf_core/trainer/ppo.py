@@ -1,19 +1,19 @@
 """The controller: one PPO/GRPO iteration as named stages over WorkerGroups.
 
-Read ``run_iteration`` top to bottom: each stage calls a WorkerGroup (or a pure function
-from ``rlhf_core.algorithms``) and extends the batch. Everything heavy happens inside the
-workers; the controller holds the order of things and the small state (KL controller,
-data cursor, global step).
+Read ``run_iteration`` and the stage methods below it top to bottom: each stage calls a
+WorkerGroup (or a pure function from ``rlhf_core.algorithms``) and extends the batch.
+Everything an iteration produces lives in the batch (metrics of the update stages go to
+``meta_info["stage_metrics"]``), so a stage's output can be persisted, and a resumed
+iteration can start from the last persisted stage. Timings are the only thing kept
+outside the batch: they are measurements, not results.
 """
 
 from __future__ import annotations
 
-import contextlib
-import random
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
-import numpy as np
 import torch
 
 from rlhf_core.algorithms import (
@@ -23,11 +23,12 @@ from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
 
-#: What a model forward needs; stages send workers only the columns they read.
-SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
-
 STAGES = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
           "update_critic", "update_actor", "weight_sync")
+#: Stages that change worker state: on resume they re-run from the restored checkpoint.
+STATEFUL_STAGES = ("update_critic", "update_actor", "weight_sync")
+#: What a model forward needs; stages send workers only the columns they read.
+SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
 
 @dataclass
@@ -37,14 +38,23 @@ class TrainerState:
     global_step: int = 0
     cursor: dict = field(default_factory=lambda: {"epoch": 0, "position": 0})
     kl_coef: float = 0.0
-    rng: dict = field(default_factory=dict)
+
+
+class StageStore(Protocol):
+    """Where stage outputs go (see ``rlhf_core.trainer.iteration_store``)."""
+
+    def has(self, iteration: int, stage: str) -> bool: ...
+
+    def load(self, iteration: int, stage: str) -> DataProto: ...
+
+    def save(self, iteration: int, stage: str, batch: DataProto) -> None: ...
 
 
 class PPOTrainer:
     """Drives PPO/GRPO iterations over worker groups placed on a local or remote Ray."""
 
     def __init__(self, config: RunConfig, workers: dict, loader, state: TrainerState | None = None,
-                 on_stage=None) -> None:
+                 on_stage: Callable[[str], None] | None = None, stage_store: StageStore | None = None) -> None:
         self.config = config
         self.actor, self.reward = workers["actor"], workers["reward"]
         self.critic = workers.get("critic")
@@ -54,113 +64,156 @@ class PPOTrainer:
         self.kl_ctrl = (AdaptiveKLController(self.state.kl_coef, kl.target_kl, kl.horizon)
                         if kl.type == "adaptive" else FixedKLController(self.state.kl_coef))
         self.on_stage = on_stage or (lambda name: None)
+        self.stage_store = stage_store
+        self.worker_time: dict[str, float] = {}
 
-    @contextlib.contextmanager
-    def _stage(self, name: str, timing: dict):
-        self.on_stage(name)
-        t0 = time.perf_counter()
-        yield
-        timing[name] = time.perf_counter() - t0
-
-    def _take(self, out: DataProto, worker_time: dict, name: str) -> DataProto:
-        """Strip the workers' self-reported compute time (kept as a metric, never data)."""
-        metrics = out.meta_info.get("metrics") or {}
-        spent = metrics.pop("timing_worker_s", None)
-        if spent:
-            worker_time[name] = max(spent) if isinstance(spent, list) else spent
-        if not metrics:
-            out.meta_info.pop("metrics", None)
-        return out
+    def stages(self) -> list[tuple[str, Callable[[DataProto], DataProto]]]:
+        """This run's stages in order (reference and critic stages only when used)."""
+        cfg = self.config
+        plan = [("rollout", self.rollout), ("reward", self.compute_reward),
+                ("old_log_prob", self.compute_old_log_prob)]
+        if cfg.use_reference:
+            plan.append(("ref_log_prob", self.compute_ref_log_prob))
+        if cfg.use_critic:
+            plan.append(("values", self.compute_values))
+        plan.append(("advantage", self.compute_advantage))
+        if cfg.use_critic:
+            plan.append(("update_critic", self.update_critic))
+        plan += [("update_actor", self.update_actor), ("weight_sync", self.weight_sync)]
+        return plan
 
     def run_iteration(self) -> dict:
-        cfg, step = self.config, self.state.global_step
-        timing, worker_time, metrics = {}, {}, {}
+        """One iteration: prompts -> every stage in order -> metrics. With a stage store,
+        stages whose output is already committed are loaded instead of recomputed (the
+        stateful update stages always re-run: the caller restores their starting state)."""
+        iteration = self.state.global_step
+        timing: dict[str, float] = {}
+        self.worker_time = {}
         t_start = time.perf_counter()
         batch = self.loader.next_batch()
-        batch.meta_info.update(global_step=step, temperature=cfg.rollout.temperature)
-
-        with self._stage("rollout", timing):
-            batch = batch.repeat(cfg.rollout.n, interleave=True)  # n responses share a uid
-            seeds = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch), dtype=torch.long)
-            batch.batch["sample_seed"] = seeds
-            prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
-            batch.union(self._take(self.actor.generate_sequences(prompts), worker_time, "rollout"))
-
-        with self._stage("reward", timing):
-            needed = batch.select(["responses", "response_mask"],
-                                  ["uid", "data_source", "ground_truth", "extra_info"])
-            batch.union(self._take(self.reward.compute_reward(needed), worker_time, "reward"))
-
-        with self._stage("old_log_prob", timing):
-            old = self._take(self.actor.compute_log_prob(batch.select(SEQUENCE_KEYS, [])),
-                             worker_time, "old_log_prob")
-            entropys = old.pop(batch_keys=["entropys"]).batch["entropys"]
-            batch.union(old)
-
-        if cfg.use_reference:
-            with self._stage("ref_log_prob", timing):
-                ref = self.actor.compute_ref_log_prob(batch.select(SEQUENCE_KEYS, []))
-                batch.union(self._take(ref, worker_time, "ref_log_prob"))
-
-        if cfg.use_critic:
-            with self._stage("values", timing):
-                values = self.critic.compute_values(batch.select(SEQUENCE_KEYS + ["response_mask"], []))
-                batch.union(self._take(values, worker_time, "values"))
-
-        with self._stage("advantage", timing):
-            mask = batch.batch["response_mask"].float()
-            scores = batch.batch["token_level_scores"]
-            if cfg.algorithm.use_kl_in_reward:
-                rewards, current_kl = apply_kl_penalty(scores, batch.batch["old_log_probs"],
-                                                       batch.batch["ref_log_prob"], mask,
-                                                       self.kl_ctrl.value, cfg.algorithm.kl_penalty)
-                self.kl_ctrl.update(current_kl, n_steps=len(batch))
-                metrics.update({"actor/reward_kl_penalty": current_kl,
-                                "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
-            else:
-                rewards = scores
-            batch.batch["token_level_rewards"] = rewards
-            estimator = get_adv_estimator_fn(cfg.algorithm.adv_estimator)
-            advantages, returns = estimator(
-                token_level_rewards=rewards, response_mask=mask, values=batch.batch.get("values", None),
-                index=batch.non_tensor_batch["uid"], gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam,
-                norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo)
-            batch.batch["advantages"], batch.batch["returns"] = advantages, returns
-
-        if cfg.use_critic:
-            with self._stage("update_critic", timing):
-                needed = batch.select(SEQUENCE_KEYS + ["response_mask", "values", "returns"], [])
-                out = self._take(self.critic.update_critic(needed), worker_time, "update_critic")
-                metrics.update(reduce_metrics(out.meta_info["metrics"]))
-
-        with self._stage("update_actor", timing):
-            keys = SEQUENCE_KEYS + ["response_mask", "old_log_probs", "advantages"]
-            keys += ["ref_log_prob"] if cfg.actor.use_kl_loss else []
-            out = self._take(self.actor.update_actor(batch.select(keys, [])), worker_time, "update_actor")
-            metrics.update(reduce_metrics(out.meta_info["metrics"]))
-
-        with self._stage("weight_sync", timing):
-            worker_time["weight_sync"] = max(self.actor.sync_weights())
+        batch.meta_info.update(global_step=iteration, temperature=self.config.rollout.temperature)
+        plan = self.stages()
+        done = self._committed_prefix(iteration, [name for name, _ in plan])
+        if done:
+            batch = self.stage_store.load(iteration, done[-1])  # each snapshot is the whole batch
+            if "kl_coef" in batch.meta_info:
+                self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
+        for name, run_stage in plan[len(done):]:
+            self.on_stage(name)
+            t0 = time.perf_counter()
+            batch = run_stage(batch)
+            if self.stage_store is not None:
+                self.stage_store.save(iteration, name, batch)
+            timing[name] = time.perf_counter() - t0
 
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()
         self.state.kl_coef = self.kl_ctrl.value
-        total = time.perf_counter() - t_start
-        metrics.update(compute_data_metrics(batch, entropys, use_critic=cfg.use_critic))
+        self.last_batch = batch
+        return self._metrics(batch, timing, time.perf_counter() - t_start)
+
+    def _committed_prefix(self, iteration: int, names: list[str]) -> list[str]:
+        """The leading stages whose outputs are committed and need not run again."""
+        if self.stage_store is None:
+            return []
+        done = []
+        for name in names:
+            if name in STATEFUL_STAGES or not self.stage_store.has(iteration, name):
+                break
+            done.append(name)
+        return done
+
+    # ---------------------------------------------------------------- the stages
+
+    def rollout(self, batch: DataProto) -> DataProto:
+        cfg, step = self.config, batch.meta_info["global_step"]
+        batch = batch.repeat(cfg.rollout.n, interleave=True)  # n responses share a uid
+        # one seed per response row: its sample does not depend on batching or restarts
+        batch.batch["sample_seed"] = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch))
+        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
+        return batch.union(self._take(self.actor.generate_sequences(prompts), "rollout"))
+
+    def compute_reward(self, batch: DataProto) -> DataProto:
+        needed = batch.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])
+        return batch.union(self._take(self.reward.compute_reward(needed), "reward"))
+
+    def compute_old_log_prob(self, batch: DataProto) -> DataProto:
+        out = self.actor.compute_log_prob(batch.select(SEQUENCE_KEYS, []))
+        return batch.union(self._take(out, "old_log_prob"))
+
+    def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
+        out = self.actor.compute_ref_log_prob(batch.select(SEQUENCE_KEYS, []))
+        return batch.union(self._take(out, "ref_log_prob"))
+
+    def compute_values(self, batch: DataProto) -> DataProto:
+        out = self.critic.compute_values(batch.select(SEQUENCE_KEYS + ["response_mask"], []))
+        return batch.union(self._take(out, "values"))
+
+    def compute_advantage(self, batch: DataProto) -> DataProto:
+        cfg = self.config.algorithm
+        mask = batch.batch["response_mask"].float()
+        rewards = batch.batch["token_level_scores"]
+        if cfg.use_kl_in_reward:
+            rewards, current_kl = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+                                                   mask, self.kl_ctrl.value, cfg.kl_penalty)
+            self._stage_metrics(batch, "advantage", {"actor/reward_kl_penalty": current_kl,
+                                                     "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+        batch.meta_info["kl_coef"] = self.kl_ctrl.value
+        advantages, returns = get_adv_estimator_fn(cfg.adv_estimator)(
+            token_level_rewards=rewards, response_mask=mask, values=batch.batch.get("values", None),
+            index=batch.non_tensor_batch["uid"], gamma=cfg.gamma, lam=cfg.lam,
+            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+        batch.batch["token_level_rewards"] = rewards
+        batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+        return batch
+
+    def update_critic(self, batch: DataProto) -> DataProto:
+        needed = batch.select(SEQUENCE_KEYS + ["response_mask", "values", "returns"], [], ["global_step"])
+        out = self._take(self.critic.update_critic(needed), "update_critic")
+        return self._stage_metrics(batch, "update_critic", reduce_metrics(out.meta_info["metrics"]))
+
+    def update_actor(self, batch: DataProto) -> DataProto:
+        keys = SEQUENCE_KEYS + ["response_mask", "old_log_probs", "advantages"]
+        keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
+        out = self._take(self.actor.update_actor(batch.select(keys, [], ["global_step"])), "update_actor")
+        return self._stage_metrics(batch, "update_actor", reduce_metrics(out.meta_info["metrics"]))
+
+    def weight_sync(self, batch: DataProto) -> DataProto:
+        self.worker_time["weight_sync"] = max(self.actor.sync_weights())
+        return batch
+
+    # ---------------------------------------------------------------- helpers
+
+    def _take(self, out: DataProto, stage: str) -> DataProto:
+        """Strip the workers' self-reported compute time (a measurement, never data)."""
+        metrics = out.meta_info.get("metrics") or {}
+        spent = metrics.pop("timing_worker_s", None)
+        if spent:
+            self.worker_time[stage] = max(spent) if isinstance(spent, list) else spent
+        if not metrics:
+            out.meta_info.pop("metrics", None)
+        return out
+
+    @staticmethod
+    def _stage_metrics(batch: DataProto, stage: str, metrics: dict) -> DataProto:
+        batch.meta_info.setdefault("stage_metrics", {})[stage] = metrics
+        return batch
+
+    def _metrics(self, batch: DataProto, timing: dict, total: float) -> dict:
+        metrics = {}
+        for stage_metrics in (batch.meta_info.get("stage_metrics") or {}).values():
+            metrics.update(stage_metrics)
+        entropys = batch.batch["entropys"] if "entropys" in batch.batch.keys() else None
+        metrics.update(compute_data_metrics(batch, entropys, use_critic=self.config.use_critic))
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
-        metrics.update({f"timing_worker_s/{k}": v for k, v in worker_time.items()})
+        metrics.update({f"timing_worker_s/{k}": v for k, v in self.worker_time.items()})
         metrics["timing_s/iteration"] = total
-        inside = sum(worker_time.values())
+        inside = sum(self.worker_time.values())
         metrics["perf/worker_time_s"] = inside
-        metrics["perf/outside_workers_share"] = max(0.0, 1 - inside / total)
+        metrics["perf/outside_workers_share"] = max(0.0, 1 - inside / total) if inside else 0.0
         tokens = int(batch.batch["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/throughput"] = tokens / total
         metrics["training/global_step"] = self.state.global_step
-        self.last_batch = batch
         return metrics
-
-
-def capture_rng() -> dict:
-    return {"python": repr(random.getstate()), "numpy_seed_hint": int(np.random.get_state()[1][0]),
-            "torch_initial_seed": int(torch.initial_seed())}
