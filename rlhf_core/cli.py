@@ -35,11 +35,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     rows = result["rows"]
     if rows:
         first, last = rows[0], rows[-1]
-        print(f"reward: {first['critic/score/mean']:.3f} (iteration 0) -> {last['critic/score/mean']:.3f} "
+        print(f"reward: {first['critic/score/mean']:.3f} (iteration {first['iteration']}) -> "
+              f"{last['critic/score/mean']:.3f} "
               f"(iteration {last['iteration']}), {last['wall_clock_s']:.0f}s of training")
     print(f"checkpoint: {result['checkpoint']}")
     print(f"metrics: {result['metrics']}")
     print(f"curve: {result['curve']}")
+    print(f"snapshots: {result['snapshots']}")
     return 0
 
 
@@ -62,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run PPO/GRPO iterations on the embedded default")
     run.add_argument("--iterations", type=int, default=None, help="iterations (default trainer.total_iterations)")
-    run.add_argument("--store", default=None, help="fsspec URI for checkpoints (default runs/store)")
-    run.add_argument("--run-id", default=None, help="name of the run (default: timestamped)")
+    run.add_argument("--store", default=None, help="fsspec URI for snapshots and checkpoints (default runs/store)")
+    run.add_argument("--run-id", default=None, help="name of the run (default: timestamped); an existing "
+                     "run id continues from its last committed iteration")
     run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
     run.set_defaults(func=_cmd_run)
 

@@ -102,7 +102,7 @@ class PPOTrainer:
             self.on_stage(name)
             t0 = time.perf_counter()
             batch = run_stage(batch)
-            if self.stage_store is not None:
+            if self.stage_store is not None and name != "weight_sync":  # it adds no data
                 self.stage_store.save(iteration, name, batch)
             timing[name] = time.perf_counter() - t0
 

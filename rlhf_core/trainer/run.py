@@ -96,21 +96,63 @@ def save_checkpoint(workers: dict, trainer, cfg: RunConfig, uri: str, storage_op
     fs.pipe_file(f"{root}/trainer_state.json", json.dumps(state, indent=1).encode())
 
 
+def load_checkpoint(workers: dict, uri: str, storage_options: dict | None = None) -> None:
+    workers["actor"].load_checkpoint(uri, storage_options)
+    if "critic" in workers:
+        workers["critic"].load_checkpoint(uri, storage_options)
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _checkpoint_exists(uri: str) -> bool:
+    from rlhf_core.snapshot import fs as sfs
+
+    loc = sfs.resolve(uri + "/trainer_state.json")
+    return sfs.read_bytes(loc) is not None
+
+
 def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
-               log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None) -> dict:
+               log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None,
+               on_stage=None) -> dict:
     """Run ``iterations`` PPO/GRPO iterations in this process's controller.
 
-    ``time_budget_s`` stops after that much training wall-clock; ``stop_at_reward`` stops
-    once the mean reward of the last 5 iterations reaches it (benchmarks use both).
+    Every stage's output is committed as a snapshot under ``{store}/{run_id}/iter-N/``,
+    every iteration ends with a checkpoint and, last, its MANIFEST.json. A run id that
+    already has committed iterations continues from the last one (same config required);
+    an iteration that was interrupted resumes at its first uncommitted stage.
+    ``time_budget_s`` / ``stop_at_reward`` (mean of the last 5) stop early (benchmarks).
     """
     from tqdm import tqdm
 
-    from rlhf_core.data.dataset import PromptLoader, load_rows
-    from rlhf_core.trainer.ppo import PPOTrainer
+    from rlhf_core.config import ConfigError
+    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
+    from rlhf_core.trainer.iteration_store import IterationStore, code_version
+    from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
     from rlhf_core.workers import modeling
 
     cfg.validate()
     run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    istore = IterationStore(store, run_id)
+    state = TrainerState(kl_coef=cfg.algorithm.kl_ctrl.kl_coef)
+    committed = istore.committed_iterations()
+    if committed:
+        last = istore.read_manifest(committed[-1])
+        if last["config_hash"] != cfg.config_hash():
+            diff = _config_diff(last["config"], cfg.to_dict())
+            raise ConfigError(f"run {run_id} was trained with another config; continuing it would mix "
+                              f"them. Differences (committed -> now): {'; '.join(diff[:10])}. Use a new "
+                              f"--run-id or the same overrides.")
+        state = TrainerState(global_step=last["global_step"], cursor=last["data_cursor"], kl_coef=last["kl_coef"])
+        log(f"[rlhf] continuing run {run_id} after iteration {committed[-1]}")
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
@@ -120,38 +162,67 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     tokenizer = modeling.load_tokenizer(model_path)
     loader = PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), tokenizer,
                           cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                          cfg.data.shuffle)
+                          cfg.data.shuffle, cursor=Cursor(**state.cursor))
     start_local_ray(run_dir)
     t0 = time.perf_counter()
     workers = build_workers(cfg)
     log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
     bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr)
-    trainer = PPOTrainer(cfg, workers, loader, on_stage=lambda name: bar.set_description(f"stage {name:<13}"))
+
+    def stage_hook(name: str) -> None:
+        bar.set_description(f"stage {name:<13}")
+        if on_stage is not None:
+            on_stage(trainer.state.global_step, name)
+
+    trainer = PPOTrainer(cfg, workers, loader, state, on_stage=stage_hook, stage_store=istore)
+    start_ckpt = istore.checkpoint_uri(state.global_step)
+    if _checkpoint_exists(start_ckpt):
+        load_checkpoint(workers, start_ckpt)  # the exact state this iteration starts from
+    elif state.global_step == 0:
+        save_checkpoint(workers, trainer, cfg, start_ckpt)  # so iteration 0 can be resumed too
+    else:
+        raise FileNotFoundError(f"run {run_id}: iteration {state.global_step - 1} is committed but its "
+                                f"checkpoint {start_ckpt} is missing")
+    version = code_version()
     metrics_path = run_dir / "metrics.jsonl"
     rows = []
     train_start = time.perf_counter()
-    with open(metrics_path, "a", encoding="utf-8") as out:
-        for i in range(iterations):
-            metrics = trainer.run_iteration()
-            row = {"iteration": trainer.state.global_step - 1,
-                   "wall_clock_s": time.perf_counter() - train_start, **metrics}
-            out.write(json.dumps(row) + "\n")
-            out.flush()
-            rows.append(row)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                            s_per_it=f"{metrics['timing_s/iteration']:.2f}")
-            recent = [r["critic/score/mean"] for r in rows[-5:]]
-            if stop_at_reward is not None and len(recent) == 5 and sum(recent) / 5 >= stop_at_reward:
-                break
-            if time_budget_s is not None and row["wall_clock_s"] >= time_budget_s:
-                break
-    bar.close()
-    checkpoint = f"{store.rstrip('/')}/{run_id}/checkpoints/iter-{trainer.state.global_step:06d}"
-    save_checkpoint(workers, trainer, cfg, checkpoint)
+    try:
+        with open(metrics_path, "a", encoding="utf-8") as out:
+            for _ in range(iterations):
+                iteration = trainer.state.global_step
+                metrics = trainer.run_iteration()
+                checkpoint = istore.checkpoint_uri(trainer.state.global_step)
+                save_checkpoint(workers, trainer, cfg, checkpoint)
+                istore.commit_iteration(iteration, {
+                    "config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
+                    "checkpoint": checkpoint, "data_cursor": trainer.state.cursor,
+                    "kl_coef": trainer.state.kl_coef, "global_step": trainer.state.global_step,
+                    "rng": {"trainer_seed": cfg.trainer.seed, "rollout_seed": cfg.rollout.seed,
+                            "note": "every random draw is seeded from these and the global step"},
+                    "stage_timings_s": {k[len("timing_s/"):]: v for k, v in metrics.items() if k.startswith("timing_s/")},
+                    "metrics": {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf"))},
+                    "snapshots": {name: istore.stage_uri(iteration, name) for name, _ in trainer.stages()
+                                  if name not in ("weight_sync",)},
+                })
+                row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                rows.append(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
+                                s_per_it=f"{metrics['timing_s/iteration']:.2f}")
+                recent = [r["critic/score/mean"] for r in rows[-5:]]
+                if stop_at_reward is not None and len(recent) == 5 and sum(recent) / 5 >= stop_at_reward:
+                    break
+                if time_budget_s is not None and row["wall_clock_s"] >= time_budget_s:
+                    break
+    finally:
+        bar.close()
+        workers["_group"].kill()
+        workers["_pool"].release()
     curve = run_dir / "reward_curve.png"
-    plot_curve(rows, curve)
-    workers["_group"].kill()
-    workers["_pool"].release()
+    if rows:
+        plot_curve(rows, curve)
     return {"run_id": run_id, "metrics": str(metrics_path), "curve": str(curve), "rows": rows,
-            "checkpoint": checkpoint}
+            "checkpoint": istore.checkpoint_uri(trainer.state.global_step), "snapshots": istore.run_uri}

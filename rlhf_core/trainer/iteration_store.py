@@ -1,0 +1,136 @@
+"""A run's persisted history: stage snapshots, checkpoints and iteration manifests.
+
+Layout (DESIGN.md)::
+
+    {store}/{run_id}/iter-{N:06d}/{stage}/      the batch as it stood after the stage
+    {store}/{run_id}/iter-{N:06d}/MANIFEST.json  the iteration, committed last (create-only)
+    {store}/{run_id}/checkpoints/step-{S:06d}/   worker + controller state after S iterations
+
+An iteration exists once its MANIFEST.json does; everything else under it is either a
+finished stage (committed snapshot) of an interrupted iteration, or garbage of a writer
+that died (refused by readers).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+from rlhf_core.protocol import DataProto
+from rlhf_core.snapshot import SnapshotExistsError, load_snapshot, save_snapshot
+from rlhf_core.snapshot import fs as sfs
+
+MANIFEST = "MANIFEST.json"
+ITERATION_FORMAT = "rlhf.iteration"
+ITERATION_SCHEMA_VERSION = 1
+_ITER_RE = re.compile(r"^iter-(\d{6})$")
+
+
+def code_version() -> dict:
+    """What code produced an iteration: package version, a hash of rlhf_core's sources,
+    and the git commit when running from a checkout."""
+    import rlhf_core
+
+    root = Path(rlhf_core.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    version = {"package": "rlhf-core", "source_sha256": digest.hexdigest()}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+        if commit:
+            version["git_commit"] = commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return version
+
+
+class IterationStore:
+    """Reads and writes one run's stage snapshots, checkpoints and iteration manifests."""
+
+    def __init__(self, store_uri: str, run_id: str, storage_options: dict | None = None) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", run_id or ""):
+            raise ValueError(f"run id {run_id!r} must be 1-128 chars of letters, digits, '.', '_', '-' "
+                             f"and start with a letter or digit")
+        self.storage_options = storage_options
+        self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
+        self.run_id = run_id
+
+    @property
+    def run_uri(self) -> str:
+        return self.run.uri
+
+    def iteration_uri(self, iteration: int) -> str:
+        return f"{self.run.uri}/iter-{iteration:06d}"
+
+    def stage_uri(self, iteration: int, stage: str) -> str:
+        return f"{self.iteration_uri(iteration)}/{stage}"
+
+    def checkpoint_uri(self, step: int) -> str:
+        return f"{self.run.uri}/checkpoints/step-{step:06d}"
+
+    # ---------------------------------------------------------------- stages
+
+    def has(self, iteration: int, stage: str) -> bool:
+        loc = sfs.resolve(f"{self.stage_uri(iteration, stage)}/SNAPSHOT.json", self.storage_options)
+        if hasattr(loc.fs, "invalidate_cache"):
+            loc.fs.invalidate_cache()
+        return sfs.read_bytes(loc) is not None
+
+    def load(self, iteration: int, stage: str) -> DataProto:
+        return load_snapshot(self.stage_uri(iteration, stage), storage_options=self.storage_options)
+
+    def save(self, iteration: int, stage: str, batch: DataProto) -> None:
+        """Commit the stage's output. A stage re-run after a restart (the stateful update
+        stages re-run from the restored checkpoint) finds its snapshot committed and keeps
+        it: snapshots are immutable."""
+        try:
+            save_snapshot(batch, self.stage_uri(iteration, stage), storage_options=self.storage_options,
+                          annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})
+        except SnapshotExistsError:
+            pass
+
+    # ---------------------------------------------------------------- iterations
+
+    def committed_iterations(self) -> list[int]:
+        fs = self.run.fs
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache()
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.run.path, detail=False)]
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _ITER_RE.match(name)
+            if match and sfs.read_bytes(self.run.child(name, MANIFEST)) is not None:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def read_manifest(self, iteration: int) -> dict:
+        raw = sfs.read_bytes(self.run.child(f"iter-{iteration:06d}", MANIFEST))
+        if raw is None:
+            raise FileNotFoundError(f"iteration {iteration} of run {self.run_id} is not committed "
+                                    f"({self.iteration_uri(iteration)}/{MANIFEST} missing)")
+        manifest = json.loads(raw)
+        if manifest.get("format") != ITERATION_FORMAT or manifest.get("schema_version", 0) > ITERATION_SCHEMA_VERSION:
+            raise ValueError(f"{self.iteration_uri(iteration)}/{MANIFEST}: not an iteration manifest this "
+                             f"build reads (format {manifest.get('format')!r}, schema "
+                             f"{manifest.get('schema_version')!r})")
+        return manifest
+
+    def commit_iteration(self, iteration: int, manifest: dict) -> str:
+        """Write the iteration manifest, create-only: the iteration now exists."""
+        body = {"format": ITERATION_FORMAT, "schema_version": ITERATION_SCHEMA_VERSION, "run_id": self.run_id,
+                "iteration": iteration, "parent_iteration": iteration - 1 if iteration > 0 else None,
+                "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+                **manifest}
+        sfs.put_create_only(self.run.child(f"iter-{iteration:06d}", MANIFEST),
+                            json.dumps(body, indent=1, sort_keys=True).encode())
+        return f"{self.iteration_uri(iteration)}/{MANIFEST}"
