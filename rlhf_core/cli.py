@@ -30,7 +30,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     cfg = _config(args.overrides)
     iterations = args.iterations or cfg.trainer.total_iterations
-    store = args.store or "file://" + os.path.abspath(os.path.join(cfg.trainer.output_dir, "store"))
+    store = args.store or _default_store(cfg)
     result = run_direct(cfg, iterations, store, args.run_id)
     rows = result["rows"]
     if rows:
@@ -42,6 +42,62 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"metrics: {result['metrics']}")
     print(f"curve: {result['curve']}")
     print(f"snapshots: {result['snapshots']}")
+    return 0
+
+
+def _default_store(cfg) -> str:
+    return "file://" + os.path.abspath(os.path.join(cfg.trainer.output_dir, "store"))
+
+
+def _cmd_head(args: argparse.Namespace) -> int:
+    from rlhf_core import ray_head
+
+    root = args.root
+    if args.action == "start":
+        info = ray_head.start_head(root)
+        print(f"ray head: {info.address} (pid {info.pid}); clients: RAY_AUTH_MODE=token "
+              f"RAY_AUTH_TOKEN_PATH={info.token_path}")
+    elif args.action == "stop":
+        info = ray_head.read_head(root)
+        ray_head.stop_head(info, root)
+        print("ray head stopped" if info else "no ray head running under " + root)
+    else:
+        info = ray_head.read_head(root)
+        print(f"ray head: {info.address} (pid {info.pid})" if info else "no ray head running under " + root)
+    return 0
+
+
+def _cmd_iterate(args: argparse.Namespace) -> int:
+    from rlhf_core import ray_head, session
+    from rlhf_core.trainer.run import iterate
+
+    cfg = _config(args.overrides)
+    cfg.trainer.progress = False if args.quiet else cfg.trainer.progress
+    info = ray_head.start_head(args.head_root)  # reuse the running head, or start ours
+    ray_head.connect(info, session.namespace_of(args.run_id))
+    result = iterate(cfg, args.run_id, args.store or _default_store(cfg), args.iterations,
+                     log=(lambda *a: None) if args.quiet else print)
+    if result.get("lease_held_by"):
+        print(f"lease held by {result['lease_held_by']}: another trigger is running this iteration")
+    else:
+        print(f"session: {'started' if result['session_started'] else 'attached'}")
+    for row in result["rows"]:
+        print(f"iteration {row['iteration']}: reward {row['critic/score/mean']:.3f}, "
+              f"{row['timing_s/iteration']:.2f}s")
+    print(f"metrics: {result['metrics']}")
+    print(f"snapshots: {result['snapshots']}")
+    return 0
+
+
+def _cmd_stop_session(args: argparse.Namespace) -> int:
+    from rlhf_core import ray_head, session
+
+    info = ray_head.read_head(args.head_root)
+    if info is None:
+        print("no ray head running; nothing to stop")
+        return 0
+    ray_head.connect(info, session.namespace_of(args.run_id))
+    print("session stopped" if session.stop(args.run_id) else "no session for run " + args.run_id)
     return 0
 
 
@@ -69,6 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
                      "run id continues from its last committed iteration")
     run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
     run.set_defaults(func=_cmd_run)
+
+    head = sub.add_parser("head", help="start/stop/status of this project's own local Ray head")
+    head.add_argument("action", choices=["start", "stop", "status"])
+    head.add_argument("--root", default="runs", help="folder holding the head's state and token")
+    head.set_defaults(func=_cmd_head)
+
+    it = sub.add_parser("iterate", help="run iterations against the run's long-lived session")
+    it.add_argument("--run-id", required=True)
+    it.add_argument("--store", default=None, help="fsspec URI of the snapshot store (default runs/store)")
+    it.add_argument("--iterations", type=int, default=1)
+    it.add_argument("--head-root", default="runs", help="folder of the local Ray head (started if absent)")
+    it.add_argument("--quiet", action="store_true", help="no config dump, no progress bars")
+    it.add_argument("overrides", nargs="*")
+    it.set_defaults(func=_cmd_iterate)
+
+    stop = sub.add_parser("stop-session", help="kill the run's session actors")
+    stop.add_argument("--run-id", required=True)
+    stop.add_argument("--head-root", default="runs")
+    stop.set_defaults(func=_cmd_stop_session)
 
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("overrides", nargs="*")

@@ -96,6 +96,43 @@ class IterationStore:
         except SnapshotExistsError:
             pass
 
+    # ---------------------------------------------------------------- leases
+
+    def _lease(self, iteration: int) -> sfs.Location:
+        return self.run.child("leases", f"iter-{iteration:06d}.json")
+
+    def take_lease(self, iteration: int, ttl_s: float) -> str | None:
+        """Take the iteration's lease (create-only). Returns None when taken, else who
+        holds a fresh one. A lease older than ``ttl_s`` is stale (its holder died) and
+        is taken over."""
+        import os
+        import socket
+        import time
+
+        me = {"holder": f"{socket.gethostname()}:{os.getpid()}", "taken_at": time.time()}
+        loc = self._lease(iteration)
+        for _ in range(2):
+            try:
+                sfs.put_create_only(loc, json.dumps(me).encode())
+                return None
+            except SnapshotExistsError:
+                raw = sfs.read_bytes(loc)
+                current = json.loads(raw) if raw else {}
+                if current and time.time() - float(current.get("taken_at", 0)) < ttl_s:
+                    return str(current.get("holder"))
+                try:
+                    loc.fs.rm(loc.path)  # stale: take it over
+                except FileNotFoundError:
+                    pass
+        return "another trigger (lost the race twice)"
+
+    def release_lease(self, iteration: int) -> None:
+        try:
+            loc = self._lease(iteration)
+            loc.fs.rm(loc.path)
+        except (FileNotFoundError, OSError):
+            pass
+
     # ---------------------------------------------------------------- iterations
 
     def committed_iterations(self) -> list[int]:

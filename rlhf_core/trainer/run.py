@@ -120,27 +120,14 @@ def _checkpoint_exists(uri: str) -> bool:
     return sfs.read_bytes(loc) is not None
 
 
-def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
-               log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None,
-               on_stage=None) -> dict:
-    """Run ``iterations`` PPO/GRPO iterations in this process's controller.
-
-    Every stage's output is committed as a snapshot under ``{store}/{run_id}/iter-N/``,
-    every iteration ends with a checkpoint and, last, its MANIFEST.json. A run id that
-    already has committed iterations continues from the last one (same config required);
-    an iteration that was interrupted resumes at its first uncommitted stage.
-    ``time_budget_s`` / ``stop_at_reward`` (mean of the last 5) stop early (benchmarks).
-    """
-    from tqdm import tqdm
-
+def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
+    """Read where the run stands: (IterationStore, TrainerState). A committed run must
+    continue with the config it was trained with (the error lists the differences)."""
     from rlhf_core.config import ConfigError
-    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
-    from rlhf_core.trainer.iteration_store import IterationStore, code_version
-    from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.workers import modeling
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.ppo import TrainerState
 
     cfg.validate()
-    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     istore = IterationStore(store, run_id)
     state = TrainerState(kl_coef=cfg.algorithm.kl_ctrl.kl_coef)
     committed = istore.committed_iterations()
@@ -152,21 +139,36 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
                               f"them. Differences (committed -> now): {'; '.join(diff[:10])}. Use a new "
                               f"--run-id or the same overrides.")
         state = TrainerState(global_step=last["global_step"], cursor=last["data_cursor"], kl_coef=last["kl_coef"])
-        log(f"[rlhf] continuing run {run_id} after iteration {committed[-1]}")
-    run_dir = Path(cfg.trainer.output_dir) / run_id
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-    log(f"[rlhf] run {run_id}: config (hash {cfg.config_hash()[:12]}):\n{describe(cfg)}")
+        log(f"[rlhf] run {run_id}: continuing after iteration {committed[-1]}")
+    return istore, state
+
+
+def make_loader(cfg: RunConfig, state):
+    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
+    from rlhf_core.workers import modeling
 
     model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
-    tokenizer = modeling.load_tokenizer(model_path)
-    loader = PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), tokenizer,
-                          cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                          cfg.data.shuffle, cursor=Cursor(**state.cursor))
-    start_local_ray(run_dir)
-    t0 = time.perf_counter()
-    workers = build_workers(cfg)
-    log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
+    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), modeling.load_tokenizer(model_path),
+                        cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
+                        cfg.data.shuffle, cursor=Cursor(**state.cursor))
+
+
+def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int, run_dir: Path,
+                   workers_at_step: int | None = None, on_stage=None, time_budget_s: float | None = None,
+                   stop_at_reward: float | None = None, on_committed=None) -> tuple[list[dict], object]:
+    """The iteration loop shared by direct runs and session-attached controllers.
+
+    ``workers_at_step``: the step the workers' state is known to be at (a live session
+    that committed it); otherwise the starting checkpoint is loaded (or, at step 0,
+    written, so that iteration 0 can be resumed too). Each iteration: stages (resuming at
+    the first uncommitted one), checkpoint, then the MANIFEST.json commit.
+    """
+    from tqdm import tqdm
+
+    from rlhf_core.trainer.iteration_store import code_version
+    from rlhf_core.trainer.ppo import PPOTrainer
+
+    loader = make_loader(cfg, state)
     bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr)
 
     def stage_hook(name: str) -> None:
@@ -176,19 +178,19 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
 
     trainer = PPOTrainer(cfg, workers, loader, state, on_stage=stage_hook, stage_store=istore)
     start_ckpt = istore.checkpoint_uri(state.global_step)
-    if _checkpoint_exists(start_ckpt):
-        load_checkpoint(workers, start_ckpt)  # the exact state this iteration starts from
-    elif state.global_step == 0:
-        save_checkpoint(workers, trainer, cfg, start_ckpt)  # so iteration 0 can be resumed too
-    else:
-        raise FileNotFoundError(f"run {run_id}: iteration {state.global_step - 1} is committed but its "
-                                f"checkpoint {start_ckpt} is missing")
+    if workers_at_step != state.global_step:
+        if _checkpoint_exists(start_ckpt):
+            load_checkpoint(workers, start_ckpt)  # the exact state this iteration starts from
+        elif state.global_step == 0:
+            save_checkpoint(workers, trainer, cfg, start_ckpt)
+        else:
+            raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but its "
+                                    f"checkpoint {start_ckpt} is missing")
     version = code_version()
-    metrics_path = run_dir / "metrics.jsonl"
     rows = []
     train_start = time.perf_counter()
     try:
-        with open(metrics_path, "a", encoding="utf-8") as out:
+        with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for _ in range(iterations):
                 iteration = trainer.state.global_step
                 metrics = trainer.run_iteration()
@@ -203,8 +205,10 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
                     "stage_timings_s": {k[len("timing_s/"):]: v for k, v in metrics.items() if k.startswith("timing_s/")},
                     "metrics": {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf"))},
                     "snapshots": {name: istore.stage_uri(iteration, name) for name, _ in trainer.stages()
-                                  if name not in ("weight_sync",)},
+                                  if name != "weight_sync"},
                 })
+                if on_committed is not None:
+                    on_committed(trainer.state.global_step)
                 row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -219,10 +223,83 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
                     break
     finally:
         bar.close()
+    return rows, trainer
+
+
+def _finish(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trainer) -> dict:
+    curve = run_dir / "reward_curve.png"
+    all_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if all_rows:
+        plot_curve(all_rows, curve)
+    return {"run_id": istore.run_id, "metrics": str(run_dir / "metrics.jsonl"), "curve": str(curve),
+            "rows": rows, "checkpoint": istore.checkpoint_uri(trainer.state.global_step),
+            "snapshots": istore.run_uri}
+
+
+def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
+               log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None,
+               on_stage=None) -> dict:
+    """Run ``iterations`` PPO/GRPO iterations with worker groups owned by this process.
+
+    Every stage's output is committed as a snapshot under ``{store}/{run_id}/iter-N/``,
+    every iteration ends with a checkpoint and, last, its MANIFEST.json. A run id that
+    already has committed iterations continues from the last one (same config required);
+    an iteration that was interrupted resumes at its first uncommitted stage.
+    ``time_budget_s`` / ``stop_at_reward`` (mean of the last 5) stop early (benchmarks).
+    """
+    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    istore, state = open_run(cfg, store, run_id, log)
+    run_dir = Path(cfg.trainer.output_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+    log(f"[rlhf] run {run_id}: config (hash {cfg.config_hash()[:12]}):\n{describe(cfg)}")
+    start_local_ray(run_dir)
+    t0 = time.perf_counter()
+    workers = build_workers(cfg)
+    log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
+    try:
+        rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
+                                       time_budget_s=time_budget_s, stop_at_reward=stop_at_reward)
+    finally:
         workers["_group"].kill()
         workers["_pool"].release()
-    curve = run_dir / "reward_curve.png"
-    if rows:
-        plot_curve(rows, curve)
-    return {"run_id": run_id, "metrics": str(metrics_path), "curve": str(curve), "rows": rows,
-            "checkpoint": istore.checkpoint_uri(trainer.state.global_step), "snapshots": istore.run_uri}
+    return _finish(cfg, run_dir, rows, istore, trainer)
+
+
+def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=print, on_stage=None,
+            lease_ttl_s: float = 3600.0) -> dict:
+    """Run iterations against the run's long-lived session (this process must already be
+    connected to the session's Ray cluster, in the run's namespace). The session is
+    (re)started from the last committed checkpoint when it is not there.
+
+    Overlapping triggers (a recurring run firing while the last one still runs) must not
+    drive the same workers at once: the iteration is taken with a create-only lease in
+    the store; a second trigger finding a fresh lease returns without doing anything."""
+    from rlhf_core import session
+
+    istore, state = open_run(cfg, store, run_id, log)
+    run_dir = Path(cfg.trainer.output_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    holder = istore.take_lease(state.global_step, lease_ttl_s)
+    if holder is not None:
+        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
+        return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
+                "metrics": str(run_dir / "metrics.jsonl"), "session_started": False}
+    workers, started = session.ensure(cfg, run_id)
+    log(f"[rlhf] session of run {run_id}: {'started' if started else 'attached'}")
+    at_step = None if started else workers["_info"].get("step")
+    record = workers["_record"]
+    record.update.remote(step=None)  # dirty until this iteration commits
+    def committed(step: int) -> None:
+        record.update.remote(step=step)
+        istore.release_lease(step - 1)
+        if step < state_start + iterations:
+            istore.take_lease(step, lease_ttl_s)
+
+    state_start = state.global_step
+    try:
+        rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, workers_at_step=at_step,
+                                       on_stage=on_stage, on_committed=committed)
+    finally:
+        istore.release_lease(state.global_step)
+    return {**_finish(cfg, run_dir, rows, istore, trainer), "session_started": started}

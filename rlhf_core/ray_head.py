@@ -1,0 +1,149 @@
+"""A Ray head of our own on this machine: non-default ports, token auth, stopped by PID.
+
+The embedded default needs a Ray cluster that outlives any one process (the training
+session's actors live in it while each iteration's controller comes and goes). We never
+attach to a cluster we did not start and never run ``ray stop`` (it would stop every
+Ray on the machine): the head runs in its own process group, and stopping it ends exactly
+the processes whose command line names its private temp dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class HeadInfo:
+    address: str          # host:port of the GCS, what ray.init(address=...) takes
+    token_path: str       # RAY_AUTH_TOKEN_PATH for clients
+    temp_dir: str
+    pid: int              # the `ray start --block` process (its group holds the head)
+
+    @property
+    def client_env(self) -> dict:
+        """Environment a client needs to connect (token auth)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, "RAY_ADDRESS": self.address}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
+def _ray_binary() -> str:
+    candidate = Path(sys.executable).parent / "ray"
+    return str(candidate) if candidate.exists() else "ray"
+
+
+def head_state_path(root: str | Path) -> Path:
+    return Path(root) / "ray-head.json"
+
+
+def read_head(root: str | Path) -> HeadInfo | None:
+    """The head recorded under ``root``, if its process is still alive."""
+    path = head_state_path(root)
+    if not path.exists():
+        return None
+    info = HeadInfo(**json.loads(path.read_text()))
+    return info if _alive(info.pid) else None
+
+
+def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float = 60.0) -> HeadInfo:
+    """Start (or reuse) the head recorded under ``root``."""
+    root = Path(root).resolve()
+    existing = read_head(root)
+    if existing is not None:
+        return existing
+    root.mkdir(parents=True, exist_ok=True)
+    token_path = root / "ray-token"
+    if not token_path.exists():
+        token_path.write_text(secrets.token_hex(32))
+        token_path.chmod(0o600)
+    temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    args = [_ray_binary(), "start", "--head", "--block", f"--port={port}",
+            f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", "--include-dashboard=false",
+            f"--temp-dir={temp_dir}", "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+            # stage payloads of small models go inline with the call (see trainer/run.py)
+            '--system-config={"max_direct_call_object_size": 4194304, "task_rpc_inlined_bytes_limit": 16777216}']
+    log = open(root / "ray-head.log", "ab")
+    process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    info = HeadInfo(address=f"127.0.0.1:{port}", token_path=str(token_path), temp_dir=str(temp_dir),
+                    pid=process.pid)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray head exited with {process.returncode}; see {root / 'ray-head.log'}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        stop_head(info)
+        raise TimeoutError(f"ray head on port {port} not up after {timeout_s:.0f}s; see {root / 'ray-head.log'}")
+    head_state_path(root).write_text(json.dumps(asdict(info), indent=1))
+    return info
+
+
+def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
+    """End the head and every process of it (found by its private temp dir), by PID, and
+    forget it (``root``: where its state file lives)."""
+    if root is not None:
+        head_state_path(root).unlink(missing_ok=True)
+    if info is None:
+        return
+    try:
+        os.killpg(info.pid, signal.SIGTERM)
+    except OSError:
+        pass
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(info.pid):
+        time.sleep(0.2)
+    for pid in _pids_with(info.temp_dir) + ([info.pid] if _alive(info.pid) else []):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _pids_with(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def connect(info: HeadInfo, namespace: str) -> None:
+    """``ray.init`` this process against our head, in the run's namespace."""
+    # Ray reads its auth settings when it is first imported: set them before that.
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": info.token_path})
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(address=info.address, namespace=namespace, log_to_driver=False, configure_logging=False)
