@@ -31,6 +31,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.overrides)
     iterations = args.iterations or cfg.trainer.total_iterations
     store = args.store or _default_store(cfg)
+    if args.pipeline:
+        return _run_pipeline(args, cfg, iterations, store)
     result = run_direct(cfg, iterations, store, args.run_id)
     rows = result["rows"]
     if rows:
@@ -101,6 +103,41 @@ def _cmd_stop_session(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_pipeline(args, cfg, iterations: int, store: str) -> int:
+    """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
+    import time
+
+    from rlhf_core.trainer.report import run_history
+
+    sys.path.insert(0, _repo_root())
+    from pipelines.local import run_local_iterations
+
+    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
+    run_local_iterations(run_id, store, args.overrides, os.path.join(cfg.trainer.output_dir, "head"),
+                         iterations, root)
+    rows = run_history(store, run_id)
+    if rows:
+        print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
+              f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
+    print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
+    print(f"pipeline runs: {root}")
+    print(f"snapshots: {store.rstrip('/')}/{run_id}")
+    return 0
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    sys.path.insert(0, _repo_root())
+    from pipelines.ppo_iteration import COMPILED, compile_pipeline
+
+    print(f"compiled: {compile_pipeline(args.out or COMPILED)}")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe
 
@@ -123,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--store", default=None, help="fsspec URI for snapshots and checkpoints (default runs/store)")
     run.add_argument("--run-id", default=None, help="name of the run (default: timestamped); an existing "
                      "run id continues from its last committed iteration")
+    run.add_argument("--pipeline", action="store_true", help="run each iteration as a Kubeflow pipeline run "
+                     "(KFP local runner) against the run's long-lived session")
     run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
     run.set_defaults(func=_cmd_run)
 
@@ -144,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--run-id", required=True)
     stop.add_argument("--head-root", default="runs")
     stop.set_defaults(func=_cmd_stop_session)
+
+    comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
+    comp.add_argument("--out", default=None, help="default: pipelines/ppo_iteration.yaml")
+    comp.set_defaults(func=_cmd_compile)
 
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("overrides", nargs="*")

@@ -141,8 +141,12 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """sha256 of the canonical JSON of every field (part of lineage)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        """sha256 of the canonical JSON of every field that can change what is trained
+        (part of lineage; display-only fields such as progress bars are left out)."""
+        data = self.to_dict()
+        for section, key in NON_SEMANTIC_FIELDS:
+            data[section].pop(key, None)
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":
         if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
@@ -164,6 +168,10 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
         return self
+
+
+#: Fields that change how a run is shown or where local logs go, never what it trains.
+NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"))
 
 
 class ConfigError(ValueError):

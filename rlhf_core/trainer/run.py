@@ -302,4 +302,11 @@ def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=pr
                                        on_stage=on_stage, on_committed=committed)
     finally:
         istore.release_lease(state.global_step)
-    return {**_finish(cfg, run_dir, rows, istore, trainer), "session_started": started}
+    result = {**_finish(cfg, run_dir, rows, istore, trainer), "session_started": started}
+    if rows:
+        last = istore.read_manifest(rows[-1]["iteration"])
+        result["lineage"] = {"run_id": run_id, "iteration": last["iteration"],
+                             "parent_iteration": last["parent_iteration"], "config_hash": last["config_hash"],
+                             "code_version": last["code_version"], "checkpoint": last["checkpoint"],
+                             "iteration_uri": istore.iteration_uri(last["iteration"])}
+    return result

@@ -1,0 +1,65 @@
+"""Kubeflow components for one PPO iteration: thin, typed wrappers over rlhf_core.
+
+Each function body imports rlhf_core and does one call; artifacts carry URIs and lineage
+metadata (run id, iteration, config hash, code version, parent), never bytes.
+"""
+
+
+import os
+
+from kfp import dsl
+
+#: The image built from this repository's Dockerfile (components and Ray nodes share it).
+IMAGE = os.environ.get("RLHF_IMAGE", "ghcr.io/rlhf-core/rlhf-core:0.1.0")
+
+
+@dsl.component(base_image=IMAGE)
+def ensure_session(run_id: str, config_overrides: list, head_root: str) -> str:
+    """Make sure the run's long-lived session is up; returns the Ray address."""
+    from rlhf_core import ray_head, session
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
+    info = ray_head.start_head(head_root)
+    ray_head.connect(info, session.namespace_of(run_id))
+    session.ensure(cfg, run_id)
+    return info.address
+
+
+@dsl.component(base_image=IMAGE)
+def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
+                  snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
+                  metrics: dsl.Output[dsl.Metrics]) -> int:
+    """One iteration against the session; resumes at the first uncommitted stage, so a
+    retry after a failure is safe. Returns the iteration number (-1: another trigger
+    holds the iteration's lease)."""
+    from rlhf_core import ray_head, session
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.trainer.run import iterate
+
+    cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
+    info = ray_head.start_head(head_root)
+    ray_head.connect(info, session.namespace_of(run_id))
+    result = iterate(cfg, run_id, store, 1, log=print)
+    if not result["rows"]:
+        return -1
+    lineage = result["lineage"]
+    snapshots.uri = lineage["iteration_uri"]
+    model.uri = lineage["checkpoint"]
+    for artifact in (snapshots, model):
+        artifact.metadata.update({k: lineage[k] for k in ("run_id", "iteration", "config_hash", "parent_iteration")})
+        artifact.metadata["code_version"] = lineage["code_version"]["source_sha256"]
+    for key, value in result["rows"][-1].items():
+        if isinstance(value, (int, float)) and not key.startswith(("timing_worker", "perf/worker")):
+            metrics.log_metric(key.replace("/", "."), float(value))
+    return int(lineage["iteration"])
+
+
+@dsl.component(base_image=IMAGE)
+def report(run_id: str, store: str, iteration: int, summary: dsl.Output[dsl.Markdown]):
+    """A Markdown report with the reward curve so far (shown in the Kubeflow UI), built
+    from the committed iteration manifests in the store."""
+    from rlhf_core.trainer.report import markdown_report
+
+    with open(summary.path, "w", encoding="utf-8") as f:
+        f.write(markdown_report(store, run_id))
