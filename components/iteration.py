@@ -41,6 +41,8 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     info = ray_head.start_head(head_root)
     ray_head.connect(info, session.namespace_of(run_id))
     result = iterate(cfg, run_id, store, 1, log=print)
+    if result.get("lease_held_by"):
+        print(f"iteration is being run by {result['lease_held_by']}; this trigger does nothing")
     if not result["rows"]:
         return -1
     lineage = result["lineage"]

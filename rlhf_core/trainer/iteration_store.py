@@ -51,6 +51,16 @@ def code_version() -> dict:
     return version
 
 
+def _pid_alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False
+
+
 class IterationStore:
     """Reads and writes one run's stage snapshots, checkpoints and iteration manifests."""
 
@@ -118,13 +128,29 @@ class IterationStore:
             except SnapshotExistsError:
                 raw = sfs.read_bytes(loc)
                 current = json.loads(raw) if raw else {}
-                if current and time.time() - float(current.get("taken_at", 0)) < ttl_s:
-                    return str(current.get("holder"))
+                holder = str(current.get("holder", ""))
+                host, _, pid = holder.rpartition(":")
+                dead_here = host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid))
+                if current and not dead_here and time.time() - float(current.get("taken_at", 0)) < ttl_s:
+                    return holder
                 try:
                     loc.fs.rm(loc.path)  # stale: take it over
                 except FileNotFoundError:
                     pass
         return "another trigger (lost the race twice)"
+
+    def renew_lease(self, iteration: int) -> None:
+        """The holder refreshes ``taken_at`` (before each stage), so only a lease whose
+        holder stopped making progress goes stale."""
+        import os
+        import socket
+        import time
+
+        loc = self._lease(iteration)
+        me = f"{socket.gethostname()}:{os.getpid()}"
+        raw = sfs.read_bytes(loc)
+        if raw and json.loads(raw).get("holder") == me:
+            loc.fs.pipe_file(loc.path, json.dumps({"holder": me, "taken_at": time.time()}).encode())
 
     def release_lease(self, iteration: int) -> None:
         try:

@@ -267,7 +267,7 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
 
 
 def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=print, on_stage=None,
-            lease_ttl_s: float = 3600.0) -> dict:
+            lease_ttl_s: float = 900.0) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster, in the run's namespace). The session is
     (re)started from the last committed checkpoint when it is not there.
@@ -285,21 +285,26 @@ def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=pr
         log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
         return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
                 "metrics": str(run_dir / "metrics.jsonl"), "session_started": False}
-    workers, started = session.ensure(cfg, run_id)
-    log(f"[rlhf] session of run {run_id}: {'started' if started else 'attached'}")
-    at_step = None if started else workers["_info"].get("step")
-    record = workers["_record"]
-    record.update.remote(step=None)  # dirty until this iteration commits
     def committed(step: int) -> None:
         record.update.remote(step=step)
         istore.release_lease(step - 1)
         if step < state_start + iterations:
             istore.take_lease(step, lease_ttl_s)
 
+    def stage_started(step: int, name: str) -> None:
+        istore.renew_lease(step)  # a live holder keeps its lease fresh
+        if on_stage is not None:
+            on_stage(step, name)
+
     state_start = state.global_step
     try:
+        workers, started = session.ensure(cfg, run_id)
+        log(f"[rlhf] session of run {run_id}: {'started' if started else 'attached'}")
+        at_step = None if started else workers["_info"].get("step")
+        record = workers["_record"]
+        record.update.remote(step=None)  # dirty until this iteration commits
         rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, workers_at_step=at_step,
-                                       on_stage=on_stage, on_committed=committed)
+                                       on_stage=stage_started, on_committed=committed)
     finally:
         istore.release_lease(state.global_step)
     result = {**_finish(cfg, run_dir, rows, istore, trainer), "session_started": started}
