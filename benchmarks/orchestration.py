@@ -1,0 +1,58 @@
+"""K iterations as Kubeflow pipeline runs (KFP local runner, long-lived session) vs the
+same K iterations run directly by one controller process. Same run config, same machine.
+
+    .venv/bin/python benchmarks/orchestration.py [--iterations 5]
+
+Both are timed end to end as a user runs them (`rlhf run --pipeline` vs `rlhf run`),
+start-up included; the difference divided by K is the per-iteration overhead of running
+each iteration as its own pipeline run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def timed_run(mode: list[str], iterations: int, out: Path) -> float:
+    env = {**os.environ}
+    env.pop("RAY_ADDRESS", None)
+    args = [sys.executable, "-m", "rlhf_core.cli", "run", *mode, "--iterations", str(iterations), "--run-id", "bench",
+            "trainer.progress=false", f"trainer.output_dir={out}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=5)
+    args = parser.parse_args()
+    k = args.iterations
+    work = Path(tempfile.mkdtemp(prefix="rlhf-orch-"))
+    direct = timed_run([], k, work / "direct")
+    try:
+        pipeline = timed_run(["--pipeline"], k, work / "pipeline")
+    finally:
+        subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root",
+                        str(work / "pipeline" / "head")], cwd=ROOT, capture_output=True)
+    print(f"\n{k} iterations, default config, start-up included")
+    print(f"{'mode':<34}{'wall s':>9}")
+    print(f"{'direct (one controller process)':<34}{direct:>9.1f}")
+    print(f"{'KFP local pipeline runs':<34}{pipeline:>9.1f}")
+    print(f"ratio pipeline/direct: {pipeline / direct:.2f}x (goal <= 1.10x); per-iteration overhead: "
+          f"{(pipeline - direct) / k:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
