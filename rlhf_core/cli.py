@@ -75,7 +75,8 @@ def _cmd_iterate(args: argparse.Namespace) -> int:
 
     cfg = _config(args.overrides)
     cfg.trainer.progress = False if args.quiet else cfg.trainer.progress
-    info = ray_head.start_head(args.head_root)  # reuse the running head, or start ours
+    head_root = args.head_root or os.path.join(cfg.trainer.output_dir, "head")
+    info = ray_head.start_head(head_root)  # reuse the running head, or start ours
     ray_head.connect(info, session.namespace_of(args.run_id))
     result = iterate(cfg, args.run_id, args.store or _default_store(cfg), args.iterations,
                      log=(lambda *a: None) if args.quiet else print)
@@ -167,21 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = sub.add_parser("head", help="start/stop/status of this project's own local Ray head")
     head.add_argument("action", choices=["start", "stop", "status"])
-    head.add_argument("--root", default="runs", help="folder holding the head's state and token")
+    head.add_argument("--root", default=os.path.join("runs", "head"), help="folder holding the head's state and token")
     head.set_defaults(func=_cmd_head)
 
     it = sub.add_parser("iterate", help="run iterations against the run's long-lived session")
     it.add_argument("--run-id", required=True)
     it.add_argument("--store", default=None, help="fsspec URI of the snapshot store (default runs/store)")
     it.add_argument("--iterations", type=int, default=1)
-    it.add_argument("--head-root", default="runs", help="folder of the local Ray head (started if absent)")
+    it.add_argument("--head-root", default=None, help="folder of the local Ray head, started if absent "
+                    "(default: {trainer.output_dir}/head, the one `rlhf run --pipeline` uses)")
     it.add_argument("--quiet", action="store_true", help="no config dump, no progress bars")
     it.add_argument("overrides", nargs="*")
     it.set_defaults(func=_cmd_iterate)
 
     stop = sub.add_parser("stop-session", help="kill the run's session actors")
     stop.add_argument("--run-id", required=True)
-    stop.add_argument("--head-root", default="runs")
+    stop.add_argument("--head-root", default=os.path.join("runs", "head"))
     stop.set_defaults(func=_cmd_stop_session)
 
     comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
