@@ -40,7 +40,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this PID exists on this machine."""
     try:
         os.kill(pid, 0)
         return True
@@ -63,7 +64,7 @@ def read_head(root: str | Path) -> HeadInfo | None:
     if not path.exists():
         return None
     info = HeadInfo(**json.loads(path.read_text()))
-    return info if _alive(info.pid) else None
+    return info if pid_alive(info.pid) else None
 
 
 def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float = 60.0) -> HeadInfo:
@@ -117,9 +118,9 @@ def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
     except OSError:
         pass
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(info.pid):
+    while time.monotonic() < deadline and pid_alive(info.pid):
         time.sleep(0.2)
-    for pid in _pids_with(info.temp_dir) + ([info.pid] if _alive(info.pid) else []):
+    for pid in _pids_with(info.temp_dir) + ([info.pid] if pid_alive(info.pid) else []):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:

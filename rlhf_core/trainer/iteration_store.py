@@ -21,6 +21,7 @@ import subprocess
 from pathlib import Path
 
 from rlhf_core.protocol import DataProto
+from rlhf_core.ray_head import pid_alive
 from rlhf_core.snapshot import SnapshotExistsError, load_snapshot, save_snapshot
 from rlhf_core.snapshot import fs as sfs
 
@@ -49,16 +50,6 @@ def code_version() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return version
-
-
-def _pid_alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False
 
 
 class IterationStore:
@@ -130,7 +121,7 @@ class IterationStore:
                 current = json.loads(raw) if raw else {}
                 holder = str(current.get("holder", ""))
                 host, _, pid = holder.rpartition(":")
-                dead_here = host == socket.gethostname() and pid.isdigit() and not _pid_alive(int(pid))
+                dead_here = host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid))
                 if current and not dead_here and time.time() - float(current.get("taken_at", 0)) < ttl_s:
                     return holder
                 try:

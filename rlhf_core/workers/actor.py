@@ -88,10 +88,7 @@ class ActorRolloutRefWorker(Worker):
         """PPO epochs over mini-batches; returns metrics (one list entry per step)."""
         cfg = self.config.actor
         policy_loss = get_policy_loss_fn(cfg.policy_loss)
-        mini = cfg.ppo_mini_batch_size * self.config.rollout.n // self.world_size
-        mini = max(1, min(mini, len(data)))
-        while len(data) % mini:
-            mini -= 1
+        mini = modeling.mini_batch_rows(cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = self.config.trainer.seed + int(data.meta_info.get("global_step", 0))
         self.policy.train()

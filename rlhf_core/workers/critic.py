@@ -40,10 +40,7 @@ class CriticWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         cfg = self.config
-        mini = max(1, cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.world_size)
-        mini = min(mini, len(data))
-        while len(data) % mini:
-            mini -= 1
+        mini = modeling.mini_batch_rows(cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
         self.critic.train()

@@ -91,3 +91,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return float(norm)
+
+
+def mini_batch_rows(ppo_mini_batch_size: int, n: int, world_size: int, rows: int) -> int:
+    """Rows per optimizer step on one rank: ``ppo_mini_batch_size`` prompts x ``n``
+    responses, split across ranks, shrunk to divide this rank's rows."""
+    mini = max(1, min(ppo_mini_batch_size * n // world_size, rows))
+    while rows % mini:
+        mini -= 1
+    return mini
