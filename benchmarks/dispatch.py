@@ -92,7 +92,6 @@ def main() -> None:
                 runs[name]()
                 times[name].append(time.perf_counter() - t0)
         rows.append((mb, *(statistics.median(times[n]) * 1e3 for n in runs)))
-        del dp, array
     wg.kill()
     ray.shutdown()
 

@@ -144,7 +144,7 @@ def main() -> None:
     print("[bench] rollout throughput ...", flush=True)
     throughput = rollout_throughput(model_dir)
 
-    print(f"\nReward (mean of last 5 iterations) vs training wall-clock, built-in task, 2 CPU cores")
+    print("\nReward (mean of last 5 iterations) vs training wall-clock, built-in task, 2 CPU cores")
     header = f"{'method':<14}{'start':>7}" + "".join(f"{f'@{s}s':>8}" for s in CHECKPOINTS_S) + \
         f"{'t(>=0.9)':>10}{'iters':>7}{'CPU-s':>8}"
     print(header)

@@ -29,17 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf_core.protocol import DataProto  # noqa: E402
+from rlhf_core.protocol import DataProto, object_column  # noqa: E402
 from rlhf_core.snapshot import fs as sfs  # noqa: E402
 from rlhf_core.snapshot import load_snapshot, save_snapshot  # noqa: E402
 from rlhf_core.testing.s3server import LocalS3  # noqa: E402
 
 
-def obj(values):
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
+obj = object_column  # one object per row (lists stay cells)
 
 
 def build_batch(b: int, seq: int) -> DataProto:
@@ -155,7 +151,6 @@ def main() -> None:
           f"log-probs, bf16 values, 5 object columns), median of {args.repeats}")
     print(f"{'backend':<14}{'op':<20}{'ours':>10}{'torch':>10}{'ours/torch':>12}")
     for backend, op, ours, theirs in rows:
-        unit = "" if op == "stored MB" else " ms"
         print(f"{backend:<14}{op:<20}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>11.2f}x")
     goals = {("SeaweedFS S3", "write"): 1.0, ("SeaweedFS S3", "read"): 1.0, ("local disk", "write"): 2.0}
     print("goals: " + ", ".join(

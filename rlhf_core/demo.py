@@ -15,19 +15,12 @@ import uuid
 import numpy as np
 import torch
 
-from rlhf_core.protocol import DataProto
+from rlhf_core.protocol import DataProto, object_column
 
 PROMPTS = [  # (prompt, ground truth)
     ("2 + 3 =", "5"), ("7 * 6 =", "42"), ("10 - 4 =", "6"), ("9 + 9 =", "18"),
     ("12 / 3 =", "4"), ("5 * 5 =", "25"), ("8 - 8 =", "0"), ("3 + 14 =", "17"),
 ]
-
-
-def _object_column(values) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
 
 
 def build_prompt_batch(prompts: int, seq_len: int = 16) -> DataProto:
@@ -43,9 +36,9 @@ def build_prompt_batch(prompts: int, seq_len: int = 16) -> DataProto:
     return DataProto.from_dict(
         tensors={"input_ids": ids, "attention_mask": mask},
         non_tensors={
-            "uid": _object_column([str(uuid.UUID(int=i)) for i in range(prompts)]),
-            "raw_prompt": _object_column(texts),
-            "ground_truth": _object_column(answers),
+            "uid": object_column([str(uuid.UUID(int=i)) for i in range(prompts)]),
+            "raw_prompt": object_column(texts),
+            "ground_truth": object_column(answers),
         },
         meta_info={"temperature": 1.0, "global_step": 0},
     )
@@ -69,7 +62,7 @@ def run_dataproto_demo(prompts: int = 6, n: int = 4, workers: int = 2) -> int:
                 generator = torch.Generator().manual_seed(0)
                 logp = -torch.rand(data.batch["input_ids"].shape, generator=generator)
                 logp = logp * data.batch["attention_mask"]
-                score = _object_column([float(len(p)) / 10 for p in data.non_tensor_batch["raw_prompt"]])
+                score = object_column([float(len(p)) / 10 for p in data.non_tensor_batch["raw_prompt"]])
                 out = DataProto.from_dict({"old_log_probs": logp}, {"score": score},
                                           {"metrics": {"worker/rows": len(data)}})
                 return out

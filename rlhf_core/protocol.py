@@ -54,6 +54,7 @@ __all__ = [
     "pad_dataproto_to_divisor",
     "unpad_dataproto",
     "AUTO_PADDING_KEY",
+    "object_column",
 ]
 
 #: meta_info key that, when true, lets ``chunk`` split a batch that does not divide
@@ -93,6 +94,16 @@ class UnsupportedObjectError(DataProtoTypeError):
 
 
 # --------------------------------------------------------------------- module helpers
+
+
+def object_column(values) -> np.ndarray:
+    """A 1-D object array holding ``values`` one per row. Unlike ``np.array(values,
+    dtype=object)``, equal-length lists stay list cells instead of becoming a 2-D array."""
+    values = list(values)
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
 
 
 def _describe(value: Any) -> str:
@@ -351,11 +362,7 @@ def _object_column_from_wire(entry: tuple) -> np.ndarray:
     if kind == "raw":
         return entry[1]
     if kind == "json":
-        values = json.loads(entry[1].tobytes().decode("utf-8"))
-        out = np.empty(len(values), dtype=object)
-        for i, v in enumerate(values):
-            out[i] = v
-        return out.reshape(entry[2])
+        return object_column(json.loads(entry[1].tobytes().decode("utf-8"))).reshape(entry[2])
     raise DataProtoError(f"wire: unknown non-tensor column encoding {kind!r}")
 
 
@@ -511,11 +518,7 @@ class DataProto:
         for key in tensor_dict.keys():
             value = tensor_dict.get(key)
             if isinstance(value, NonTensorStack):
-                items = value.tolist()
-                column = np.empty(len(items), dtype=object)
-                for i, item in enumerate(items):
-                    column[i] = item
-                non_tensors[key] = column
+                non_tensors[key] = object_column(value.tolist())
             elif isinstance(value, NonTensorData):
                 meta[key] = value.data
             elif isinstance(value, torch.Tensor):

@@ -17,6 +17,7 @@ from rlhf_core.protocol import (
     DataProtoTypeError,
     UnionConflictError,
     UnsupportedObjectError,
+    object_column,
     pad_dataproto_to_divisor,
     union_numpy_dict,
     union_tensor_dict,
@@ -24,12 +25,7 @@ from rlhf_core.protocol import (
 )
 
 
-def obj(values):
-    """An object column built element by element (lists stay lists)."""
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
+obj = object_column  # one object per row (lists stay cells)
 
 
 def make(n=4, meta=None):

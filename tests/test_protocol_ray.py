@@ -4,14 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.protocol import DataProto, UnsupportedObjectError
+from rlhf_core.protocol import DataProto, UnsupportedObjectError, object_column
 
 
-def obj(values):
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
+obj = object_column  # one object per row (lists stay cells)
 
 
 def test_actor_to_actor_roundtrip_keeps_every_layer(ray_local):

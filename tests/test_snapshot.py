@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.protocol import DataProto, UnsupportedObjectError
+from rlhf_core.protocol import DataProto, UnsupportedObjectError, object_column
 from rlhf_core.snapshot import (
     CorruptSnapshotError,
     IncompleteSnapshotError,
@@ -31,11 +31,7 @@ from rlhf_core.snapshot import fs as sfs
 from rlhf_core.testing.s3server import LocalS3
 
 
-def obj(values):
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
+obj = object_column  # one object per row (lists stay cells)
 
 
 def sample_batch(n=12, seq=5):

@@ -14,7 +14,6 @@ with the worker's traceback; a dead actor raises :class:`WorkerDiedError`.
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 from rlhf_core.controller.dispatch import (
     MAGIC_ATTR, PADDING_KWARG, Execute, get_dispatch_mode,

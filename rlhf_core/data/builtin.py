@@ -88,7 +88,7 @@ def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    tokenizer = build_tokenizer(path)
+    build_tokenizer(path)  # saved next to the model
     config = Qwen2Config(vocab_size=len(VOCAB), bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          tie_word_embeddings=False, torch_dtype="float32", **MODEL_SHAPE)
     model = Qwen2ForCausalLM(config)

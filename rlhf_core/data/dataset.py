@@ -11,10 +11,9 @@ import json
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from rlhf_core.protocol import DataProto
+from rlhf_core.protocol import DataProto, object_column
 
 REQUIRED = ("prompt", "ground_truth", "data_source")
 
@@ -116,20 +115,14 @@ class PromptLoader:
             mask[row, length - len(tokens):] = 1
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
 
-        def column(values):
-            out = np.empty(len(values), dtype=object)
-            for i, v in enumerate(values):
-                out[i] = v
-            return out
-
         rows = [self.rows[i] for _, i in picked]
         return DataProto.from_dict(
             tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids},
             non_tensors={
-                "uid": column([f"{epoch}-{i}" for epoch, i in picked]),
-                "raw_prompt": column([r["prompt"] for r in rows]),
-                "ground_truth": column([str(r["ground_truth"]) for r in rows]),
-                "data_source": column([r["data_source"] for r in rows]),
-                "extra_info": column([r.get("extra_info") or {} for r in rows]),
+                "uid": object_column([f"{epoch}-{i}" for epoch, i in picked]),
+                "raw_prompt": object_column([r["prompt"] for r in rows]),
+                "ground_truth": object_column([str(r["ground_truth"]) for r in rows]),
+                "data_source": object_column([r["data_source"] for r in rows]),
+                "extra_info": object_column([r.get("extra_info") or {} for r in rows]),
             },
         )

@@ -10,6 +10,7 @@ import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from rlhf_core.snapshot.errors import SnapshotExistsError
 from rlhf_core.snapshot.layout import (
     DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path,
 )
+
+if TYPE_CHECKING:
+    from rlhf_core.snapshot.reader import SnapshotInfo
 
 #: Target uncompressed bytes of one inner chunk (the unit a partial read fetches) and of
 #: one shard (the unit written as one object). Small chunks keep one-sample reads cheap;
@@ -180,7 +184,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
     import zarr
     from zarr.storage import MemoryStore
 
-    from rlhf_core.snapshot.reader import SnapshotInfo, _info_from_manifest
+    from rlhf_core.snapshot.reader import _info_from_manifest
 
     dp.check_consistency()
     loc = sfs.resolve(uri, storage_options)

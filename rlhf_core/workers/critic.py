@@ -5,17 +5,14 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.algorithms import compute_value_loss, masked_mean
-from rlhf_core.config import RunConfig
-from rlhf_core.controller import Dispatch, Worker, register
+from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
 from rlhf_core.workers import modeling
-from rlhf_core.workers.actor import load_training_state, save_training_state
+from rlhf_core.workers.trainable import TrainableWorker
 
 
-class CriticWorker(Worker):
-    def __init__(self, config: RunConfig) -> None:
-        super().__init__()
-        self.config = config
+class CriticWorker(TrainableWorker):
+    checkpoint_prefix = "critic"
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -60,14 +57,5 @@ class CriticWorker(Worker):
             metrics.setdefault("critic/grad_norm", []).append(grad_norm)
         return DataProto(meta_info={"metrics": metrics})
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> str | None:
-        if self.rank != 0:
-            return None
-        return save_training_state(uri, modeling.unwrap(self.critic), self.optimizer, self.scheduler,
-                                   storage_options, prefix="critic")
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
-        load_training_state(uri, modeling.unwrap(self.critic), self.optimizer, self.scheduler,
-                            storage_options, prefix="critic")
+    def _trained_model(self):
+        return self.critic

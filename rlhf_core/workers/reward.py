@@ -16,7 +16,7 @@ import torch
 
 from rlhf_core.config import RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
-from rlhf_core.protocol import DataProto
+from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
 
 
@@ -92,8 +92,5 @@ class RewardWorker(Worker):
             token_level_scores[i, max(length, 1) - 1] = score  # outcome reward on the last token
         columns = {"response_text": np.array(texts, dtype=object)}
         for key, values in extras.items():
-            column = np.empty(len(values), dtype=object)
-            for i, v in enumerate(values):
-                column[i] = v
-            columns[f"reward_extra/{key}"] = column
+            columns[f"reward_extra/{key}"] = object_column(values)
         return DataProto.from_dict({"token_level_scores": token_level_scores}, columns)
