@@ -96,12 +96,13 @@ def rollout_throughput(model_dir: str) -> dict:
 
     from rlhf_core.config import RunConfig
     from rlhf_core.data.dataset import PromptLoader, load_rows
+    from rlhf_core.data.tokenizer import PromptTokenizer
     from rlhf_core.workers import modeling
     from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 
     cfg = RunConfig()
     tok = modeling.load_tokenizer(model_dir)
-    loader = PromptLoader(load_rows("builtin:digits"), tok, 32, cfg.data.max_prompt_length, 0)
+    loader = PromptLoader(load_rows("builtin:digits"), PromptTokenizer(model_dir), 32, cfg.data.max_prompt_length, 0)
     batch = loader.next_batch().repeat(cfg.rollout.n)
     batch.batch["sample_seed"] = torch.arange(len(batch))
     engines = {"vllm": VLLMRollout(model_dir, cfg.rollout, seed=0, max_model_len=64),

@@ -3,7 +3,7 @@ same K iterations run directly by one controller process. Same run config, same 
 
     .venv/bin/python benchmarks/orchestration.py [--iterations 5]
 
-Both are timed end to end as a user runs them (`rlhf run --pipeline` vs `rlhf run`),
+Both are timed end to end as a user runs them (`rlhf run` vs `rlhf run --direct`),
 start-up included; the difference divided by K is the per-iteration overhead of running
 each iteration as its own pipeline run.
 """
@@ -40,12 +40,8 @@ def main() -> None:
     args = parser.parse_args()
     k = args.iterations
     work = Path(tempfile.mkdtemp(prefix="rlhf-orch-"))
-    direct = timed_run([], k, work / "direct")
-    try:
-        pipeline = timed_run(["--pipeline"], k, work / "pipeline")
-    finally:
-        subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root",
-                        str(work / "pipeline" / "head")], cwd=ROOT, capture_output=True)
+    direct = timed_run(["--direct"], k, work / "direct")
+    pipeline = timed_run([], k, work / "pipeline")  # starts and stops its own head
     print(f"\n{k} iterations, default config, start-up included")
     print(f"{'mode':<34}{'wall s':>9}")
     print(f"{'direct (one controller process)':<34}{direct:>9.1f}")

@@ -14,15 +14,18 @@ IMAGE = os.environ.get("RLHF_IMAGE", "ghcr.io/rlhf-core/rlhf-core:0.1.0")
 
 
 @dsl.component(base_image=IMAGE)
-def ensure_session(run_id: str, config_overrides: list, head_root: str) -> str:
-    """Make sure the run's long-lived session is up; returns the Ray address."""
+def ensure_session(run_id: str, store: str, config_overrides: list, head_root: str) -> str:
+    """Make sure the run's long-lived session (a Ray job running `rlhf serve`) is up and
+    ready; returns the Ray address. Talks to the Jobs API only (no Ray driver here)."""
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
 
-    cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
+    cfg = apply_overrides(RunConfig(), list(config_overrides))  # validated by the controller
     info = ray_head.start_head(head_root)
-    ray_head.connect(info, session.namespace_of(run_id))
-    session.ensure(cfg, run_id)
+    client = ray_head.jobs_client(info)
+    job = session.submit_job(client, cfg, run_id, store)
+    session.wait_job_ready(client, job)
+    print(f"session job {job} ready on {info.address}")
     return info.address
 
 
@@ -40,7 +43,8 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
     info = ray_head.start_head(head_root)
     ray_head.connect(info, session.namespace_of(run_id))
-    result = iterate(cfg, run_id, store, 1, log=print)
+    result = iterate(cfg, run_id, store, info, 1, log=print)
+    ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     if result.get("lease_held_by"):
         print(f"iteration is being run by {result['lease_held_by']}; this trigger does nothing")
     if not result["rows"]:

@@ -21,7 +21,7 @@ S3_SECRET = "rlhf-object-store"
 def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
                   head_root: str = "/var/run/rlhf", session_policy: str = "reuse"):
     # session_policy is recorded for lineage; "reuse" attaches to the live session
-    session = ensure_session(run_id=run_id, config_overrides=config_overrides, head_root=head_root)
+    session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root)
     step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
                          ray_address=session.output)
     step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes

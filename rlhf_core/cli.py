@@ -1,8 +1,11 @@
 """The ``rlhf`` command.
 
-    rlhf run [--iterations N] [--store URI] [--run-id ID] [key=value ...]
-        PPO/GRPO on the embedded default (built-in task and model, local Ray); prints
-        `metrics: PATH` and `curve: PATH` last.
+    rlhf run [--iterations N] [--store URI] [--run-id ID] [--direct] [key=value ...]
+        PPO/GRPO on the embedded default (built-in task and model, a local Ray head), each
+        iteration a Kubeflow pipeline run (KFP local runner; --direct: all in this
+        process); prints `metrics:`, `curve:` and `snapshots:` last.
+    rlhf iterate / serve / stop-session / head   the long-lived session, piece by piece
+    rlhf compile / submit / schedule             the pipeline for a Kubeflow server
     rlhf config [key=value ...]
         Print every config field with its value and documentation.
     rlhf demo
@@ -31,7 +34,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = _config(args.overrides)
     iterations = args.iterations or cfg.trainer.total_iterations
     store = args.store or _default_store(cfg)
-    if args.pipeline:
+    if not args.direct:
         return _run_pipeline(args, cfg, iterations, store)
     result = run_direct(cfg, iterations, store, args.run_id)
     rows = result["rows"]
@@ -69,26 +72,56 @@ def _cmd_head(args: argparse.Namespace) -> int:
     return 0
 
 
+def _local_head(args, cfg):
+    from rlhf_core import ray_head
+
+    return ray_head.start_head(args.head_root or os.path.join(cfg.trainer.output_dir, "head"))
+
+
 def _cmd_iterate(args: argparse.Namespace) -> int:
     from rlhf_core import ray_head, session
     from rlhf_core.trainer.run import iterate
 
     cfg = _config(args.overrides)
     cfg.trainer.progress = False if args.quiet else cfg.trainer.progress
-    head_root = args.head_root or os.path.join(cfg.trainer.output_dir, "head")
-    info = ray_head.start_head(head_root)  # reuse the running head, or start ours
+    info = _local_head(args, cfg)  # reuse the running head, or start ours
     ray_head.connect(info, session.namespace_of(args.run_id))
-    result = iterate(cfg, args.run_id, args.store or _default_store(cfg), args.iterations,
+    result = iterate(cfg, args.run_id, args.store or _default_store(cfg), info, args.iterations,
                      log=(lambda *a: None) if args.quiet else print)
+    ray_head.disconnect()
     if result.get("lease_held_by"):
         print(f"lease held by {result['lease_held_by']}: another trigger is running this iteration")
     else:
-        print(f"session: {'started' if result['session_started'] else 'attached'}")
+        print(f"session: generation {result['session']['generation']}, job {result['session']['job_id']}")
     for row in result["rows"]:
         print(f"iteration {row['iteration']}: reward {row['critic/score/mean']:.3f}, "
               f"{row['timing_s/iteration']:.2f}s")
     print(f"metrics: {result['metrics']}")
     print(f"snapshots: {result['snapshots']}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import json
+
+    from rlhf_core import ray_head, session
+    from rlhf_core.config import config_from_dict
+
+    if args.foreground:  # the Ray job's entrypoint: the session lives in this process
+        import ray
+
+        from_env = os.environ.get("RLHF_SESSION_CONFIG")
+        cfg = config_from_dict(json.loads(from_env)) if from_env else _config(args.overrides)
+        ray.init(namespace=session.namespace_of(args.run_id), log_to_driver=False, configure_logging=False)
+        session.serve(cfg, args.run_id, args.store)
+        return 0
+    cfg = _config(args.overrides)
+    info = _local_head(args, cfg)
+    client = ray_head.jobs_client(info)
+    job = session.submit_job(client, cfg, args.run_id, args.store or _default_store(cfg))
+    session.wait_job_ready(client, job)
+    print(f"session of run {args.run_id}: job {job} on {info.dashboard_url} (ready; ends after "
+          f"{cfg.trainer.session_idle_timeout_s:.0f}s idle or `rlhf stop-session`)")
     return 0
 
 
@@ -100,7 +133,7 @@ def _cmd_stop_session(args: argparse.Namespace) -> int:
         print("no ray head running; nothing to stop")
         return 0
     ray_head.connect(info, session.namespace_of(args.run_id))
-    print("session stopped" if session.stop(args.run_id) else "no session for run " + args.run_id)
+    print("session stopped" if session.stop(args.run_id, info) else "no session for run " + args.run_id)
     return 0
 
 
@@ -108,22 +141,62 @@ def _run_pipeline(args, cfg, iterations: int, store: str) -> int:
     """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
     import time
 
+    from rlhf_core import ray_head
     from rlhf_core.trainer.report import run_history
+    from rlhf_core.trainer.run import plot_curve
 
     sys.path.insert(0, _repo_root())
     from pipelines.local import run_local_iterations
 
     run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
     root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
-    run_local_iterations(run_id, store, args.overrides, os.path.join(cfg.trainer.output_dir, "head"),
-                         iterations, root)
+    head_root = os.path.join(cfg.trainer.output_dir, "head")
+    ours = ray_head.read_head(head_root) is None  # a head someone started stays up
+    try:
+        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root)
+    finally:
+        if ours and not args.keep_session:
+            ray_head.stop_head(ray_head.read_head(head_root), head_root)
     rows = run_history(store, run_id)
+    curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
     if rows:
+        plot_curve(rows, curve)
         print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
               f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
+        print(f"checkpoint: {rows[-1]['checkpoint']}")
     print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
+    print(f"curve: {curve}")
     print(f"pipeline runs: {root}")
     print(f"snapshots: {store.rstrip('/')}/{run_id}")
+    return 0
+
+
+def _remote(args):
+    sys.path.insert(0, _repo_root())
+    from pipelines import remote
+
+    cfg = _config(args.overrides)  # refuse a bad override here, not in the cluster
+    target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment)
+    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, args.head_root)
+    return remote, cfg, target, arguments
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    remote, _, target, arguments = _remote(args)
+    out = remote.submit(target, arguments)
+    print(f"submitted: run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: one iteration "
+          f"of {args.run_id}, continuing from its last committed iteration in {args.store}")
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    remote, _, target, arguments = _remote(args)
+    try:
+        out = remote.schedule(target, arguments, args.cron)
+    except remote.ScheduleError as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    print(f"scheduled: recurring run {out['recurring_run_id']} (experiment {out['experiment_id']}) on "
+          f"{args.host}, cron '{out['cron']}': each trigger runs the next iteration of {args.run_id}")
     return 0
 
 
@@ -161,8 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--store", default=None, help="fsspec URI for snapshots and checkpoints (default runs/store)")
     run.add_argument("--run-id", default=None, help="name of the run (default: timestamped); an existing "
                      "run id continues from its last committed iteration")
-    run.add_argument("--pipeline", action="store_true", help="run each iteration as a Kubeflow pipeline run "
-                     "(KFP local runner) against the run's long-lived session")
+    run.add_argument("--direct", action="store_true", help="run every iteration in this one process instead "
+                     "of one Kubeflow pipeline run (KFP local runner) per iteration")
+    run.add_argument("--keep-session", action="store_true", help="leave the local Ray head and the run's "
+                     "session up afterwards (rlhf iterate / rlhf run continue on it)")
     run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
     run.set_defaults(func=_cmd_run)
 
@@ -176,15 +251,39 @@ def build_parser() -> argparse.ArgumentParser:
     it.add_argument("--store", default=None, help="fsspec URI of the snapshot store (default runs/store)")
     it.add_argument("--iterations", type=int, default=1)
     it.add_argument("--head-root", default=None, help="folder of the local Ray head, started if absent "
-                    "(default: {trainer.output_dir}/head, the one `rlhf run --pipeline` uses)")
+                    "(default: {trainer.output_dir}/head, the one `rlhf run` uses)")
     it.add_argument("--quiet", action="store_true", help="no config dump, no progress bars")
     it.add_argument("overrides", nargs="*")
     it.set_defaults(func=_cmd_iterate)
+
+    serve = sub.add_parser("serve", help="start the run's long-lived session as a Ray job (Jobs API)")
+    serve.add_argument("--run-id", required=True)
+    serve.add_argument("--store", default=None, help="where the run's checkpoints are (default runs/store)")
+    serve.add_argument("--head-root", default=None, help="folder of the local Ray head, started if absent")
+    serve.add_argument("--foreground", action="store_true", help=argparse.SUPPRESS)  # the job's entrypoint
+    serve.add_argument("overrides", nargs="*")
+    serve.set_defaults(func=_cmd_serve)
 
     stop = sub.add_parser("stop-session", help="kill the run's session actors")
     stop.add_argument("--run-id", required=True)
     stop.add_argument("--head-root", default=os.path.join("runs", "head"))
     stop.set_defaults(func=_cmd_stop_session)
+
+    for name, func, text in (("submit", _cmd_submit, "run one iteration on a Kubeflow Pipelines server"),
+                             ("schedule", _cmd_schedule, "a recurring run on a Kubeflow Pipelines server: "
+                              "each trigger runs the next iteration")):
+        remote = sub.add_parser(name, help=text)
+        remote.add_argument("--host", required=True, help="the KFP API endpoint, e.g. http://ml-pipeline-ui.kubeflow")
+        if name == "schedule":
+            remote.add_argument("--cron", required=True, help="cron expression, 5 fields (or KFP's 6, seconds "
+                                "first), e.g. '0 */2 * * *'")
+        remote.add_argument("--run-id", required=True, help="the run the iterations belong to")
+        remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
+        remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")
+        remote.add_argument("--experiment", default="rlhf", help="KFP experiment the runs go to")
+        remote.add_argument("--head-root", default="/var/run/rlhf", help="the pipeline's head_root parameter")
+        remote.add_argument("overrides", nargs="*", help="config overrides passed to every iteration")
+        remote.set_defaults(func=func)
 
     comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
     comp.add_argument("--out", default=None, help="default: pipelines/ppo_iteration.yaml")

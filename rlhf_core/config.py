@@ -116,6 +116,8 @@ class TrainerConfig:
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
     cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch threads)")
     progress: bool = _f(True, "show a progress bar per stage")
+    session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
+                                       "long without a controller using it")
 
 
 @dataclass
@@ -171,7 +173,7 @@ class RunConfig:
 
 
 #: Fields that change how a run is shown or where local logs go, never what it trains.
-NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"))
+NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"))
 
 
 class ConfigError(ValueError):

@@ -27,6 +27,7 @@ class HeadInfo:
     token_path: str       # RAY_AUTH_TOKEN_PATH for clients
     temp_dir: str
     pid: int              # the `ray start --block` process (its group holds the head)
+    dashboard_url: str = ""  # the Ray Jobs API (the session runs as a Ray job)
 
     @property
     def client_env(self) -> dict:
@@ -79,29 +80,35 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
         token_path.write_text(secrets.token_hex(32))
         token_path.chmod(0o600)
     temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
-    port = _free_port()
+    port, dashboard_port = _free_port(), _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
     args = [_ray_binary(), "start", "--head", "--block", f"--port={port}",
-            f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", "--include-dashboard=false",
-            f"--temp-dir={temp_dir}", "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+            f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", f"--temp-dir={temp_dir}",
+            "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+            # the dashboard serves the Jobs API; every port of ours is a free one, never a
+            # default (another Ray on this machine may hold those)
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
+            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
             # stage payloads of small models go inline with the call (see trainer/run.py)
             '--system-config={"max_direct_call_object_size": 4194304, "task_rpc_inlined_bytes_limit": 16777216}']
     log = open(root / "ray-head.log", "ab")
     process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     info = HeadInfo(address=f"127.0.0.1:{port}", token_path=str(token_path), temp_dir=str(temp_dir),
-                    pid=process.pid)
+                    pid=process.pid, dashboard_url=f"http://127.0.0.1:{dashboard_port}")
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"ray head exited with {process.returncode}; see {root / 'ray-head.log'}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.3)
-    else:
-        stop_head(info)
-        raise TimeoutError(f"ray head on port {port} not up after {timeout_s:.0f}s; see {root / 'ray-head.log'}")
+    for probe in (port, dashboard_port):
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"ray head exited with {process.returncode}; see {root / 'ray-head.log'}")
+            try:
+                with socket.create_connection(("127.0.0.1", probe), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            stop_head(info)
+            raise TimeoutError(f"ray head port {probe} not up after {timeout_s:.0f}s; see {root / 'ray-head.log'}")
     head_state_path(root).write_text(json.dumps(asdict(info), indent=1))
     return info
 
@@ -139,6 +146,21 @@ def _pids_with(marker: str) -> list[int]:
     return pids
 
 
+def jobs_client(info: HeadInfo, timeout_s: float = 60.0):
+    """A Ray Jobs API client for the head (token auth), once its job agent accepts work."""
+    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": info.token_path})
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return JobSubmissionClient(info.dashboard_url)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def connect(info: HeadInfo, namespace: str) -> None:
     """``ray.init`` this process against our head, in the run's namespace."""
     # Ray reads its auth settings when it is first imported: set them before that.
@@ -148,3 +170,12 @@ def connect(info: HeadInfo, namespace: str) -> None:
     if ray.is_initialized():
         return
     ray.init(address=info.address, namespace=namespace, log_to_driver=False, configure_logging=False)
+
+
+def disconnect() -> None:
+    """Leave the cluster now (a controller exiting through interpreter teardown takes
+    about a second longer)."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()

@@ -1,6 +1,7 @@
 """Config overrides and the bad-input errors of the training path."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -94,8 +95,8 @@ def test_reward_dict_extras_and_loader_errors():
 class _Tok:
     bos_token_id, pad_token_id = 1, 0
 
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [ord(c) % 50 + 3 for c in text]}
+    def encode(self, text):
+        return [ord(c) % 50 + 3 for c in text]
 
 
 def test_empty_dataset_and_missing_columns(tmp_path):
@@ -125,3 +126,19 @@ def test_loader_left_pads_keeps_uids_and_cursor(tmp_path):
     third = loader.next_batch()  # 4, then rolls over into epoch 1
     assert third.non_tensor_batch["uid"].tolist() == ["0-4", "1-0"]
     assert loader.cursor.to_dict() == {"epoch": 1, "position": 1}
+
+
+def test_prompt_tokenizer_matches_transformers(tmp_path, monkeypatch):
+    """The controller's transformers-free tokenizer gives the ids AutoTokenizer gives."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.data.tokenizer import PromptTokenizer
+    from rlhf_core.workers.modeling import resolve_model_path
+
+    monkeypatch.setenv("RLHF_CACHE", os.environ.get("RLHF_CACHE", str(tmp_path / "cache")))
+    path = resolve_model_path("builtin:digits", 0, progress=False)
+    fast, hf = PromptTokenizer(path), AutoTokenizer.from_pretrained(path)
+    assert fast._hf is None  # the tokenizers-only path is the one under test
+    assert (fast.bos_token_id, fast.pad_token_id) == (hf.bos_token_id, hf.pad_token_id)
+    for row in load_rows("builtin:digits")[:200]:
+        assert fast.encode(row["prompt"]) == hf(row["prompt"], add_special_tokens=False)["input_ids"]

@@ -24,13 +24,13 @@ def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
     assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
 
 
-def test_rlhf_run_pipeline_mode_runs_iterations_as_local_pipeline_runs(tmp_path):
+def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "out"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "rlhf_core.cli", "run", "--pipeline", "--iterations", "2", "--run-id", "kfp",
+            [sys.executable, "-m", "rlhf_core.cli", "run", "--iterations", "2", "--run-id", "kfp",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
              f"trainer.output_dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -41,6 +41,8 @@ def test_rlhf_run_pipeline_mode_runs_iterations_as_local_pipeline_runs(tmp_path)
         assert manifest["parent_iteration"] == 0 and manifest["checkpoint"].endswith("step-000002")
         reports = list((out / "kfp" / "kfp").rglob("summary"))
         assert reports and "reward curve" in reports[-1].read_text()
+        assert (out / "kfp" / "reward_curve.png").stat().st_size > 0
+        assert not (out / "head" / "ray-head.json").exists()  # the head it started is gone again
     finally:
         subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
                        capture_output=True, timeout=120)

@@ -42,7 +42,7 @@ def fingerprint(store: Path, run_id: str) -> dict:
     for manifest in sorted(root.glob("iter-*/*/SNAPSHOT.json")):
         rel = str(manifest.parent.relative_to(root))
         out[rel] = json.loads(manifest.read_text())["objects"]
-    for ckpt in sorted(root.glob("checkpoints/step-*/actor_model.safetensors")):
+    for ckpt in sorted(root.glob("checkpoints/step-*/*.safetensors")):
         out[str(ckpt.relative_to(root))] = hashlib.sha256(ckpt.read_bytes()).hexdigest()
     return out
 

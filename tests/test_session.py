@@ -1,7 +1,9 @@
-"""The long-lived session: iterations attach to it, survive its death, and never overlap.
+"""The long-lived session: a Ray job that iterations attach to; it survives a killed
+worker and a SIGKILLed controller at any point, ends when idle, and never runs an
+iteration twice.
 
 Each `rlhf iterate` runs in its own process (as a Kubeflow component would) against this
-project's own Ray head (non-default port, token auth), which the test stops by PID.
+project's own Ray head (non-default ports, token auth), which the test stops by PID.
 """
 
 import json
@@ -10,12 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from test_resume import fingerprint, small_config
 
+from rlhf_core.config import apply_overrides
 from rlhf_core.trainer.run import run_direct
 
 OVERRIDES = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
@@ -29,15 +31,18 @@ def head_root(tmp_path):
                    capture_output=True, timeout=120)
 
 
-def iterate(tmp_path, head_root, *extra):
+def iterate(tmp_path, head_root, *extra, overrides=(), kill_at=None, check=True):
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)
+    if kill_at:
+        env["RLHF_KILL_AT"] = kill_at
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet",
                            "--store", f"file://{tmp_path / 'store'}", "--head-root", str(head_root), *extra,
-                           *OVERRIDES, f"trainer.output_dir={tmp_path / 'out'}"],
+                           *OVERRIDES, *overrides, f"trainer.output_dir={tmp_path / 'out'}"],
                           capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
 
 
 def session_worker_pids():
@@ -45,65 +50,97 @@ def session_worker_pids():
     return [int(p) for p in out.split()]
 
 
+def assert_same_as_direct(tmp_path, iterations, overrides=()):
+    cfg = apply_overrides(small_config(tmp_path / "direct-out"), list(overrides))
+    run_direct(cfg, iterations, f"file://{tmp_path / 'direct'}", "run", log=lambda *a: None)
+    a, b = fingerprint(tmp_path / "direct", "run"), fingerprint(tmp_path / "store", "run")
+    assert sorted(a) == sorted(b)
+    assert not [k for k in a if a[k] != b[k]]
+
+
 def test_iterations_attach_survive_a_killed_worker_and_match_a_direct_run(tmp_path, head_root, ray_local):
     os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
-    assert "session: started" in iterate(tmp_path, head_root)
-    out = iterate(tmp_path, head_root)
-    assert "session: attached" in out and "iteration 1:" in out
+    assert "session: generation 1, job rlhf-session-run-1" in iterate(tmp_path, head_root).stdout
+    out = iterate(tmp_path, head_root).stdout
+    assert "session: generation 1" in out and "iteration 1:" in out  # attached, not rebuilt
 
     before = set(session_worker_pids())
     assert before, "the session's worker process should be running"
     for pid in before:
         os.kill(pid, signal.SIGKILL)
     time.sleep(1)
-    out = iterate(tmp_path, head_root)
-    assert "session: started" in out and "iteration 2:" in out  # restarted from the checkpoint
+    out = iterate(tmp_path, head_root).stdout
+    # the same job rebuilt its workers from the last checkpoint; the iteration finished
+    assert "session: generation 2, job rlhf-session-run-1" in out and "iteration 2:" in out
+    assert_same_as_direct(tmp_path, 3)
 
-    # the same three iterations run directly, in one process, end bit-identical
-    run_direct(small_config(tmp_path / "direct-out"), 3, f"file://{tmp_path / 'direct'}", "run",
-               log=lambda *a: None)
-    a, b = fingerprint(tmp_path / "direct", "run"), fingerprint(tmp_path / "store", "run")
-    assert sorted(a) == sorted(b)
-    assert not [k for k in a if a[k] != b[k]]
+
+# Every stage of a PPO iteration with a critic and a reference model, in order.
+ALL_STAGES = ["rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage", "update_critic",
+              "update_actor", "weight_sync"]
+PPO = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+
+
+def test_controller_sigkilled_at_every_stage_resumes_bit_identical(tmp_path, head_root, ray_local):
+    """Iteration 1 is attempted again and again, each controller SIGKILLed at the next
+    point: after each stage's work (before its snapshot), inside a snapshot write, and
+    between checkpoint and commit. The session's workers stay up, possibly with weights
+    the dead controller changed. The last attempt finishes, and everything matches an
+    uninterrupted run bit for bit."""
+    os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
+    iterate(tmp_path, head_root, overrides=PPO)  # iteration 0, and a live session
+    iteration = tmp_path / "store" / "run" / "iter-000001"
+    points = [f"stage:{s}" for s in ALL_STAGES[:7]] + ["snapshot:*/update_actor", "stage:update_actor",
+                                                        "stage:weight_sync", "commit:1"]
+    for point in points:
+        proc = iterate(tmp_path, head_root, overrides=PPO, kill_at=point, check=False)
+        assert proc.returncode == -signal.SIGKILL, f"{point}: {proc.stdout[-1500:]}{proc.stderr[-3000:]}"
+        assert not (iteration / "MANIFEST.json").exists()
+        if point.startswith("stage:") and point[6:] != "weight_sync":
+            assert not (iteration / point[6:] / "SNAPSHOT.json").exists()  # killed before the commit
+        if point == "snapshot:*/update_actor":
+            assert list((iteration / "update_actor").glob("data-*"))  # data written, no manifest
+            assert not (iteration / "update_actor" / "SNAPSHOT.json").exists()
+    assert sorted(p.name for p in iteration.iterdir()) == sorted(ALL_STAGES[:-1])  # all but weight_sync
+    out = iterate(tmp_path, head_root, "--iterations", "2", overrides=PPO).stdout
+    assert "iteration 1:" in out and "iteration 2:" in out
+    assert_same_as_direct(tmp_path, 3, PPO)
 
 
 def test_overlapping_trigger_leaves_a_leased_iteration_alone(tmp_path, head_root):
     lease = tmp_path / "store" / "run" / "leases" / "iter-000000.json"
     lease.parent.mkdir(parents=True)
     lease.write_text(json.dumps({"holder": "other-host:42", "taken_at": time.time()}))
-    out = iterate(tmp_path, head_root)
+    out = iterate(tmp_path, head_root).stdout
     assert "lease held by other-host:42" in out
     assert not (tmp_path / "store" / "run" / "iter-000000").exists()
     # a stale lease (its holder died long ago) is taken over
     lease.write_text(json.dumps({"holder": "dead-host:1", "taken_at": time.time() - 7200}))
-    out = iterate(tmp_path, head_root)
+    out = iterate(tmp_path, head_root).stdout
     assert "iteration 0:" in out and not lease.exists()
 
 
-def test_sigkilled_controller_resumes_bit_identical(tmp_path, head_root, ray_local):
-    """SIGKILL the controller mid-iteration (the session's workers stay up, possibly
-    dirty); the next trigger finishes, and everything matches an uninterrupted run."""
-    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
-    env.pop("RAY_ADDRESS", None)
-    iterate(tmp_path, head_root)  # iteration 0, and a live session
-    args = [sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet", "--iterations", "2",
-            "--store", f"file://{tmp_path / 'store'}", "--head-root", str(head_root), *OVERRIDES,
-            f"trainer.output_dir={tmp_path / 'out'}"]
-    victim = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    marker = tmp_path / "store" / "run" / "iter-000001" / "reward" / "SNAPSHOT.json"
-    deadline = time.monotonic() + 300
-    while not marker.exists():
-        assert victim.poll() is None, "controller finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)  # somewhere after the reward stage committed
-    victim.wait()
-    # the dead controller's lease goes stale at once (same host, dead pid): retry finishes
-    out = iterate(tmp_path, head_root, "--iterations", "2")
-    assert "iteration 2:" in out
+def session_job(head_root, submission_id):
+    """(status, logs) of a session job, asked through the Jobs API by a fresh process
+    (Ray reads its token settings once per process)."""
+    code = ("import json, sys; from rlhf_core import ray_head; "
+            "c = ray_head.jobs_client(ray_head.read_head(sys.argv[1])); "
+            "print(json.dumps([str(c.get_job_status(sys.argv[2])), c.get_job_logs(sys.argv[2])]))")
+    out = subprocess.run([sys.executable, "-c", code, str(head_root), submission_id], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
-    run_direct(small_config(tmp_path / "direct-out"), 3, f"file://{tmp_path / 'direct'}", "run",
-               log=lambda *a: None)
-    a, b = fingerprint(tmp_path / "direct", "run"), fingerprint(tmp_path / "store", "run")
-    assert sorted(a) == sorted(b)
-    assert not [k for k in a if a[k] != b[k]]
+
+def test_session_job_ends_when_idle(tmp_path, head_root):
+    iterate(tmp_path, head_root, overrides=["trainer.session_idle_timeout_s=3"])
+    deadline = time.monotonic() + 120
+    while (job := session_job(head_root, "rlhf-session-run-1"))[0] != "SUCCEEDED":
+        assert time.monotonic() < deadline, job[1][-2000:]
+        time.sleep(1)
+    assert "ended (idle)" in job[1]
+    time.sleep(2)
+    assert not session_worker_pids()
+    # the next trigger brings a new session up from the checkpoint
+    out = iterate(tmp_path, head_root).stdout
+    assert "job rlhf-session-run-2" in out and "iteration 1:" in out

@@ -12,6 +12,7 @@ import torch
 
 from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.data.dataset import PromptLoader, load_rows
+from rlhf_core.data.tokenizer import PromptTokenizer
 from rlhf_core.trainer.ppo import PPOTrainer
 from rlhf_core.trainer.run import build_workers
 from rlhf_core.workers import modeling
@@ -34,7 +35,7 @@ def run_iterations(overrides, iterations=2, after=None):
     cfg = apply_overrides(RunConfig(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
                                         "rollout.n=4", "trainer.progress=false", *overrides]).validate()
     path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
-    loader = PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), modeling.load_tokenizer(path),
+    loader = PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(path),
                           cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed)
     workers = build_workers(cfg)
     try:

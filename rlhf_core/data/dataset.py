@@ -76,7 +76,7 @@ class PromptLoader:
         self._encoded = [self._encode(i, r) for i, r in enumerate(rows)]
 
     def _encode(self, index: int, row: dict) -> list[int]:
-        ids = self.tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer.encode(row["prompt"])
         if self.tokenizer.bos_token_id is not None:
             ids = [self.tokenizer.bos_token_id] + ids
         if len(ids) > self.max_prompt_length:

@@ -20,14 +20,19 @@ from rlhf_core.snapshot.errors import (
     SnapshotExistsError,
     SnapshotSchemaError,
 )
-from rlhf_core.snapshot.reader import (
-    SnapshotInfo,
-    list_snapshots,
-    load_snapshot,
-    snapshot_info,
-    verify_snapshot,
-)
-from rlhf_core.snapshot.writer import save_snapshot
+
+# The reader and writer need torch; they load on first use so that tools which only read
+# manifests (reports, the Kubeflow components that do no tensor work) start fast.
+_LAZY = {"SnapshotInfo": "reader", "list_snapshots": "reader", "load_snapshot": "reader",
+         "snapshot_info": "reader", "verify_snapshot": "reader", "save_snapshot": "writer"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"rlhf_core.snapshot.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'rlhf_core.snapshot' has no attribute {name!r}")
 
 __all__ = [
     "save_snapshot", "load_snapshot", "list_snapshots", "snapshot_info", "verify_snapshot",

@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.protocol import DataProto, UnsupportedObjectError, _to_json_value
 from rlhf_core.snapshot import fs as sfs
+from rlhf_core.testing import faults
 from rlhf_core.snapshot.errors import SnapshotExistsError
 from rlhf_core.snapshot.layout import (
     DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path,
@@ -228,6 +229,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
         "writer": {"host": socket.gethostname(), "pid": os.getpid()},
     }
     raw = json.dumps(manifest, indent=1, sort_keys=False).encode("utf-8")
+    faults.reached(f"snapshot:{loc.uri}")
     try:
         sfs.put_create_only(manifest_loc, raw)
     except SnapshotExistsError:

@@ -19,11 +19,14 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from rlhf_core.protocol import DataProto
 from rlhf_core.ray_head import pid_alive
-from rlhf_core.snapshot import SnapshotExistsError, load_snapshot, save_snapshot
 from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot.errors import SnapshotExistsError
+
+if TYPE_CHECKING:
+    from rlhf_core.protocol import DataProto
 
 MANIFEST = "MANIFEST.json"
 ITERATION_FORMAT = "rlhf.iteration"
@@ -84,13 +87,17 @@ class IterationStore:
             loc.fs.invalidate_cache()
         return sfs.read_bytes(loc) is not None
 
-    def load(self, iteration: int, stage: str) -> DataProto:
+    def load(self, iteration: int, stage: str) -> "DataProto":
+        from rlhf_core.snapshot import load_snapshot
+
         return load_snapshot(self.stage_uri(iteration, stage), storage_options=self.storage_options)
 
-    def save(self, iteration: int, stage: str, batch: DataProto) -> None:
+    def save(self, iteration: int, stage: str, batch: "DataProto") -> None:
         """Commit the stage's output. A stage re-run after a restart (the stateful update
         stages re-run from the restored checkpoint) finds its snapshot committed and keeps
         it: snapshots are immutable."""
+        from rlhf_core.snapshot import save_snapshot
+
         try:
             save_snapshot(batch, self.stage_uri(iteration, stage), storage_options=self.storage_options,
                           annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})

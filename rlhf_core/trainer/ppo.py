@@ -21,6 +21,7 @@ from rlhf_core.algorithms import (
 )
 from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
+from rlhf_core.testing import faults
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
 
 STAGES = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
@@ -102,6 +103,7 @@ class PPOTrainer:
             self.on_stage(name)
             t0 = time.perf_counter()
             batch = run_stage(batch)
+            faults.reached(f"stage:{name}")
             if self.stage_store is not None and name != "weight_sync":  # it adds no data
                 self.stage_store.save(iteration, name, batch)
             timing[name] = time.perf_counter() - t0

@@ -7,11 +7,16 @@ import io
 
 
 def run_history(store: str, run_id: str) -> list[dict]:
-    """One row per committed iteration: its number plus the metrics in its manifest."""
+    """One row per committed iteration: its number and checkpoint plus the metrics in its
+    manifest."""
     from rlhf_core.trainer.iteration_store import IterationStore
 
     istore = IterationStore(store, run_id)
-    return [{"iteration": n, **istore.read_manifest(n)["metrics"]} for n in istore.committed_iterations()]
+    rows = []
+    for n in istore.committed_iterations():
+        manifest = istore.read_manifest(n)
+        rows.append({"iteration": n, "checkpoint": manifest["checkpoint"], **manifest["metrics"]})
+    return rows
 
 
 def curve_png(rows: list[dict]) -> bytes:

@@ -18,13 +18,9 @@ from pathlib import Path
 from rlhf_core.config import RunConfig, describe
 
 
-def build_workers(cfg: RunConfig) -> dict:
-    """One process per actor rank hosting every role (actor/rollout/ref, critic, reward)."""
-    import torch
-
-    from rlhf_core.controller import (
-        RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, create_colocated_worker_cls,
-    )
+def worker_roles(cfg: RunConfig) -> dict:
+    """The roles colocated in each worker process: actor/rollout/ref, reward, critic."""
+    from rlhf_core.controller import RayClassWithInitArgs
     from rlhf_core.workers.actor import ActorRolloutRefWorker
     from rlhf_core.workers.critic import CriticWorker
     from rlhf_core.workers.reward import RewardWorker
@@ -33,10 +29,22 @@ def build_workers(cfg: RunConfig) -> dict:
              "reward": RayClassWithInitArgs(RewardWorker, cfg)}
     if cfg.use_critic:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, cfg)
+    return roles
+
+
+def build_workers(cfg: RunConfig, name_prefix: str = "rlhf_worker", pool_name: str = "global_pool",
+                  detached: bool = False) -> dict:
+    """One process per actor rank hosting every role (actor/rollout/ref, critic, reward);
+    ``detached`` ones outlive this driver (the long-lived session's)."""
+    import torch
+
+    from rlhf_core.controller import RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
+
+    roles = worker_roles(cfg)
     pool = RayResourcePool([cfg.actor.world_size], use_gpu=torch.cuda.is_available(),
-                           cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix="global_pool",
-                           max_colocate_count=1)
-    group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix="rlhf_worker")
+                           cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name,
+                           max_colocate_count=1, detached=detached)
+    group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix=name_prefix, detached=detached)
     workers = group.spawn(prefix_set=roles.keys())
     for role in roles:
         workers[role].init_model()
@@ -145,10 +153,11 @@ def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
 
 def make_loader(cfg: RunConfig, state):
     from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
+    from rlhf_core.data.tokenizer import PromptTokenizer
     from rlhf_core.workers import modeling
 
     model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
-    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), modeling.load_tokenizer(model_path),
+    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor))
 
@@ -165,6 +174,7 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
     """
     from tqdm import tqdm
 
+    from rlhf_core.testing import faults
     from rlhf_core.trainer.iteration_store import code_version
     from rlhf_core.trainer.ppo import PPOTrainer
 
@@ -196,6 +206,7 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
                 metrics = trainer.run_iteration()
                 checkpoint = istore.checkpoint_uri(trainer.state.global_step)
                 save_checkpoint(workers, trainer, cfg, checkpoint)
+                faults.reached(f"commit:{iteration}")
                 istore.commit_iteration(iteration, {
                     "config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
                     "checkpoint": checkpoint, "data_cursor": trainer.state.cursor,
@@ -226,10 +237,10 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
     return rows, trainer
 
 
-def _finish(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trainer) -> dict:
+def _finish(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trainer, plot: bool = True) -> dict:
     curve = run_dir / "reward_curve.png"
     all_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    if all_rows:
+    if all_rows and plot:  # a per-iteration controller leaves the curve to the report step
         plot_curve(all_rows, curve)
     return {"run_id": istore.run_id, "metrics": str(run_dir / "metrics.jsonl"), "curve": str(curve),
             "rows": rows, "checkpoint": istore.checkpoint_uri(trainer.state.global_step),
@@ -266,11 +277,11 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     return _finish(cfg, run_dir, rows, istore, trainer)
 
 
-def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=print, on_stage=None,
+def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
             lease_ttl_s: float = 900.0) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
-    connected to the session's Ray cluster, in the run's namespace). The session is
-    (re)started from the last committed checkpoint when it is not there.
+    connected to the session's Ray cluster ``head``, in the run's namespace). The session
+    is (re)started from the last committed checkpoint when it is not there.
 
     Overlapping triggers (a recurring run firing while the last one still runs) must not
     drive the same workers at once: the iteration is taken with a create-only lease in
@@ -284,7 +295,7 @@ def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=pr
     if holder is not None:
         log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
         return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
-                "metrics": str(run_dir / "metrics.jsonl"), "session_started": False}
+                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
     def committed(step: int) -> None:
         record.update.remote(step=step)
         istore.release_lease(step - 1)
@@ -293,21 +304,24 @@ def iterate(cfg: RunConfig, run_id: str, store: str, iterations: int = 1, log=pr
 
     def stage_started(step: int, name: str) -> None:
         istore.renew_lease(step)  # a live holder keeps its lease fresh
+        record.update.remote(stage=name)  # and the session sees it is in use
         if on_stage is not None:
             on_stage(step, name)
 
     state_start = state.global_step
     try:
-        workers, started = session.ensure(cfg, run_id)
-        log(f"[rlhf] session of run {run_id}: {'started' if started else 'attached'}")
-        at_step = None if started else workers["_info"].get("step")
+        workers = session.ensure(cfg, run_id, store, head)
+        info = workers["_info"]
+        log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
+        at_step = info.get("step")
         record = workers["_record"]
         record.update.remote(step=None)  # dirty until this iteration commits
         rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, workers_at_step=at_step,
                                        on_stage=stage_started, on_committed=committed)
     finally:
         istore.release_lease(state.global_step)
-    result = {**_finish(cfg, run_dir, rows, istore, trainer), "session_started": started}
+    result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),
+              "session": {k: info[k] for k in ("generation", "job_id")}}
     if rows:
         last = istore.read_manifest(rows[-1]["iteration"])
         result["lineage"] = {"run_id": run_id, "iteration": last["iteration"],

@@ -1,0 +1,86 @@
+"""Submit the per-iteration pipeline to a Kubeflow Pipelines server (kfp.Client).
+
+``submit`` starts one run (one iteration); ``schedule`` creates a recurring run whose
+every trigger runs the next iteration. Triggers never double-run an iteration: the
+recurring run allows one active run at a time (``max_concurrency=1``), and should two
+overlap anyway (a retried run, a manual submit), the controller's create-only lease in
+the store makes the late one exit cleanly without touching anything.
+"""
+
+import os
+import re
+from dataclasses import dataclass
+
+from pipelines.ppo_iteration import COMPILED
+
+EXPERIMENT = "rlhf"
+_CRON_FIELD = re.compile(r"^[\d*/,\-?LW#A-Za-z]+$")
+
+
+class ScheduleError(ValueError):
+    """A bad --cron (or other schedule input); the message names the field."""
+
+
+def kfp_cron(expr: str) -> str:
+    """KFP's scheduler takes 6-field cron (seconds first). A standard 5-field expression
+    gets ``0`` seconds prepended; anything else is refused with the reason."""
+    fields = expr.split()
+    if len(fields) == 5:
+        fields = ["0"] + fields
+    if len(fields) != 6:
+        raise ScheduleError(f"--cron: expected 5 fields (minute hour day month weekday) or 6 (with "
+                            f"seconds first), found {len(expr.split())} in {expr!r}")
+    bad = [f for f in fields if not _CRON_FIELD.match(f)]
+    if bad:
+        raise ScheduleError(f"--cron: field(s) {bad} of {expr!r} are not cron syntax")
+    return " ".join(fields)
+
+
+@dataclass
+class Target:
+    """Which Kubeflow server, and where runs go there."""
+
+    host: str
+    namespace: str | None = None
+    experiment: str = EXPERIMENT
+
+    def client(self):
+        import kfp
+
+        # KF_PIPELINES_TOKEN: a bearer token for servers behind auth (e.g. a service
+        # account token); without it, kfp.Client's own discovery applies.
+        return kfp.Client(host=self.host, namespace=self.namespace or "kubeflow",
+                          existing_token=os.environ.get("KF_PIPELINES_TOKEN"))
+
+    def experiment_id(self, client) -> str:
+        try:
+            return client.get_experiment(experiment_name=self.experiment, namespace=self.namespace).experiment_id
+        except ValueError:  # kfp raises ValueError when no experiment has the name
+            return client.create_experiment(self.experiment, namespace=self.namespace).experiment_id
+
+
+def pipeline_arguments(run_id: str, store: str, overrides: list, head_root: str) -> dict:
+    return {"run_id": run_id, "store": store, "config_overrides": list(overrides), "head_root": head_root}
+
+
+def submit(target: Target, arguments: dict, run_name: str | None = None) -> dict:
+    """One run of the per-iteration pipeline; returns its id."""
+    client = target.client()
+    experiment_id = target.experiment_id(client)
+    run = client.run_pipeline(experiment_id=experiment_id,
+                              job_name=run_name or f"{arguments['run_id']}-iteration",
+                              pipeline_package_path=str(COMPILED), params=arguments, enable_caching=False)
+    return {"run_id": run.run_id, "experiment_id": experiment_id}
+
+
+def schedule(target: Target, arguments: dict, cron: str, name: str | None = None) -> dict:
+    """A recurring run: every trigger continues the run from its last committed iteration."""
+    cron = kfp_cron(cron)
+    client = target.client()
+    experiment_id = target.experiment_id(client)
+    job = client.create_recurring_run(experiment_id=experiment_id,
+                                      job_name=name or f"{arguments['run_id']}-recurring",
+                                      description=f"PPO iterations of run {arguments['run_id']}, one per trigger",
+                                      cron_expression=cron, max_concurrency=1, no_catchup=True,
+                                      params=arguments, pipeline_package_path=str(COMPILED), enable_caching=False)
+    return {"recurring_run_id": job.recurring_run_id, "experiment_id": experiment_id, "cron": cron}

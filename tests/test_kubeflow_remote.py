@@ -1,0 +1,66 @@
+"""`rlhf submit` / `rlhf schedule` against a recording stand-in for the KFP API server.
+
+This is a request-shape test: it checks what we send (the compiled pipeline, its
+parameters, the schedule) against the documented v2beta1 REST API, not that a real
+Kubeflow server runs it (none can run here).
+"""
+
+import json
+
+import pytest
+
+from kfp_recorder import Recorder
+
+from rlhf_core.cli import main
+
+
+def posted(rec, path):
+    bodies = [r["body"] for r in rec.find("POST", path)]
+    assert len(bodies) == 1, f"expected one POST {path}, got {len(bodies)}"
+    return bodies[0]
+
+
+def test_submit_posts_one_run_of_the_compiled_pipeline(capsys):
+    with Recorder() as rec:
+        assert main(["submit", "--host", rec.url, "--run-id", "nightly", "--store", "s3://models/runs",
+                     "actor.lr=1e-5", "rollout.n=4"]) == 0
+        experiment = posted(rec, "/apis/v2beta1/experiments")
+        run = posted(rec, "/apis/v2beta1/runs")
+    assert experiment["display_name"] == "rlhf"
+    assert run["experiment_id"] == "exp-1" and run["display_name"] == "nightly-iteration"
+    assert run["runtime_config"]["parameters"] == {
+        "run_id": "nightly", "store": "s3://models/runs", "config_overrides": ["actor.lr=1e-5", "rollout.n=4"],
+        "head_root": "/var/run/rlhf"}
+    spec = run["pipeline_spec"]
+    assert spec["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration"
+    assert set(spec["pipeline_spec"]["root"]["dag"]["tasks"]) == {"ensure-session", "run-iteration", "report"}
+    assert "rlhf-object-store" in json.dumps(spec["platform_spec"])  # credentials from the secret
+    assert "submitted: run run-1 (experiment exp-1)" in capsys.readouterr().out
+
+
+def test_schedule_posts_a_recurring_run_that_never_overlaps(capsys):
+    with Recorder() as rec:
+        assert main(["schedule", "--host", rec.url, "--cron", "30 */6 * * *", "--run-id", "nightly",
+                     "--store", "s3://models/runs", "--experiment", "fine-tunes"]) == 0
+        job = posted(rec, "/apis/v2beta1/recurringruns")
+    assert job["trigger"] == {"cron_schedule": {"cron": "0 30 */6 * * *"}}  # KFP cron has seconds first
+    assert job["max_concurrency"] in (1, "1") and job["no_catchup"] is True and job["mode"] == "ENABLE"
+    assert job["runtime_config"]["parameters"]["run_id"] == "nightly"
+    assert job["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration"
+    assert "recurring run rr-1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cron, message", [("*/5 * *", "expected 5 fields .* found 3"),
+                                           ("0 2 * * mon;rm", "not cron syntax")])
+def test_bad_cron_is_refused_before_any_request(cron, message):
+    with Recorder() as rec:
+        with pytest.raises(SystemExit, match=f"--cron: .*{message}"):
+            main(["schedule", "--host", rec.url, "--cron", cron, "--run-id", "r", "--store", "s3://b/r"])
+        assert not rec.find("POST", "/apis/v2beta1/recurringruns")
+
+
+def test_bad_override_is_refused_before_any_request():
+    with Recorder() as rec:
+        with pytest.raises(SystemExit, match="actor.lrr"):
+            main(["submit", "--host", rec.url, "--run-id", "r", "--store", "s3://b/r", "actor.lrr=1"])
+        assert not rec.requests
