@@ -26,6 +26,12 @@ def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_ov
                          ray_address=session.output)
     step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
     summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
+    # No component needs an accelerator: the GPUs belong to the session's Ray workers
+    # (requested in the RayCluster, manifests/). The controller holds one iteration's
+    # batch in memory; the other two are small clients.
+    step.set_cpu_request("1").set_memory_request("2G").set_memory_limit("16G")
+    for task in (session, summary):
+        task.set_cpu_request("0.5").set_memory_request("512M").set_memory_limit("2G")
     for task in (session, step, summary):
         task.set_caching_options(False)  # every trigger must look at the store again
         kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env={
