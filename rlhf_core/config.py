@@ -121,6 +121,22 @@ class TrainerConfig:
 
 
 @dataclass
+class ResourcesConfig:
+    """The training resource pool (every role colocated, one process per actor rank) as
+    nodes of one shape: what a cluster must provide. Local runs use this machine."""
+
+    nnodes: int = _f(1, "nodes in the training pool (Ray worker pods on a cluster)")
+    gpus_per_node: int = _f(0, "GPUs per node, one actor rank each (0: CPU nodes, "
+                            "trainer.cpus_per_worker CPUs per rank)")
+    cpus_per_node: float = _f(4.0, "CPUs per node")
+    memory_gib_per_node: float = _f(16.0, "memory per node, GiB")
+    object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB")
+
+    def ranks_per_node(self, cpus_per_worker: float) -> int:
+        return self.gpus_per_node if self.gpus_per_node else int(self.cpus_per_node // cpus_per_worker)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -130,6 +146,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     @property
     def use_critic(self) -> bool:
@@ -147,7 +164,10 @@ class RunConfig:
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
         for section, key in NON_SEMANTIC_FIELDS:
-            data[section].pop(key, None)
+            if key is None:
+                data.pop(section, None)
+            else:
+                data[section].pop(key, None)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":
@@ -166,6 +186,20 @@ class RunConfig:
                                  (self.algorithm.kl_penalty, KL_ESTIMATORS, "algorithm.kl_penalty")]:
             if name not in table:
                 raise ConfigError(f"{key}: {name!r} is not registered; choose from {sorted(table)}")
+        res = self.resources
+        for name in ("nnodes", "cpus_per_node", "memory_gib_per_node", "object_store_gib_per_node"):
+            if getattr(res, name) <= 0:
+                raise ConfigError(f"resources.{name} must be > 0; found {getattr(res, name)}")
+        if res.gpus_per_node < 0:
+            raise ConfigError(f"resources.gpus_per_node must be >= 0; found {res.gpus_per_node}")
+        if res.object_store_gib_per_node >= res.memory_gib_per_node:
+            raise ConfigError(f"resources.object_store_gib_per_node ({res.object_store_gib_per_node}) must be "
+                              f"less than resources.memory_gib_per_node ({res.memory_gib_per_node})")
+        slots = res.nnodes * res.ranks_per_node(self.trainer.cpus_per_worker)
+        if self.actor.world_size > slots:
+            raise ConfigError(f"actor.world_size={self.actor.world_size} ranks do not fit the pool: "
+                              f"resources.nnodes={res.nnodes} x {res.ranks_per_node(self.trainer.cpus_per_worker)} "
+                              f"ranks per node (one per GPU, or cpus_per_node / trainer.cpus_per_worker on CPU)")
         if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
@@ -173,7 +207,8 @@ class RunConfig:
 
 
 #: Fields that change how a run is shown or where local logs go, never what it trains.
-NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"))
+NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
+                       ("resources", None))  # where it runs, not what it trains
 
 
 class ConfigError(ValueError):

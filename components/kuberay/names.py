@@ -1,0 +1,47 @@
+"""Kubernetes names for runs.
+
+A RayCluster name must be a DNS-1035 label, and KubeRay derives longer names from it
+(``{name}-head-svc``, ``{name}-{group}-worker-{5 chars}``), each of which must stay within
+63 characters. Run ids are free text chosen by users (and by schedules, at run time), so
+they are normalized: lowercase, runs of other characters become ``-``; when that changed
+anything, or the name had to be cut, a short hash of the original run id is appended so
+that two different run ids never share a cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+#: Room left for KubeRay's suffixes ("-head-svc", "-<group>-worker-xxxxx").
+MAX_CLUSTER_NAME = 40
+PREFIX = "rlhf-"
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class KubeNameError(ValueError):
+    """A name that cannot become a valid Kubernetes name; the message gives the rule."""
+
+
+def is_dns1035_label(name: str, limit: int = 63) -> bool:
+    return len(name) <= limit and bool(_DNS1035.match(name))
+
+
+def cluster_name(run_id: str) -> str:
+    """The RayCluster (and RayJob) name of a run: ``rlhf-<normalized run id>``."""
+    if not isinstance(run_id, str) or not re.search(r"[A-Za-z0-9]", run_id or ""):
+        raise KubeNameError(f"run id {run_id!r} cannot name a cluster: it needs at least one letter or digit "
+                            f"(cluster names are DNS-1035 labels: lowercase letters, digits and '-', "
+                            f"starting with a letter, at most 63 characters)")
+    body = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")
+    name = PREFIX + body
+    if name == PREFIX + run_id and len(name) <= MAX_CLUSTER_NAME:
+        return name
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:6]
+    return f"{name[:MAX_CLUSTER_NAME - 7].rstrip('-')}-{digest}"
+
+
+def label_value(text: str) -> str:
+    """A label value (at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends)."""
+    value = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:63].strip("-_.")
+    return value or "none"

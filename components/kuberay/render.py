@@ -1,0 +1,143 @@
+"""Run config -> KubeRay v1 objects (plain dicts, ready for YAML or the API).
+
+A RayCluster has a head group (the session's driver and the dashboard / Jobs API; no
+training) and one worker group per resource pool; the RayJob variant wraps the same
+cluster spec with the long-lived session (``rlhf serve``) as its entrypoint, so the
+cluster lives exactly as long as the session: it ends when the session idles out or is
+stopped (``shutdownAfterJobFinishes``), its logs stay ``ttlSecondsAfterFinished``, and
+``activeDeadlineSeconds`` bounds a session that never idles.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from components.kuberay.names import cluster_name, label_value
+from components.kuberay.spec import KubeSpec
+
+API_VERSION = "ray.io/v1"
+GIB = 1024 ** 3
+TRAINING_GROUP = "train"
+
+
+class PoolShapeError(ValueError):
+    """A resource pool the node type cannot host; the message names the fields."""
+
+
+def pools(cfg) -> list[dict]:
+    """The run's resource pools as node groups (today: one pool hosting every role)."""
+    res = cfg.resources
+    return [{"name": TRAINING_GROUP, "replicas": res.nnodes, "gpus": res.gpus_per_node, "cpus": res.cpus_per_node,
+             "memory_gib": res.memory_gib_per_node, "object_store_gib": res.object_store_gib_per_node}]
+
+
+def check_pools(cfg, spec: KubeSpec) -> None:
+    for pool in pools(cfg):
+        if pool["gpus"] > spec.node_gpus:
+            raise PoolShapeError(
+                f"resources.gpus_per_node={pool['gpus']} but the node type offers kubernetes.node_gpus="
+                f"{spec.node_gpus} GPUs; use nodes with more GPUs or more nodes (resources.nnodes) with fewer each")
+
+
+def _labels(run_id: str, name: str) -> dict:
+    return {"app.kubernetes.io/name": "rlhf-core", "app.kubernetes.io/managed-by": "rlhf",
+            "rlhf.io/run-id": label_value(run_id), "rlhf.io/cluster": name}
+
+
+def _quantity_gib(gib: float) -> str:
+    return f"{int(round(gib * 1024))}Mi"
+
+
+def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: int) -> dict:
+    limits = {"cpu": str(cpus), "memory": _quantity_gib(memory_gib)}
+    if gpus:
+        limits[spec.gpu_resource] = str(gpus)
+    env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": spec.object_store_secret, "key": key,
+                                                          "optional": key == "AWS_ENDPOINT_URL"}}}
+           for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")]
+    return {
+        "name": name, "image": spec.image, "imagePullPolicy": "IfNotPresent",
+        "env": env + [{"name": "RLHF_CACHE", "value": "/home/rlhf/.cache/rlhf-core"}],
+        "resources": {"requests": dict(limits), "limits": limits},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+
+
+def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool) -> dict:
+    pod = {"serviceAccountName": spec.service_account, "containers": [container],
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(shm_gib)}}]}
+    if workers and spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if workers and spec.tolerations:
+        pod["tolerations"] = [dict(t) for t in spec.tolerations]
+    if workers and spec.priority_class:
+        pod["priorityClassName"] = spec.priority_class
+    return {"metadata": {"labels": dict(labels)}, "spec": pod}
+
+
+def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
+    """The ``spec`` of a RayCluster (also a RayJob's ``rayClusterSpec``)."""
+    check_pools(cfg, spec)
+    name = cluster_name(run_id)
+    labels = _labels(run_id, name)
+    head = _container("ray-head", spec, spec.head_cpus, spec.head_memory_gib, 0)
+    head["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
+                     {"containerPort": 10001, "name": "client"}]
+    groups = []
+    for pool in pools(cfg):
+        worker = _container("ray-worker", spec, pool["cpus"], pool["memory_gib"], pool["gpus"])
+        groups.append({
+            "groupName": pool["name"], "replicas": pool["replicas"], "minReplicas": pool["replicas"],
+            "maxReplicas": pool["replicas"],
+            "rayStartParams": {"num-cpus": str(int(pool["cpus"])), "num-gpus": str(pool["gpus"]),
+                               "object-store-memory": str(int(pool["object_store_gib"] * GIB))},
+            "template": _pod_template(worker, spec, labels, pool["object_store_gib"], workers=True),
+        })
+    return {
+        "rayVersion": spec.ray_version,
+        "authOptions": {"mode": "token", "secretName": spec.ray_token_secret},
+        "headGroupSpec": {
+            # no training on the head: num-cpus 0 keeps worker actors off it
+            "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
+            "template": _pod_template(head, spec, labels, 1.0, workers=False),
+        },
+        "workerGroupSpecs": groups,
+    }
+
+
+def render_raycluster(cfg, spec: KubeSpec, run_id: str) -> dict:
+    name = cluster_name(run_id)
+    return {"apiVersion": API_VERSION, "kind": "RayCluster",
+            "metadata": {"name": name, "namespace": spec.namespace, "labels": _labels(run_id, name)},
+            "spec": cluster_spec(cfg, spec, run_id)}
+
+
+def render_rayjob(cfg, spec: KubeSpec, run_id: str, store: str) -> dict:
+    """The cluster with the run's session as its job: created together, gone together."""
+    name = cluster_name(run_id)
+    runtime_env = {"env_vars": {"RLHF_SESSION_CONFIG": json.dumps(cfg.to_dict(), sort_keys=True)}}
+    return {
+        "apiVersion": API_VERSION, "kind": "RayJob",
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": _labels(run_id, name)},
+        "spec": {
+            "entrypoint": shlex.join(["rlhf", "serve", "--foreground", "--run-id", run_id, "--store", store]),
+            "runtimeEnvYAML": json.dumps(runtime_env),  # JSON is YAML
+            # what `ensure_session` looks for through the Jobs API
+            "metadata": {"rlhf_run_id": run_id, "kind": "session", "config_hash": cfg.config_hash()},
+            # K8sJobMode: a Kubernetes Job submits and follows the session, retried by
+            # Kubernetes, with its logs in a pod of its own (KubeRay's default, widely supported)
+            "submissionMode": "K8sJobMode",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
+            "activeDeadlineSeconds": spec.session_max_lifetime_s,
+            "rayClusterSpec": cluster_spec(cfg, spec, run_id),
+        },
+    }
+
+
+def render_all(cfg, spec: KubeSpec, run_id: str, store: str) -> dict[str, dict]:
+    """File name -> object, what `rlhf manifests` writes."""
+    return {"raycluster.yaml": render_raycluster(cfg, spec, run_id),
+            "rayjob.yaml": render_rayjob(cfg, spec, run_id, store)}

@@ -1,0 +1,88 @@
+"""How a run's resource pool lands on Kubernetes: image, namespace, secrets, node types.
+
+These are deployment settings, not training settings (they never change what is trained,
+and rlhf_core knows nothing of them). A deployment file holds both: the run config's
+sections plus a ``kubernetes:`` section::
+
+    actor: {world_size: 8}
+    resources: {nnodes: 1, gpus_per_node: 8, cpus_per_node: 64, memory_gib_per_node: 512}
+    kubernetes:
+      image: registry.example.com/rlhf-core:0.1.0-cuda
+      node_gpus: 8
+      node_selector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_IMAGE = "ghcr.io/rlhf-core/rlhf-core:0.1.0"
+
+
+class DeploySpecError(ValueError):
+    """A bad deployment setting; the message names the field, the expectation and the value."""
+
+
+@dataclass
+class KubeSpec:
+    image: str = DEFAULT_IMAGE              # one image for components and Ray nodes (Dockerfile)
+    namespace: str = "rlhf"
+    service_account: str = "rlhf-ray"      # Ray pods' account (needs no Kubernetes API rights)
+    object_store_secret: str = "rlhf-object-store"  # AWS_* keys for the s3:// store
+    ray_token_secret: str = "rlhf-ray-token"        # Ray token auth, key auth_token (shared with the pipeline)
+    node_gpus: int = 0                      # GPUs the worker node type offers (0: CPU nodes)
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: dict = field(default_factory=dict)   # for the worker (training) pods
+    tolerations: list = field(default_factory=list)
+    priority_class: str = ""                # for the worker pods (manifests/overlays/gpu defines one)
+    head_cpus: float = 2.0                  # the head runs the session driver, not training
+    head_memory_gib: float = 8.0
+    ray_version: str = "2.60.0"
+    session_max_lifetime_s: int = 7 * 24 * 3600   # RayJob activeDeadlineSeconds
+    ttl_after_finished_s: int = 600               # RayJob: keep the finished cluster for its logs
+
+    def validate(self) -> "KubeSpec":
+        for name in ("image", "namespace", "service_account", "object_store_secret", "ray_token_secret"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise DeploySpecError(f"kubernetes.{name}: expected a non-empty name, found {value!r}")
+        if not isinstance(self.node_selector, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.node_selector.items()):
+            raise DeploySpecError(f"kubernetes.node_selector: expected a map of strings, found {self.node_selector!r}")
+        if not isinstance(self.tolerations, list) or not all(isinstance(t, dict) for t in self.tolerations):
+            raise DeploySpecError(f"kubernetes.tolerations: expected a list of toleration maps, "
+                                  f"found {self.tolerations!r}")
+        for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
+        return self
+
+
+def spec_from_dict(data: dict | None) -> KubeSpec:
+    data = dict(data or {})
+    known = {f.name for f in dataclasses.fields(KubeSpec)}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=2, cutoff=0.5)
+            raise DeploySpecError(f"unknown setting kubernetes.{key}"
+                                  + (f"; did you mean {', '.join('kubernetes.' + c for c in close)}?" if close else ""))
+    return KubeSpec(**data).validate()
+
+
+def load_deployment(path: str | Path | None, overrides: list[str] = ()):
+    """(RunConfig, KubeSpec) from a deployment file (None: the defaults) and overrides."""
+    import yaml
+
+    from rlhf_core.config import RunConfig, apply_overrides, config_from_dict
+
+    data = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise DeploySpecError(f"{path}: expected a mapping of config sections, found {type(data).__name__}")
+    spec = spec_from_dict(data.pop("kubernetes", None))
+    cfg = apply_overrides(config_from_dict(data, RunConfig()), list(overrides)).validate()
+    return cfg, spec

@@ -1,0 +1,125 @@
+"""KubeRay objects rendered from run configs, validated against the real KubeRay v1.7.0
+CRD schemas (../shared/kuberay-crds/): the example configs, a property-based sweep of pool
+shapes and run ids, and bad input refused before anything is written or sent."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components.kuberay import crd  # noqa: E402
+from components.kuberay.names import KubeNameError, cluster_name, is_dns1035_label  # noqa: E402
+from components.kuberay.render import PoolShapeError, render_all, render_rayjob  # noqa: E402
+from components.kuberay.spec import DeploySpecError, KubeSpec, load_deployment  # noqa: E402
+from rlhf_core.cli import main  # noqa: E402
+from rlhf_core.config import RunConfig, apply_overrides  # noqa: E402
+
+CRDS = ROOT.parent / "shared" / "kuberay-crds"
+CONFIGS = sorted((ROOT / "manifests" / "configs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def crds_present():
+    assert (CRDS / "ray.io_rayclusters.yaml").exists(), f"the KubeRay CRDs are expected at {CRDS}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_example_configs_render_valid_objects(path):
+    cfg, spec = load_deployment(path)
+    objects = render_all(cfg, spec, "nightly-ppo", "s3://bucket/runs")
+    for obj in objects.values():
+        crd.validate(obj, CRDS)
+    cluster, job = objects["raycluster.yaml"], objects["rayjob.yaml"]
+    group = cluster["spec"]["workerGroupSpecs"][0]
+    assert group["replicas"] == cfg.resources.nnodes
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits.get("nvidia.com/gpu", "0") == str(cfg.resources.gpus_per_node)
+    assert job["spec"]["rayClusterSpec"] == cluster["spec"]
+    assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["metadata"]["kind"] == "session"
+    assert job["spec"]["entrypoint"].startswith("rlhf serve --foreground --run-id nightly-ppo")
+
+
+def test_the_validator_is_strict():
+    cfg, spec = load_deployment(None)
+    good = render_all(cfg, spec, "demo", "s3://b/r")["raycluster.yaml"]
+    crd.validate(good, CRDS)
+    typo = copy.deepcopy(good)
+    typo["spec"]["workerGroupSpecs"][0]["replica"] = 2
+    with pytest.raises(crd.SchemaViolation, match=r"spec.workerGroupSpecs.0: .*'replica' was unexpected"):
+        crd.validate(typo, CRDS)
+    wrong_type = copy.deepcopy(good)
+    wrong_type["spec"]["workerGroupSpecs"][0]["replicas"] = "2"
+    with pytest.raises(crd.SchemaViolation, match=r"spec.workerGroupSpecs.0.replicas: '2' is not of type 'integer'"):
+        crd.validate(wrong_type, CRDS)
+    start_params = copy.deepcopy(good)
+    start_params["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # must be a string
+    with pytest.raises(crd.SchemaViolation, match="rayStartParams.num-cpus"):
+        crd.validate(start_params, CRDS)
+
+
+run_ids = st.text(alphabet=st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1, max_size=80)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(nnodes=st.integers(1, 64), gpus=st.integers(0, 8), cpus=st.integers(1, 256), memory=st.integers(2, 2048),
+       store_fraction=st.floats(0.05, 0.9), run_id=run_ids.filter(lambda s: any(c.isalnum() for c in s)))
+def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, memory, store_fraction, run_id):
+    cfg = apply_overrides(RunConfig(), [f"resources.nnodes={nnodes}", f"resources.gpus_per_node={gpus}",
+                                        f"resources.cpus_per_node={cpus}", f"resources.memory_gib_per_node={memory}",
+                                        f"resources.object_store_gib_per_node={memory * store_fraction}",
+                                        "trainer.cpus_per_worker=1"]).validate()
+    spec = KubeSpec(node_gpus=8, node_selector={"pool": "train"},
+                    tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]).validate()
+    for obj in render_all(cfg, spec, run_id, "s3://b/runs").values():
+        crd.validate(obj, CRDS)
+        assert is_dns1035_label(obj["metadata"]["name"], limit=40)
+
+
+@given(a=run_ids, b=run_ids)
+@settings(max_examples=200, deadline=None)
+def test_different_run_ids_never_share_a_cluster(a, b):
+    if a != b and any(c.isalnum() for c in a) and any(c.isalnum() for c in b):
+        assert cluster_name(a) != cluster_name(b)
+
+
+def test_cluster_names_are_decided_at_run_time_and_stay_readable():
+    assert cluster_name("nightly") == "rlhf-nightly"  # valid ids are kept as they are
+    assert cluster_name("Qwen_7B/ppo").startswith("rlhf-qwen-7b-ppo-")
+    assert cluster_name("A_b") != cluster_name("a-b")
+    assert len(cluster_name("x" * 200)) <= 40
+    with pytest.raises(KubeNameError, match="needs at least one letter or digit .* DNS-1035"):
+        cluster_name("///")
+
+
+def test_bad_deployments_are_refused_with_the_field(tmp_path):
+    cfg = apply_overrides(RunConfig(), ["resources.gpus_per_node=8", "actor.world_size=8"]).validate()
+    with pytest.raises(PoolShapeError, match="resources.gpus_per_node=8 but the node type offers kubernetes.node_gpus=4"):
+        render_rayjob(cfg, KubeSpec(node_gpus=4), "r", "s3://b/r")
+    with pytest.raises(DeploySpecError, match="kubernetes.object_store_secret: expected a non-empty name, found ''"):
+        KubeSpec(object_store_secret="").validate()
+    bad = tmp_path / "deploy.yaml"
+    bad.write_text(yaml.safe_dump({"kubernetes": {"node_gpu": 8}}))
+    with pytest.raises(DeploySpecError, match="unknown setting kubernetes.node_gpu; did you mean kubernetes.node_gpus"):
+        load_deployment(bad)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="node type offers"):
+        main(["manifests", "--config", str(ROOT / "manifests/configs/gpu.yaml"), "--out", str(out),
+              "resources.gpus_per_node=16", "actor.world_size=16"])
+    assert not out.exists()  # nothing written
+
+
+def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
+    assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "dev run",
+                 "--out", str(tmp_path), "--crds", str(CRDS)]) == 0
+    cluster = yaml.safe_load((tmp_path / "raycluster.yaml").read_text())
+    job = yaml.safe_load((tmp_path / "rayjob.yaml").read_text())
+    assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("dev run")
+    assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2
+    assert "RayCluster rlhf/" in capsys.readouterr().out
