@@ -1,0 +1,154 @@
+"""Create (or reuse) a run's RayCluster, wait until it is ready, tear it down by policy.
+
+Talks to the Kubernetes API through the official client (CustomObjectsApi for ray.io
+objects, CoreV1Api for the pods and events that explain a cluster that does not come up);
+never shells out to kubectl. The pipeline's service account needs exactly the Role in
+manifests/base/role.yaml.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
+POLICIES = ("keep", "delete", "delete-on-success")
+
+
+class ClusterLaunchError(RuntimeError):
+    """The cluster did not come up; the message carries pod phases and events."""
+
+
+@dataclass
+class ClusterAddress:
+    name: str
+    namespace: str
+    ray_address: str      # GCS host:port, what ray.init(address=...) takes inside the cluster network
+    dashboard_url: str    # the Ray Jobs API
+    reused: bool
+
+
+def kube_apis(host: str | None = None):
+    """(CustomObjectsApi, CoreV1Api): in-cluster credentials in a pod, else kubeconfig;
+    ``host`` points the client at a given API server (tests use a fake one)."""
+    from kubernetes import client, config
+
+    if host is not None:
+        configuration = client.Configuration()
+        configuration.host = host
+        api = client.ApiClient(configuration)
+    else:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api = client.ApiClient()
+    return client.CustomObjectsApi(api), client.CoreV1Api(api)
+
+
+class Launcher:
+    def __init__(self, custom_api, core_api, namespace: str, poll_s: float = 5.0, log=print) -> None:
+        self.custom, self.core, self.namespace = custom_api, core_api, namespace
+        self.poll_s, self.log = poll_s, log
+
+    # ------------------------------------------------------------------ reading
+
+    def get(self, name: str) -> dict | None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def address(self, cluster: dict, reused: bool) -> ClusterAddress:
+        name = cluster["metadata"]["name"]
+        service = ((cluster.get("status") or {}).get("head") or {}).get("serviceName") or f"{name}-head-svc"
+        host = f"{service}.{self.namespace}.svc.cluster.local"
+        return ClusterAddress(name, self.namespace, f"{host}:6379", f"http://{host}:8265", reused)
+
+    # ---------------------------------------------------------------- launching
+
+    def ensure(self, body: dict, timeout_s: float = 900.0) -> ClusterAddress:
+        """Reuse the run's cluster when it exists (it hosts the run's long-lived session),
+        otherwise create it; then wait until KubeRay reports it ready."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = body["metadata"]["name"]
+        existing = self.get(name)
+        if existing is not None:
+            want = body["metadata"]["labels"]["rlhf.io/run-id"]
+            found = (existing["metadata"].get("labels") or {}).get("rlhf.io/run-id")
+            if found != want:
+                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} exists but belongs to run {found!r}, "
+                                         f"not {want!r}; delete it or choose another run id")
+            self.log(f"reusing RayCluster {self.namespace}/{name}")
+        else:
+            try:
+                self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+                self.log(f"created RayCluster {self.namespace}/{name}")
+            except ApiException as exc:
+                if exc.status != 409:  # 409: a concurrent trigger created it first; reuse it
+                    raise ClusterLaunchError(f"creating RayCluster {self.namespace}/{name} failed: "
+                                             f"{exc.status} {exc.reason}: {exc.body}") from None
+        return self.wait_ready(name, timeout_s, reused=existing is not None)
+
+    def wait_ready(self, name: str, timeout_s: float, reused: bool = False) -> ClusterAddress:
+        deadline = time.monotonic() + timeout_s
+        last_state = None
+        while True:
+            cluster = self.get(name)
+            if cluster is None:
+                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} disappeared while waiting for it")
+            status = cluster.get("status") or {}
+            state = status.get("state")
+            if state != last_state:
+                self.log(f"RayCluster {name}: {state or 'pending'}")
+                last_state = state
+            if state == "ready":
+                return self.address(cluster, reused)
+            if state == "failed":
+                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} failed: {status.get('reason', '')}\n"
+                                         + self.explain(name))
+            if time.monotonic() >= deadline:
+                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} not ready after {timeout_s:.0f}s "
+                                         f"(state {state or 'pending'})\n" + self.explain(name))
+            time.sleep(self.poll_s)
+
+    def explain(self, name: str) -> str:
+        """Pod phases, waiting reasons and recent events of the cluster's pods."""
+        lines = []
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"ray.io/cluster={name}").items
+        if not pods:
+            lines.append("  no pods yet (is the KubeRay operator running and watching this namespace?)")
+        for pod in pods:
+            waiting = [f"{c.name}: {c.state.waiting.reason}" for c in (pod.status.container_statuses or [])
+                       if c.state and c.state.waiting]
+            lines.append(f"  pod {pod.metadata.name}: {pod.status.phase}" + (f" ({'; '.join(waiting)})" if waiting else ""))
+        for obj in [name] + [p.metadata.name for p in pods]:
+            events = self.core.list_namespaced_event(self.namespace,
+                                                     field_selector=f"involvedObject.name={obj}").items
+            for event in events[-5:]:
+                lines.append(f"  event {obj}: {event.type} {event.reason}: {event.message}")
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------- teardown
+
+    def teardown(self, name: str, policy: str, succeeded: bool) -> str:
+        """Apply the run's policy: keep (the session lives on for the next iteration),
+        delete, or delete-on-success (keep a failed run's cluster to debug it)."""
+        from kubernetes.client.exceptions import ApiException
+
+        if policy not in POLICIES:
+            raise ValueError(f"cluster policy: expected one of {POLICIES}, found {policy!r}")
+        if policy == "keep" or (policy == "delete-on-success" and not succeeded):
+            return "kept"
+        try:
+            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+            return "already gone"
+        return "deleted"

@@ -1,0 +1,139 @@
+"""A fake Kubernetes API server, in process, for the cluster launcher's tests.
+
+It is not Kubernetes: it stores ray.io RayClusters in a dict, speaks just the REST paths
+the launcher uses (custom objects get/create/delete, pods and events lists), and plays the
+KubeRay operator by a script: a new cluster turns "ready" after a number of polls, or
+never does while its pods sit Pending with a scheduling event. It proves the launcher's
+logic (create vs reuse, wait, timeout with a useful report, teardown policy), not that a
+real API server or operator behaves this way.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/?]+))?$")
+CORE = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|events)$")
+
+
+class FakeKubeAPI:
+    def __init__(self, ready_after_polls: int | None = 2) -> None:
+        self.ready_after_polls = ready_after_polls  # None: never ready
+        self.clusters: dict[tuple[str, str], dict] = {}
+        self.polls: dict[str, int] = {}
+        self.requests: list[tuple[str, str]] = []
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def verbs(self, method: str) -> list[str]:
+        return [path for m, path in self.requests if m == method]
+
+    # ------------------------------------------------------------ the "operator"
+
+    def _observe(self, name: str, obj: dict) -> dict:
+        self.polls[name] = self.polls.get(name, 0) + 1
+        if self.ready_after_polls is not None and self.polls[name] > self.ready_after_polls:
+            obj["status"] = {"state": "ready", "head": {"serviceName": f"{name}-head-svc"}}
+        return obj
+
+    def _pods(self, namespace: str, selector: str) -> list[dict]:
+        name = selector.split("=", 1)[1]
+        if (namespace, name) not in self.clusters:
+            return []
+        return [{"metadata": {"name": f"{name}-head-abcde", "namespace": namespace},
+                 "status": {"phase": "Running"}},
+                {"metadata": {"name": f"{name}-train-worker-xyz12", "namespace": namespace},
+                 "status": {"phase": "Pending", "containerStatuses": [
+                     {"name": "ray-worker", "ready": False, "restartCount": 0, "image": "img", "imageID": "",
+                      "state": {"waiting": {"reason": "ContainerCreating"}}}]}}]
+
+    def _events(self, namespace: str, selector: str) -> list[dict]:
+        obj = selector.split("=", 1)[1]
+        if "-worker-" not in obj:
+            return []
+        return [{"metadata": {"name": f"{obj}.1", "namespace": namespace}, "involvedObject": {"name": obj},
+                 "type": "Warning", "reason": "FailedScheduling",
+                 "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
+
+    # ------------------------------------------------------------------- HTTP
+
+    def _route(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        route, _, query = path.partition("?")
+        params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
+        from urllib.parse import unquote
+
+        params = {k: unquote(v) for k, v in params.items()}
+        if m := CLUSTERS.match(route):
+            namespace, name = m.groups()
+            key = (namespace, name)
+            if method == "GET" and name:
+                if key not in self.clusters:
+                    return 404, _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
+                return 200, self._observe(name, self.clusters[key])
+            if method == "POST":
+                name = body["metadata"]["name"]
+                if (namespace, name) in self.clusters:
+                    return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{name}" already exists')
+                self.clusters[(namespace, name)] = dict(body)
+                return 201, body
+            if method == "DELETE" and name:
+                if self.clusters.pop(key, None) is None:
+                    return 404, _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
+                return 200, _status(200, "Success", "deleted")
+        if m := CORE.match(route):
+            namespace, kind = m.groups()
+            if kind == "pods":
+                return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {},
+                             "items": self._pods(namespace, params.get("labelSelector", "x="))}
+            return 200, {"kind": "EventList", "apiVersion": "v1", "metadata": {},
+                         "items": self._events(namespace, params.get("fieldSelector", "x="))}
+        return 404, _status(404, "NotFound", f"no route {method} {route}")
+
+    def _handler(self):
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _serve(self, method):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                fake.requests.append((method, self.path))
+                status, reply = fake._route(method, self.path, body)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._serve("GET")
+
+            def do_POST(self):
+                self._serve("POST")
+
+            def do_DELETE(self):
+                self._serve("DELETE")
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+
+def _status(code: int, reason: str, message: str) -> dict:
+    return {"kind": "Status", "apiVersion": "v1", "status": "Failure" if code >= 400 else "Success",
+            "reason": reason, "message": message, "code": code}

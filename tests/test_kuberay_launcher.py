@@ -1,0 +1,100 @@
+"""The cluster launcher's create / reuse / wait / timeout / teardown logic, against an
+in-process FAKE Kubernetes API server (tests/fake_kube_api.py): no real API server or
+KubeRay operator can run here."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fake_kube_api import FakeKubeAPI
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components.kuberay.launcher import ClusterLaunchError, Launcher, kube_apis  # noqa: E402
+from components.kuberay.render import render_raycluster  # noqa: E402
+from components.kuberay.spec import KubeSpec  # noqa: E402
+from rlhf_core.config import RunConfig  # noqa: E402
+
+PATH = "/apis/ray.io/v1/namespaces/rlhf/rayclusters"
+
+
+def launcher(fake, logs=None):
+    custom, core = kube_apis(host=fake.url)
+    return Launcher(custom, core, "rlhf", poll_s=0.01, log=(logs.append if logs is not None else lambda *a: None))
+
+
+def body(run_id="nightly"):
+    return render_raycluster(RunConfig(), KubeSpec(), run_id)
+
+
+def test_creates_waits_until_ready_then_reuses():
+    with FakeKubeAPI(ready_after_polls=3) as fake:
+        logs = []
+        address = launcher(fake, logs).ensure(body(), timeout_s=30)
+        assert not address.reused and address.name == "rlhf-nightly"
+        assert address.ray_address == "rlhf-nightly-head-svc.rlhf.svc.cluster.local:6379"
+        assert address.dashboard_url == "http://rlhf-nightly-head-svc.rlhf.svc.cluster.local:8265"
+        assert fake.verbs("POST") == [PATH] and fake.polls["rlhf-nightly"] >= 4
+        assert "created RayCluster rlhf/rlhf-nightly" in logs and "RayCluster rlhf-nightly: ready" in logs
+        # the next iteration's launch finds the cluster (and its session) and creates nothing
+        again = launcher(fake).ensure(body(), timeout_s=30)
+        assert again.reused and fake.verbs("POST") == [PATH]
+
+
+def test_a_concurrent_creator_wins_and_we_reuse_its_cluster():
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.clusters[("rlhf", "rlhf-nightly")] = body()  # appears between our GET and POST
+        real_get = Launcher.get
+        calls = []
+
+        def first_get_misses(self, name):
+            calls.append(name)
+            return None if len(calls) == 1 else real_get(self, name)
+
+        Launcher.get = first_get_misses
+        try:
+            address = launcher(fake).ensure(body(), timeout_s=30)
+        finally:
+            Launcher.get = real_get
+        assert address.name == "rlhf-nightly" and fake.verbs("POST") == [PATH]  # 409, then waited on it
+
+
+def test_timeout_reports_pod_phases_and_events():
+    with FakeKubeAPI(ready_after_polls=None) as fake:
+        with pytest.raises(ClusterLaunchError) as err:
+            launcher(fake).ensure(body(), timeout_s=0.2)
+    text = str(err.value)
+    assert "RayCluster rlhf/rlhf-nightly not ready after 0s" in text
+    assert "pod rlhf-nightly-train-worker-xyz12: Pending (ray-worker: ContainerCreating)" in text
+    assert "FailedScheduling: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu." in text
+
+
+def test_a_cluster_of_another_run_is_not_reused():
+    with FakeKubeAPI() as fake:
+        other = body()
+        other["metadata"]["labels"]["rlhf.io/run-id"] = "someone-else"
+        fake.clusters[("rlhf", "rlhf-nightly")] = other
+        with pytest.raises(ClusterLaunchError, match="belongs to run 'someone-else', not 'nightly'"):
+            launcher(fake).ensure(body(), timeout_s=5)
+        assert not fake.verbs("POST") and not fake.verbs("DELETE")
+
+
+@pytest.mark.parametrize("policy, succeeded, outcome", [
+    ("keep", True, "kept"), ("delete", False, "deleted"), ("delete-on-success", True, "deleted"),
+    ("delete-on-success", False, "kept")])
+def test_teardown_policy(policy, succeeded, outcome):
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        run = launcher(fake)
+        run.ensure(body(), timeout_s=5)
+        assert run.teardown("rlhf-nightly", policy, succeeded) == outcome
+        assert (("rlhf", "rlhf-nightly") in fake.clusters) == (outcome == "kept")
+        if outcome == "deleted":
+            assert run.teardown("rlhf-nightly", policy, succeeded) == "already gone"
+
+
+def test_unknown_policy_is_refused():
+    with FakeKubeAPI() as fake:
+        with pytest.raises(ValueError, match="cluster policy: expected one of .* found 'remove'"):
+            launcher(fake).teardown("rlhf-nightly", "remove", True)
