@@ -14,14 +14,16 @@ IMAGE = os.environ.get("RLHF_IMAGE", "ghcr.io/rlhf-core/rlhf-core:0.1.0")
 
 
 @dsl.component(base_image=IMAGE)
-def ensure_session(run_id: str, store: str, config_overrides: list, head_root: str) -> str:
+def ensure_session(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str = "",
+                   dashboard_url: str = "") -> str:
     """Make sure the run's long-lived session (a Ray job running `rlhf serve`) is up and
-    ready; returns the Ray address. Talks to the Jobs API only (no Ray driver here)."""
+    ready on the cluster (``ray_address`` + ``dashboard_url``; empty: this machine's own
+    head under ``head_root``); returns the Ray address. Talks to the Jobs API only."""
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
 
     cfg = apply_overrides(RunConfig(), list(config_overrides))  # validated by the controller
-    info = ray_head.start_head(head_root)
+    info = ray_head.resolve_head(head_root, ray_address, dashboard_url)
     client = ray_head.jobs_client(info)
     job = session.submit_job(client, cfg, run_id, store)
     session.wait_job_ready(client, job)
@@ -32,7 +34,7 @@ def ensure_session(run_id: str, store: str, config_overrides: list, head_root: s
 @dsl.component(base_image=IMAGE)
 def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
-                  metrics: dsl.Output[dsl.Metrics]) -> int:
+                  metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "") -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
     holds the iteration's lease)."""
@@ -41,7 +43,8 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     from rlhf_core.trainer.run import iterate
 
     cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
-    info = ray_head.start_head(head_root)
+    # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head
+    info = ray_head.resolve_head(head_root, ray_address if dashboard_url else "", dashboard_url)
     ray_head.connect(info, session.namespace_of(run_id))
     result = iterate(cfg, run_id, store, info, 1, log=print)
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner

@@ -1,7 +1,10 @@
-"""The per-iteration pipeline: ensure the session, run one iteration, report.
+"""The per-iteration pipelines: ensure the session, run one iteration, report.
 
-Compiled to ``pipelines/ppo_iteration.yaml`` (checked in; CI verifies it matches a fresh
-compile) for upload in the Kubeflow UI; run locally by the KFP local runner.
+``ppo_iteration`` runs against a Ray head on the machine that runs it (the KFP local
+runner here; `rlhf run`). ``ppo_iteration_kuberay`` is the one for a Kubeflow server: it
+first launches (or reuses) the run's KubeRay cluster and tears it down by policy when the
+run ends. Both are compiled to YAML next to this file (checked in; CI verifies they match
+a fresh compile) for upload in the Kubeflow UI.
 """
 
 
@@ -9,42 +12,79 @@ from pathlib import Path
 
 from kfp import compiler, dsl, kubernetes
 
+from components.cluster import launch_cluster, teardown_cluster
 from components.iteration import ensure_session, report, run_iteration
 
-COMPILED = Path(__file__).with_name("ppo_iteration.yaml")
-#: Kubernetes secret holding the object store credentials (see manifests/).
+HERE = Path(__file__).parent
+COMPILED = HERE / "ppo_iteration.yaml"
+COMPILED_KUBERAY = HERE / "ppo_iteration_kuberay.yaml"
+#: Kubernetes secrets (manifests/base/secret-*.example.yaml).
 S3_SECRET = "rlhf-object-store"
+RAY_TOKEN_SECRET = "rlhf-ray-token"
+
+
+def _pod_settings(task, small: bool) -> None:
+    """Every component: fresh look at the store, credentials as env, the controller pool.
+    No component requests an accelerator: the GPUs belong to the session's Ray workers
+    (the RayCluster's worker group); the controller holds one iteration's batch."""
+    task.set_caching_options(False)  # every trigger must look at the store again
+    if small:
+        task.set_cpu_request("0.5").set_memory_request("512M").set_memory_limit("2G")
+    else:
+        task.set_cpu_request("1").set_memory_request("2G").set_memory_limit("16G")
+    kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env={
+        "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"})
+    kubernetes.add_node_selector(task, label_key="rlhf.io/pool", label_value="controller")
+    kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
+
+
+def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url=""):
+    session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
+                             ray_address=ray_address, dashboard_url=dashboard_url)
+    step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
+                         ray_address=session.output, dashboard_url=dashboard_url)
+    step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
+    summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
+    for task, small in ((session, True), (step, False), (summary, True)):
+        _pod_settings(task, small)
+    return session, step
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration",
-              description="One PPO/GRPO iteration of a run, resumable at the stage where it stopped.")
+              description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it stopped.")
 def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
-                  head_root: str = "/var/run/rlhf", session_policy: str = "reuse"):
-    # session_policy is recorded for lineage; "reuse" attaches to the live session
-    session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root)
-    step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
-                         ray_address=session.output)
-    step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
-    summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
-    # No component needs an accelerator: the GPUs belong to the session's Ray workers
-    # (requested in the RayCluster, manifests/). The controller holds one iteration's
-    # batch in memory; the other two are small clients.
-    step.set_cpu_request("1").set_memory_request("2G").set_memory_limit("16G")
-    for task in (session, summary):
-        task.set_cpu_request("0.5").set_memory_request("512M").set_memory_limit("2G")
-    for task in (session, step, summary):
-        task.set_caching_options(False)  # every trigger must look at the store again
-        kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env={
-            "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
-            "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"})
-        kubernetes.add_node_selector(task, label_key="rlhf.io/pool", label_value="controller")
-        kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
+                  head_root: str = "/var/run/rlhf"):
+    _iteration(run_id, store, config_overrides, head_root)
 
 
-def compile_pipeline(path=COMPILED) -> Path:
-    compiler.Compiler().compile(ppo_iteration, package_path=str(path))
+@dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
+              description="One PPO/GRPO iteration of a run on its KubeRay cluster (created or reused), "
+                          "resumable at the stage where it stopped.")
+def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
+                          kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200):
+    teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
+    _pod_settings(teardown, small=True)
+    with dsl.ExitHandler(teardown, name="iteration"):
+        cluster = launch_cluster(run_id=run_id, config_overrides=config_overrides, kube_spec=kube_spec,
+                                 timeout_s=launch_timeout_s)
+        _pod_settings(cluster, small=True)
+        session, step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
+                                   cluster.outputs["dashboard_url"])
+        for task in (session, step):  # they talk to the token-authenticated Ray cluster
+            kubernetes.use_secret_as_env(task, secret_name=RAY_TOKEN_SECRET,
+                                         secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
+
+
+def compile_pipeline(path=COMPILED, pipeline=ppo_iteration) -> Path:
+    compiler.Compiler().compile(pipeline, package_path=str(path))
     return Path(path)
 
 
+def compile_all(folder: Path = HERE) -> list[Path]:
+    return [compile_pipeline(Path(folder) / COMPILED.name, ppo_iteration),
+            compile_pipeline(Path(folder) / COMPILED_KUBERAY.name, ppo_iteration_kuberay)]
+
+
 if __name__ == "__main__":
-    print(compile_pipeline())
+    print(*compile_all(), sep="\n")

@@ -1,4 +1,4 @@
-"""Submit the per-iteration pipeline to a Kubeflow Pipelines server (kfp.Client).
+"""Submit the per-iteration KubeRay pipeline to a Kubeflow Pipelines server (kfp.Client).
 
 ``submit`` starts one run (one iteration); ``schedule`` creates a recurring run whose
 every trigger runs the next iteration. Triggers never double-run an iteration: the
@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pipelines.ppo_iteration import COMPILED
+from pipelines.ppo_iteration import COMPILED_KUBERAY
 
 EXPERIMENT = "rlhf"
 _CRON_FIELD = re.compile(r"^[\d*/,\-?LW#A-Za-z]+$")
@@ -43,6 +43,7 @@ class Target:
     host: str
     namespace: str | None = None
     experiment: str = EXPERIMENT
+    service_account: str = "rlhf-pipeline"
 
     def client(self):
         import kfp
@@ -59,8 +60,12 @@ class Target:
             return client.create_experiment(self.experiment, namespace=self.namespace).experiment_id
 
 
-def pipeline_arguments(run_id: str, store: str, overrides: list, head_root: str) -> dict:
-    return {"run_id": run_id, "store": store, "config_overrides": list(overrides), "head_root": head_root}
+def pipeline_arguments(run_id: str, store: str, overrides: list, kube_spec, cluster_policy: str = "keep") -> dict:
+    """Parameters of the KubeRay pipeline (``pipelines/ppo_iteration_kuberay.yaml``)."""
+    import dataclasses
+
+    return {"run_id": run_id, "store": store, "config_overrides": list(overrides),
+            "kube_spec": dataclasses.asdict(kube_spec), "cluster_policy": cluster_policy}
 
 
 def submit(target: Target, arguments: dict, run_name: str | None = None) -> dict:
@@ -69,7 +74,8 @@ def submit(target: Target, arguments: dict, run_name: str | None = None) -> dict
     experiment_id = target.experiment_id(client)
     run = client.run_pipeline(experiment_id=experiment_id,
                               job_name=run_name or f"{arguments['run_id']}-iteration",
-                              pipeline_package_path=str(COMPILED), params=arguments, enable_caching=False)
+                              pipeline_package_path=str(COMPILED_KUBERAY), params=arguments, enable_caching=False,
+                              service_account=target.service_account)
     return {"run_id": run.run_id, "experiment_id": experiment_id}
 
 
@@ -82,5 +88,6 @@ def schedule(target: Target, arguments: dict, cron: str, name: str | None = None
                                       job_name=name or f"{arguments['run_id']}-recurring",
                                       description=f"PPO iterations of run {arguments['run_id']}, one per trigger",
                                       cron_expression=cron, max_concurrency=1, no_catchup=True,
-                                      params=arguments, pipeline_package_path=str(COMPILED), enable_caching=False)
+                                      params=arguments, pipeline_package_path=str(COMPILED_KUBERAY),
+                                      enable_caching=False, service_account=target.service_account)
     return {"recurring_run_id": job.recurring_run_id, "experiment_id": experiment_id, "cron": cron}

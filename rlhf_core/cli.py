@@ -175,9 +175,19 @@ def _remote(args):
     sys.path.insert(0, _repo_root())
     from pipelines import remote
 
-    cfg = _config(args.overrides)  # refuse a bad override here, not in the cluster
-    target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment)
-    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, args.head_root)
+    from components.kuberay import spec as kube
+    from components.kuberay.names import KubeNameError, cluster_name
+
+    try:  # refuse bad input here, before anything reaches the cluster
+        cfg, kube_spec = kube.load_deployment(args.deployment, args.overrides)
+        cluster_name(args.run_id)
+    except (kube.DeploySpecError, KubeNameError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    except Exception as exc:  # ConfigError and friends
+        raise SystemExit(f"rlhf: config error: {exc}") from None
+    target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment,
+                           service_account=args.service_account)
+    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, kube_spec, args.cluster_policy)
     return remote, cfg, target, arguments
 
 
@@ -230,9 +240,10 @@ def _repo_root() -> str:
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     sys.path.insert(0, _repo_root())
-    from pipelines.ppo_iteration import COMPILED, compile_pipeline
+    from pipelines.ppo_iteration import HERE, compile_all
 
-    print(f"compiled: {compile_pipeline(args.out or COMPILED)}")
+    for path in compile_all(args.out or HERE):
+        print(f"compiled: {path}")
     return 0
 
 
@@ -305,7 +316,13 @@ def build_parser() -> argparse.ArgumentParser:
         remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
         remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")
         remote.add_argument("--experiment", default="rlhf", help="KFP experiment the runs go to")
-        remote.add_argument("--head-root", default="/var/run/rlhf", help="the pipeline's head_root parameter")
+        remote.add_argument("--deployment", default=None, help="deployment file whose `kubernetes:` and "
+                            "`resources:` sections shape the cluster (manifests/configs/)")
+        remote.add_argument("--cluster-policy", default="keep", choices=["keep", "delete", "delete-on-success"],
+                            help="what happens to the RayCluster when the run ends (keep: the session serves "
+                            "the next iteration and ends itself when idle)")
+        remote.add_argument("--service-account", default="rlhf-pipeline", help="Kubernetes service account of "
+                            "the run's pods (manifests/base grants it the KubeRay rights)")
         remote.add_argument("overrides", nargs="*", help="config overrides passed to every iteration")
         remote.set_defaults(func=func)
 
@@ -320,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     man.set_defaults(func=_cmd_manifests)
 
     comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
-    comp.add_argument("--out", default=None, help="default: pipelines/ppo_iteration.yaml")
+    comp.add_argument("--out", default=None, help="folder for ppo_iteration.yaml and ppo_iteration_kuberay.yaml "
+                      "(default: pipelines/)")
     comp.set_defaults(func=_cmd_compile)
 
     config = sub.add_parser("config", help="print the run config with documentation")

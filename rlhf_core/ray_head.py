@@ -29,6 +29,12 @@ class HeadInfo:
     pid: int              # the `ray start --block` process (its group holds the head)
     dashboard_url: str = ""  # the Ray Jobs API (the session runs as a Ray job)
 
+    @classmethod
+    def remote(cls, address: str, dashboard_url: str) -> "HeadInfo":
+        """A cluster someone else runs (KubeRay): ``ray://host:10001`` and its Jobs API;
+        the token comes from ``RAY_AUTH_TOKEN`` (a Kubernetes secret), not a file."""
+        return cls(address=address, token_path="", temp_dir="", pid=0, dashboard_url=dashboard_url)
+
     @property
     def client_env(self) -> dict:
         """Environment a client needs to connect (token auth)."""
@@ -146,9 +152,24 @@ def _pids_with(marker: str) -> list[int]:
     return pids
 
 
+def _auth_env(info: HeadInfo) -> None:
+    # Ray reads its auth settings when it is first imported: set them before that.
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if info.token_path:
+        os.environ["RAY_AUTH_TOKEN_PATH"] = info.token_path
+
+
+def resolve_head(head_root: str, ray_address: str = "", dashboard_url: str = "") -> HeadInfo:
+    """The cluster a component talks to: the given one (KubeRay), or this machine's own
+    head under ``head_root`` (started when absent)."""
+    if ray_address:
+        return HeadInfo.remote(ray_address, dashboard_url)
+    return start_head(head_root)
+
+
 def jobs_client(info: HeadInfo, timeout_s: float = 60.0):
     """A Ray Jobs API client for the head (token auth), once its job agent accepts work."""
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": info.token_path})
+    _auth_env(info)
     from ray.job_submission import JobSubmissionClient
 
     deadline = time.monotonic() + timeout_s
@@ -162,9 +183,8 @@ def jobs_client(info: HeadInfo, timeout_s: float = 60.0):
 
 
 def connect(info: HeadInfo, namespace: str) -> None:
-    """``ray.init`` this process against our head, in the run's namespace."""
-    # Ray reads its auth settings when it is first imported: set them before that.
-    os.environ.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": info.token_path})
+    """``ray.init`` this process against the head, in the run's namespace."""
+    _auth_env(info)
     import ray
 
     if ray.is_initialized():

@@ -6,12 +6,15 @@ Kubeflow server runs it (none can run here).
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kfp_recorder import Recorder
 
 from rlhf_core.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def posted(rec, path):
@@ -28,12 +31,15 @@ def test_submit_posts_one_run_of_the_compiled_pipeline(capsys):
         run = posted(rec, "/apis/v2beta1/runs")
     assert experiment["display_name"] == "rlhf"
     assert run["experiment_id"] == "exp-1" and run["display_name"] == "nightly-iteration"
-    assert run["runtime_config"]["parameters"] == {
+    params = run["runtime_config"]["parameters"]
+    assert {k: params[k] for k in ("run_id", "store", "config_overrides", "cluster_policy")} == {
         "run_id": "nightly", "store": "s3://models/runs", "config_overrides": ["actor.lr=1e-5", "rollout.n=4"],
-        "head_root": "/var/run/rlhf"}
+        "cluster_policy": "keep"}
+    assert params["kube_spec"]["namespace"] == "rlhf" and params["kube_spec"]["object_store_secret"]
+    assert run["service_account"] == "rlhf-pipeline"
     spec = run["pipeline_spec"]
-    assert spec["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration"
-    assert set(spec["pipeline_spec"]["root"]["dag"]["tasks"]) == {"ensure-session", "run-iteration", "report"}
+    assert spec["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration-kuberay"
+    assert set(spec["pipeline_spec"]["root"]["dag"]["tasks"]) == {"exit-handler-1", "teardown-cluster"}
     assert "rlhf-object-store" in json.dumps(spec["platform_spec"])  # credentials from the secret
     assert "submitted: run run-1 (experiment exp-1)" in capsys.readouterr().out
 
@@ -41,12 +47,16 @@ def test_submit_posts_one_run_of_the_compiled_pipeline(capsys):
 def test_schedule_posts_a_recurring_run_that_never_overlaps(capsys):
     with Recorder() as rec:
         assert main(["schedule", "--host", rec.url, "--cron", "30 */6 * * *", "--run-id", "nightly",
-                     "--store", "s3://models/runs", "--experiment", "fine-tunes"]) == 0
+                     "--store", "s3://models/runs", "--experiment", "fine-tunes", "--deployment",
+                     str(ROOT / "manifests" / "configs" / "gpu.yaml"), "--cluster-policy", "delete-on-success"]) == 0
         job = posted(rec, "/apis/v2beta1/recurringruns")
     assert job["trigger"] == {"cron_schedule": {"cron": "0 30 */6 * * *"}}  # KFP cron has seconds first
     assert job["max_concurrency"] in (1, "1") and job["no_catchup"] is True and job["mode"] == "ENABLE"
-    assert job["runtime_config"]["parameters"]["run_id"] == "nightly"
-    assert job["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration"
+    params = job["runtime_config"]["parameters"]
+    assert params["run_id"] == "nightly" and params["cluster_policy"] == "delete-on-success"
+    assert params["kube_spec"]["node_gpus"] == 8  # from the deployment file
+    assert job["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-ppo-iteration-kuberay"
+    assert job["service_account"] == "rlhf-pipeline"
     assert "recurring run rr-1" in capsys.readouterr().out
 
 
@@ -63,4 +73,15 @@ def test_bad_override_is_refused_before_any_request():
     with Recorder() as rec:
         with pytest.raises(SystemExit, match="actor.lrr"):
             main(["submit", "--host", rec.url, "--run-id", "r", "--store", "s3://b/r", "actor.lrr=1"])
+        assert not rec.requests
+
+
+def test_bad_run_id_and_pool_shape_are_refused_before_any_request(tmp_path):
+    with Recorder() as rec:
+        with pytest.raises(SystemExit, match="needs at least one letter or digit"):
+            main(["submit", "--host", rec.url, "--run-id", "///", "--store", "s3://b/r"])
+        with pytest.raises(SystemExit, match="unknown setting kubernetes.node_gpu"):
+            bad = tmp_path / "d.yaml"
+            bad.write_text("kubernetes: {node_gpu: 8}\n")
+            main(["submit", "--host", rec.url, "--run-id", "r", "--store", "s3://b/r", "--deployment", str(bad)])
         assert not rec.requests

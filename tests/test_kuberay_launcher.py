@@ -34,7 +34,7 @@ def test_creates_waits_until_ready_then_reuses():
         logs = []
         address = launcher(fake, logs).ensure(body(), timeout_s=30)
         assert not address.reused and address.name == "rlhf-nightly"
-        assert address.ray_address == "rlhf-nightly-head-svc.rlhf.svc.cluster.local:6379"
+        assert address.ray_address == "ray://rlhf-nightly-head-svc.rlhf.svc.cluster.local:10001"
         assert address.dashboard_url == "http://rlhf-nightly-head-svc.rlhf.svc.cluster.local:8265"
         assert fake.verbs("POST") == [PATH] and fake.polls["rlhf-nightly"] >= 4
         assert "created RayCluster rlhf/rlhf-nightly" in logs and "RayCluster rlhf-nightly: ready" in logs

@@ -13,15 +13,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from pipelines.ppo_iteration import COMPILED, compile_pipeline
+    from pipelines.ppo_iteration import COMPILED, COMPILED_KUBERAY, compile_all
 
-    fresh = compile_pipeline(tmp_path / "fresh.yaml").read_text()
-    assert COMPILED.read_text() == fresh, "pipelines/ppo_iteration.yaml is stale: run `rlhf compile`"
-    pipeline_spec, platform_spec = list(yaml.safe_load_all(fresh))  # KFP IR + kubernetes settings
-    assert set(pipeline_spec["root"]["dag"]["tasks"]) == {"ensure-session", "run-iteration", "report"}
-    assert "rlhf-object-store" in json.dumps(platform_spec)
-    assert "rlhf-object-store" in fresh and "AWS_SECRET_ACCESS_KEY" in fresh
-    assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
+    compile_all(tmp_path)
+    for checked_in in (COMPILED, COMPILED_KUBERAY):
+        fresh = (tmp_path / checked_in.name).read_text()
+        assert checked_in.read_text() == fresh, f"pipelines/{checked_in.name} is stale: run `rlhf compile`"
+        pipeline_spec, platform_spec = list(yaml.safe_load_all(fresh))  # KFP IR + kubernetes settings
+        assert "rlhf-object-store" in json.dumps(platform_spec) and "AWS_SECRET_ACCESS_KEY" in fresh
+        assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
+        assert "resourceMemoryLimit: 16G" in fresh  # the controller's limit
+    local = yaml.safe_load_all(COMPILED.read_text()).__next__()
+    assert set(local["root"]["dag"]["tasks"]) == {"ensure-session", "run-iteration", "report"}
+
+
+def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
+    sys.path.insert(0, str(ROOT))
+    from pipelines.ppo_iteration import COMPILED_KUBERAY
+
+    text = COMPILED_KUBERAY.read_text()
+    spec, platform = list(yaml.safe_load_all(text))
+    root = spec["root"]["dag"]["tasks"]
+    assert set(root) == {"exit-handler-1", "teardown-cluster"}
+    assert root["teardown-cluster"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
+    inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
+    assert set(inner) == {"launch-cluster", "ensure-session", "run-iteration", "report"}
+    # the cluster name is computed from the run-time run_id inside the components, never
+    # fixed at compile time (two runs of this YAML with different run ids get two clusters)
+    launch = inner["launch-cluster"]["inputs"]["parameters"]
+    assert launch["run_id"] == {"componentInputParameter": "pipelinechannel--run_id"}
+    assert "rlhf-demo" not in text and "cluster_name(run_id)" in text
+    assert "RAY_AUTH_TOKEN" in json.dumps(platform) and "rlhf-ray-token" in json.dumps(platform)
 
 
 def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):

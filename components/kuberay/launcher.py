@@ -23,7 +23,7 @@ class ClusterLaunchError(RuntimeError):
 class ClusterAddress:
     name: str
     namespace: str
-    ray_address: str      # GCS host:port, what ray.init(address=...) takes inside the cluster network
+    ray_address: str      # ray://host:10001 (Ray Client: a controller pod is not a Ray node)
     dashboard_url: str    # the Ray Jobs API
     reused: bool
 
@@ -67,7 +67,7 @@ class Launcher:
         name = cluster["metadata"]["name"]
         service = ((cluster.get("status") or {}).get("head") or {}).get("serviceName") or f"{name}-head-svc"
         host = f"{service}.{self.namespace}.svc.cluster.local"
-        return ClusterAddress(name, self.namespace, f"{host}:6379", f"http://{host}:8265", reused)
+        return ClusterAddress(name, self.namespace, f"ray://{host}:10001", f"http://{host}:8265", reused)
 
     # ---------------------------------------------------------------- launching
 

@@ -1,0 +1,49 @@
+"""Kubeflow components for the cluster path: launch (or reuse) the run's RayCluster,
+and tear it down by policy when the pipeline ends (under ``dsl.ExitHandler``).
+
+The cluster is named from the run id given at run time (``rlhf-<run id>``), never from
+anything fixed at compile time, so concurrent runs of one compiled pipeline with
+different run ids get different clusters, and the iterations of one run share its
+cluster and long-lived session.
+"""
+
+from typing import NamedTuple
+
+from kfp import dsl
+
+from components.iteration import IMAGE
+
+
+@dsl.component(base_image=IMAGE)
+def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout_s: int) -> NamedTuple(
+        "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
+    """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
+    with the pods' phases and events); outputs its Ray Client and Jobs API addresses."""
+    from collections import namedtuple
+
+    from components.kuberay.launcher import Launcher, kube_apis
+    from components.kuberay.render import render_raycluster
+    from components.kuberay.spec import spec_from_dict
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
+    spec = spec_from_dict(kube_spec)
+    custom, core = kube_apis()
+    address = Launcher(custom, core, spec.namespace).ensure(render_raycluster(cfg, spec, run_id), timeout_s)
+    return namedtuple("Cluster", ["name", "ray_address", "dashboard_url"])(
+        address.name, address.ray_address, address.dashboard_url)
+
+
+@dsl.component(base_image=IMAGE)
+def teardown_cluster(run_id: str, kube_spec: dict, policy: str, status: dsl.PipelineTaskFinalStatus):
+    """keep (default: the session serves the next iteration and ends itself when idle),
+    delete, or delete-on-success (a failed run's cluster stays for debugging)."""
+    from components.kuberay.launcher import Launcher, kube_apis
+    from components.kuberay.names import cluster_name
+    from components.kuberay.spec import spec_from_dict
+
+    spec = spec_from_dict(kube_spec)
+    custom, core = kube_apis()
+    outcome = Launcher(custom, core, spec.namespace).teardown(cluster_name(run_id), policy,
+                                                              succeeded=status.state == "SUCCEEDED")
+    print(f"RayCluster {cluster_name(run_id)}: {outcome} (policy {policy}, pipeline {status.state})")
