@@ -234,6 +234,46 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from rlhf_core.config import ConfigError
+    from rlhf_core.snapshot import SnapshotError
+    from rlhf_core.trainer.replay import ReplayError, format_table, replay
+
+    stages = None if not args.stage or args.stage == ["all"] else args.stage
+    try:
+        results = replay(args.uri, stages, args.iteration, args.override, args.atol, args.rtol,
+                         log=lambda *a: print(*a, file=sys.stderr))
+    except (ReplayError, ConfigError, SnapshotError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    print(format_table(results))
+    same = [r.stage for r in results if r.ok]
+    print(f"replayed {len(results)} stage(s): {len(same)} within tolerance (atol={args.atol}, rtol={args.rtol})"
+          + ("" if len(same) == len(results) else f"; different: {[r.stage for r in results if not r.ok]}"))
+    # a replay with overrides is expected to differ: it succeeded when it ran and was saved
+    return 0 if args.override or len(same) == len(results) else 1
+
+
+def _cmd_lineage(args: argparse.Namespace) -> int:
+    from rlhf_core.lineage import LineageError, chain, format_lineage
+
+    try:
+        print(format_lineage(chain(args.uri), args.format))
+    except LineageError as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    return 0
+
+
+def _cmd_snapshots(args: argparse.Namespace) -> int:
+    from rlhf_core import audit
+    from rlhf_core.snapshot import SnapshotError
+
+    try:
+        print(audit.list_store(args.uri) if args.action == "ls" else audit.show(args.uri, args.uid, args.fields))
+    except (SnapshotError, audit.AuditError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    return 0
+
+
 def _repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -335,6 +375,29 @@ def build_parser() -> argparse.ArgumentParser:
     man.add_argument("--crds", default=None, help="validate against the KubeRay CRDs in this folder first")
     man.add_argument("overrides", nargs="*")
     man.set_defaults(func=_cmd_manifests)
+
+    rep = sub.add_parser("replay", help="re-run a stage of a committed iteration from its saved input and compare")
+    rep.add_argument("uri", help="{store}/{run}/iter-NNNNNN[/stage], or a run URI with --iteration")
+    rep.add_argument("--stage", action="append", help="stage to replay (repeatable; `all`, or omit: every stage, "
+                     "or the URI's stage)")
+    rep.add_argument("--iteration", type=int, default=None)
+    rep.add_argument("--override", action="append", default=[], help="config change for a what-if replay "
+                     "(key=value, repeatable); the result is saved under {run}/replays/, never over the original")
+    rep.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for float fields (default exact)")
+    rep.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for float fields")
+    rep.set_defaults(func=_cmd_replay)
+
+    lin = sub.add_parser("lineage", help="walk from a checkpoint, snapshot or iteration back to the run's start")
+    lin.add_argument("uri")
+    lin.add_argument("--format", choices=["table", "json", "dot"], default="table")
+    lin.set_defaults(func=_cmd_lineage)
+
+    snaps = sub.add_parser("snapshots", help="list a store's runs, iterations and stages, or show one sample")
+    snaps.add_argument("action", choices=["ls", "show"])
+    snaps.add_argument("uri", help="ls: a store, run or iteration URI; show: a stage snapshot URI")
+    snaps.add_argument("--uid", default=None, help="show: the prompt uid (default: the first row's)")
+    snaps.add_argument("--fields", nargs="*", default=None, help="show: only these fields")
+    snaps.set_defaults(func=_cmd_snapshots)
 
     comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
     comp.add_argument("--out", default=None, help="folder for ppo_iteration.yaml and ppo_iteration_kuberay.yaml "

@@ -1,0 +1,108 @@
+"""Look inside a store: what is there (`rlhf snapshots ls`) and one sample decoded
+(`rlhf snapshots show`), reading only what is shown."""
+
+from __future__ import annotations
+
+import json
+import re
+
+
+class AuditError(ValueError):
+    """Nothing to show at a URI; the message says what was expected."""
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def list_store(uri: str) -> str:
+    """Every stage snapshot under ``uri`` (a store, run or iteration) with its commit
+    state, rows and size, and whether each iteration is committed."""
+    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.snapshot import list_snapshots
+
+    uri = uri.rstrip("/")
+    infos = list_snapshots(uri, include_incomplete=True)
+    if not infos:
+        raise AuditError(f"no snapshots under {uri}")
+    lines = [f"{'snapshot':<58}{'state':<12}{'rows':>6}{'size':>12}"]
+    iterations: dict[str, bool] = {}
+    for info in infos:
+        rel = info.uri[len(uri):].strip("/") or "."
+        lines.append(f"{rel:<58}{info.state:<12}{info.num_rows:>6}{_size(info.stored_bytes):>12}")
+        m = re.match(r"^(.*?iter-\d{6})/", info.uri + "/")
+        if m and "/replays/" not in m.group(1) and m.group(1) not in iterations:
+            manifest = sfs.read_bytes(sfs.resolve(m.group(1) + "/MANIFEST.json"))
+            iterations[m.group(1)] = manifest is not None
+    if iterations:
+        lines.append("")
+        for it, done in iterations.items():
+            rel = it[len(uri):].strip("/") or "."
+            lines.append(f"{rel:<58}{'committed' if done else 'in progress (no MANIFEST.json)'}")
+    total = sum(i.stored_bytes for i in infos)
+    lines.append(f"\n{len(infos)} snapshot(s), {_size(total)}")
+    return "\n".join(lines)
+
+
+def _tokenizer_for(uri: str):
+    """The tokenizer of the run that wrote ``uri`` (from its iteration manifest), if any."""
+    from rlhf_core.snapshot import fs as sfs
+
+    m = re.match(r"^(.*?/iter-\d{6})/", uri.rstrip("/") + "/")
+    if not m:
+        return None
+    raw = sfs.read_bytes(sfs.resolve(m.group(1) + "/MANIFEST.json"))
+    if raw is None:
+        return None
+    config = json.loads(raw)["config"]
+    from rlhf_core.workers import modeling
+
+    path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False)
+    return modeling.load_tokenizer(path)
+
+
+def show(uri: str, uid: str | None = None, fields: list[str] | None = None) -> str:
+    """The rows of one prompt (``uid``; default the first row's) of a stage snapshot:
+    prompt and response text, reward, advantage and log-probs summarized."""
+    from rlhf_core.snapshot import load_snapshot, snapshot_info
+
+    info = snapshot_info(uri)
+    if uid is None:
+        first = load_snapshot(uri, fields=["uid"], rows=slice(0, 1))
+        uid = str(first.non_tensor_batch["uid"][0])
+    wanted = fields or [f for f in ("prompts", "responses", "response_mask", "token_level_scores", "advantages",
+                                    "old_log_probs", "ref_log_prob", "values", "data_source", "ground_truth", "uid")
+                        if f in info.fields]
+    unknown = [f for f in wanted if f not in info.fields]
+    if unknown:
+        raise AuditError(f"{uri} has no field(s) {unknown}; it has {sorted(info.fields)}")
+    needed = sorted(set(wanted) | ({"response_mask"} & set(info.fields)) | {"uid"})
+    dp = load_snapshot(uri, fields=needed, uids=[uid])
+    if len(dp) == 0:
+        raise AuditError(f"no row with uid {uid!r} in {uri}")
+    tok = _tokenizer_for(uri) if {"prompts", "responses"} & set(wanted) else None
+    mask = dp.batch["response_mask"].bool() if "response_mask" in dp.batch.keys() else None
+    lines = [f"{uri}: uid {uid}, {len(dp)} row(s) of {info.num_rows}, read {len(needed)} of {len(info.fields)} fields"]
+    for i in range(len(dp)):
+        lines.append(f"--- row {i}")
+        for name in wanted:
+            if name in dp.non_tensor_batch:
+                lines.append(f"  {name}: {dp.non_tensor_batch[name][i]}")
+                continue
+            value = dp.batch[name][i]
+            row_mask = mask[i] if mask is not None and value.shape == mask[i].shape else None
+            if name in ("prompts", "responses") and tok is not None:
+                ids = value[row_mask].tolist() if row_mask is not None else [t for t in value.tolist()
+                                                                               if t != tok.pad_token_id]
+                lines.append(f"  {name}: {tok.decode(ids)!r}")
+            elif value.is_floating_point():
+                v = value[row_mask] if row_mask is not None else value
+                lines.append(f"  {name}: sum {float(v.sum()):.4f}, mean {float(v.mean()) if v.numel() else 0:.4f}, "
+                             f"first {[round(x, 4) for x in v[:4].tolist()]}")
+            else:
+                lines.append(f"  {name}: {value.tolist()}")
+    return "\n".join(lines)

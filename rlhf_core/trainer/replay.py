@@ -1,0 +1,257 @@
+"""Replay a stage of a committed iteration from what was saved, and compare.
+
+A stage's recorded input is the batch as it stood before the stage: the previous stage's
+snapshot (each snapshot is the whole batch), or for ``rollout`` the prompt batch that the
+data cursor of the parent iteration yields. The workers start from the checkpoint the
+iteration started from, so every stage sees exactly the state it saw the first time;
+the stateful stages (``update_critic``, ``update_actor``) each get that checkpoint
+reloaded before they run, and their replayed weights are compared with the checkpoint
+the iteration committed.
+
+With config overrides the replay answers "what would this stage have produced"; its
+output is saved as a new snapshot under ``{run}/replays/`` marked as a replay of the
+original, which is never touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
+from rlhf_core.protocol import DataProto
+
+REPLAYABLE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage", "update_critic",
+              "update_actor")
+#: Config fields a checkpoint's tensors depend on: a replay cannot change them.
+CHECKPOINT_FIELDS = ("model.path", "model.dtype", "actor.world_size", "critic.enable", "algorithm.adv_estimator")
+_ITER = re.compile(r"^(?P<run>.+)/iter-(?P<n>\d{6})(?:/(?P<stage>[a-z_]+))?/?$")
+
+
+class ReplayError(ValueError):
+    """A replay that cannot run as asked; the message says what was expected."""
+
+
+@dataclass
+class FieldDiff:
+    field: str
+    kind: str                 # exact | float | missing
+    equal: bool
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    worst_uids: list = field(default_factory=list)
+
+
+@dataclass
+class StageReplay:
+    stage: str
+    recorded_uri: str
+    diffs: list[FieldDiff]
+    weights: dict = field(default_factory=dict)   # file -> (recorded sha256, replayed sha256)
+    saved_uri: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(d.equal for d in self.diffs) and all(a == b for a, b in self.weights.values())
+
+
+def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, int, str | None]:
+    """(store, run_id, iteration, stage) from an iteration or stage URI, or a run URI
+    plus ``iteration``."""
+    uri = uri.rstrip("/")
+    m = _ITER.match(uri)
+    if m:
+        run_uri, n, stage = m.group("run"), int(m.group("n")), m.group("stage")
+    elif iteration is not None:
+        run_uri, n, stage = uri, iteration, None
+    else:
+        raise ReplayError(f"{uri}: expected {{store}}/{{run_id}}/iter-NNNNNN[/stage], or a run URI with --iteration")
+    store, _, run_id = run_uri.rpartition("/")
+    return store, run_id, n, stage
+
+
+def replay_config(manifest: dict, overrides: list[str]) -> RunConfig:
+    recorded = config_from_dict(manifest["config"])
+    cfg = apply_overrides(config_from_dict(manifest["config"]), list(overrides)).validate()
+    changed = []
+    for path in CHECKPOINT_FIELDS:
+        a, b = recorded, cfg
+        for part in path.split("."):
+            a, b = getattr(a, part), getattr(b, part)
+        if a != b:
+            changed.append(f"{path}: {a!r} -> {b!r}")
+    if changed:
+        raise ConfigError("the iteration's checkpoint was trained with another model layout; a replay cannot "
+                          f"change {', '.join(changed)}")
+    return cfg
+
+
+def compare(recorded: DataProto, replayed: DataProto, atol: float = 0.0, rtol: float = 0.0,
+            worst: int = 3) -> list[FieldDiff]:
+    """Field by field: exact for integer/bool/string fields; max abs / rel difference for
+    floats (equal when within ``atol + rtol * |recorded|``; 0/0 means exact)."""
+    uids = recorded.non_tensor_batch.get("uid")
+    diffs = []
+    rec_keys = set(recorded.batch.keys()) if recorded.batch is not None else set()
+    rep_keys = set(replayed.batch.keys()) if replayed.batch is not None else set()
+    for key in sorted(rec_keys | rep_keys):
+        if key not in rec_keys or key not in rep_keys:
+            diffs.append(FieldDiff(key, "missing", False))
+            continue
+        a, b = recorded.batch[key], replayed.batch[key]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            diffs.append(FieldDiff(key, f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}", False))
+            continue
+        if a.is_floating_point():
+            delta = (a.double() - b.double()).abs()
+            rel = delta / a.double().abs().clamp_min(1e-12)
+            equal = bool((delta <= atol + rtol * a.double().abs()).all())
+            per_row = delta.reshape(len(a), -1).amax(dim=1) if a.dim() else delta.reshape(1)
+            diffs.append(FieldDiff(key, "float", equal, float(delta.max()) if delta.numel() else 0.0,
+                                   float(rel.max()) if rel.numel() else 0.0, _worst(per_row, uids, worst)))
+        else:
+            unequal = (a != b).reshape(len(a), -1).any(dim=1) if a.dim() else (a != b).reshape(1)
+            diffs.append(FieldDiff(key, "exact", not bool(unequal.any()),
+                                   worst_uids=_worst(unequal.float(), uids, worst)))
+    for key in sorted(set(recorded.non_tensor_batch) | set(replayed.non_tensor_batch)):
+        a, b = recorded.non_tensor_batch.get(key), replayed.non_tensor_batch.get(key)
+        if a is None or b is None:
+            diffs.append(FieldDiff(key, "missing", False))
+            continue
+        unequal = torch.tensor([x != y for x, y in zip(a.tolist(), b.tolist())] + [len(a) != len(b)])
+        diffs.append(FieldDiff(key, "exact", not bool(unequal.any()), worst_uids=_worst(unequal[:-1].float(), uids, worst)))
+    rec_metrics = (recorded.meta_info.get("stage_metrics") or {})
+    rep_metrics = (replayed.meta_info.get("stage_metrics") or {})
+    for stage in sorted(set(rec_metrics) | set(rep_metrics)):
+        for name in sorted(set(rec_metrics.get(stage, {})) | set(rep_metrics.get(stage, {}))):
+            a, b = rec_metrics.get(stage, {}).get(name), rep_metrics.get(stage, {}).get(name)
+            if a is None or b is None:
+                diffs.append(FieldDiff(f"metric {name}", "missing", False))
+                continue
+            delta = abs(float(a) - float(b))
+            diffs.append(FieldDiff(f"metric {name}", "float", delta <= atol + rtol * abs(float(a)), delta,
+                                   delta / max(abs(float(a)), 1e-12)))
+    return diffs
+
+
+def _worst(per_row: torch.Tensor, uids, k: int) -> list:
+    if uids is None or not per_row.numel() or float(per_row.max()) == 0.0:
+        return []
+    order = torch.argsort(per_row, descending=True)[:k]
+    return [str(uids[int(i)]) for i in order if float(per_row[int(i)]) > 0]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def replay(uri: str, stages: list[str] | None = None, iteration: int | None = None, overrides: list[str] = (),
+           atol: float = 0.0, rtol: float = 0.0, log=print) -> list[StageReplay]:
+    """Replay ``stages`` (default: the URI's stage, else every stage) of one committed
+    iteration on fresh local worker groups; returns one comparison per stage."""
+    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.ppo import STATEFUL_STAGES, PPOTrainer, TrainerState
+    from rlhf_core.trainer.run import build_workers, load_checkpoint, make_loader, save_checkpoint, start_local_ray
+
+    store, run_id, n, uri_stage = parse_location(uri, iteration)
+    istore = IterationStore(store, run_id)
+    if n not in istore.committed_iterations():
+        raise ReplayError(f"iteration {n} of run {run_id} in {store} is not committed (no MANIFEST.json); committed: "
+                          f"{istore.committed_iterations() or 'none'}")
+    manifest = istore.read_manifest(n)
+    cfg = replay_config(manifest, list(overrides))
+    cfg.trainer.progress = False
+    parent = istore.read_manifest(manifest["parent_iteration"]) if manifest["parent_iteration"] is not None else None
+    state = TrainerState(global_step=n, cursor=dict(parent["data_cursor"]) if parent else {"epoch": 0, "position": 0},
+                         kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
+    start_ckpt, end_ckpt = istore.checkpoint_uri(n), manifest["checkpoint"]
+
+    start_local_ray(Path(tempfile.mkdtemp(prefix="rlhf-replay-")))
+    workers = build_workers(cfg)
+    try:
+        trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState(cursor=dict(state.cursor))), state)
+        plan = [name for name, _ in trainer.stages()]
+        run_stage = dict(trainer.stages())
+        wanted = stages or ([uri_stage] if uri_stage else [s for s in plan if s in REPLAYABLE])
+        for stage in wanted:
+            if stage not in REPLAYABLE or stage not in plan:
+                valid = [s for s in plan if s in REPLAYABLE]
+                raise ReplayError(f"stage {stage!r} cannot be replayed for this run; its stages are {valid}")
+        results = []
+        # stateless stages first (one restore serves them all), then each update stage
+        # from a fresh restore: the state every stage saw the first time
+        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in STATEFUL_STAGES, plan.index(s)))):
+            t0 = time.perf_counter()
+            if i == 0 or stage in STATEFUL_STAGES:
+                load_checkpoint(workers, start_ckpt)
+            trainer.kl_ctrl.value = state.kl_coef
+            batch = _stage_input(istore, trainer, n, stage, plan)
+            out = run_stage[stage](batch)
+            recorded = istore.load(n, stage)
+            result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
+            if stage in STATEFUL_STAGES:
+                result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage, save_checkpoint, sfs)
+            if overrides:
+                result.saved_uri = _save_replay(istore, n, stage, out, overrides)
+            result.seconds = time.perf_counter() - t0
+            log(f"[replay] {stage}: {'same' if result.ok else 'DIFFERENT'} ({result.seconds:.1f}s)")
+            results.append(result)
+        return results
+    finally:
+        workers["_group"].kill()
+        workers["_pool"].release()
+
+
+def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
+    index = plan.index(stage)
+    if index == 0:  # rollout: the prompts the parent's data cursor yields
+        batch = trainer.loader.next_batch()
+        batch.meta_info.update(global_step=n, temperature=trainer.config.rollout.temperature)
+        return batch
+    return istore.load(n, plan[index - 1])
+
+
+def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage: str, save_checkpoint, sfs) -> dict:
+    """Checksums of the replayed weights vs the ones the iteration committed."""
+    role = "critic" if stage == "update_critic" else "actor"
+    with tempfile.TemporaryDirectory(prefix="rlhf-replay-ckpt-") as tmp:
+        save_checkpoint(workers, trainer, cfg, f"file://{tmp}")
+        out = {}
+        for path in sorted(Path(tmp).glob(f"{role}_*.safetensors")):
+            recorded = sfs.read_bytes(sfs.resolve(f"{end_ckpt}/{path.name}"))
+            out[path.name] = (hashlib.sha256(recorded).hexdigest() if recorded is not None else "missing",
+                              _sha256(path))
+        return out
+
+
+def _save_replay(istore, n: int, stage: str, out: DataProto, overrides: list[str]) -> str:
+    from rlhf_core.snapshot import save_snapshot
+
+    stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
+    uri = f"{istore.run_uri}/replays/iter-{n:06d}/{stage}-{stamp}"
+    save_snapshot(out, uri, storage_options=istore.storage_options,
+                  annotations={"replay_of": istore.stage_uri(n, stage), "overrides": list(overrides)})
+    return uri
+
+
+def format_table(results: list[StageReplay]) -> str:
+    lines = [f"{'stage':<14}{'field':<32}{'kind':<8}{'status':<10}{'max abs':>12}{'max rel':>12}  worst uids"]
+    for r in results:
+        shown = [d for d in r.diffs if not d.equal] or [FieldDiff(f"{len(r.diffs)} fields", "", True)]
+        for d in shown:
+            lines.append(f"{r.stage:<14}{d.field[:31]:<32}{d.kind[:7]:<8}{'same' if d.equal else 'DIFFERS':<10}"
+                         f"{d.max_abs:>12.3g}{d.max_rel:>12.3g}  {' '.join(d.worst_uids)}")
+        for name, (a, b) in r.weights.items():
+            lines.append(f"{r.stage:<14}{name[:31]:<32}{'sha256':<8}{'same' if a == b else 'DIFFERS':<10}"
+                         f"{'':>12}{'':>12}  {a[:12]} vs {b[:12]}")
+        if r.saved_uri:
+            lines.append(f"{r.stage:<14}saved as {r.saved_uri}")
+    return "\n".join(lines)
