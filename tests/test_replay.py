@@ -62,7 +62,7 @@ def test_replay_cli_exit_code_and_table(run, capsys):
 
 
 def test_bad_replays_are_refused_with_the_reason(run):
-    with pytest.raises(ReplayError, match=r"iteration 5 of run audit .* is not committed; committed: \[0, 1\]"):
+    with pytest.raises(ReplayError, match=r"iteration 5 of run audit .* is not committed .*; committed: \[0, 1\]"):
         replay(f"{run}/iter-000005", log=lambda *a: None)
     with pytest.raises(ReplayError, match=r"stage 'weight_syncc' cannot be replayed .* its stages are \['rollout'"):
         replay(f"{run}/iter-000001", stages=["weight_syncc"], log=lambda *a: None)
@@ -95,7 +95,9 @@ def test_snapshots_ls_and_show(run, capsys):
             len(line.split()) == 2] == ["committed", "committed"]  # the per-iteration lines
     assert main(["snapshots", "show", f"{run}/iter-000000/advantage"]) == 0
     shown = capsys.readouterr().out
-    assert "prompts: '<bos>" in shown and "advantages: sum" in shown and "read 10 of" in shown
+    assert "prompts: '<bos>" in shown and "advantages: sum" in shown
+    read, total = map(int, shown.split("read ")[1].split(" fields")[0].split(" of "))
+    assert read < total  # only what it shows
     uid = shown.split("uid ")[1].split(",")[0]
     assert main(["snapshots", "show", f"{run}/iter-000000/rollout", "--uid", uid, "--fields", "responses"]) == 0
     one = capsys.readouterr().out
