@@ -10,10 +10,9 @@ real API server or operator behaves this way.
 
 from __future__ import annotations
 
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from json_http import JSONServer
 
 CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/?]+))?$")
 CORE = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|events)$")
@@ -24,14 +23,11 @@ class FakeKubeAPI:
         self.ready_after_polls = ready_after_polls  # None: never ready
         self.clusters: dict[tuple[str, str], dict] = {}
         self.polls: dict[str, int] = {}
-        self.requests: list[tuple[str, str]] = []
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self._http = JSONServer(self._route)
+        self.url = self._http.url
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._http.close()
 
     def __enter__(self):
         return self
@@ -40,7 +36,7 @@ class FakeKubeAPI:
         self.close()
 
     def verbs(self, method: str) -> list[str]:
-        return [path for m, path in self.requests if m == method]
+        return [r["path"] for r in self._http.requests if r["method"] == method]
 
     # ------------------------------------------------------------ the "operator"
 
@@ -102,36 +98,6 @@ class FakeKubeAPI:
             return 200, {"kind": "EventList", "apiVersion": "v1", "metadata": {},
                          "items": self._events(namespace, params.get("fieldSelector", "x="))}
         return 404, _status(404, "NotFound", f"no route {method} {route}")
-
-    def _handler(self):
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self, method):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length)) if length else None
-                fake.requests.append((method, self.path))
-                status, reply = fake._route(method, self.path, body)
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._serve("GET")
-
-            def do_POST(self):
-                self._serve("POST")
-
-            def do_DELETE(self):
-                self._serve("DELETE")
-
-            def log_message(self, *args):
-                pass
-
-        return Handler
 
 
 def _status(code: int, reason: str, message: str) -> dict:

@@ -8,27 +8,20 @@ that a real server does it.
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from json_http import JSONServer
 
 
 class Recorder:
     def __init__(self) -> None:
-        self.requests: list[dict] = []
         self.experiments: dict[str, dict] = {}
-        handler = self._handler()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._http = JSONServer(self.respond)
+        self.requests, self.url = self._http.requests, self._http.url
 
     def __enter__(self) -> "Recorder":
-        self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._http.close()
 
     def find(self, method: str, path: str) -> list[dict]:
         return [r for r in self.requests if r["method"] == method and r["path"].split("?")[0] == path]
@@ -51,35 +44,6 @@ class Recorder:
         if route == "/apis/v2beta1/recurringruns" and method == "POST":
             return 200, {**body, "recurring_run_id": "rr-1", "status": "ENABLED"}
         return 404, {"error": f"no route {method} {route}", "code": 5}
-
-    def _handler(self):
-        recorder = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _serve(self, method: str) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                raw = self.rfile.read(length) if length else b""
-                body = json.loads(raw) if raw else None
-                recorder.requests.append({"method": method, "path": self.path, "body": body,
-                                          "headers": dict(self.headers)})
-                status, reply = recorder.respond(method, self.path, body)
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self):
-                self._serve("GET")
-
-            def do_POST(self):
-                self._serve("POST")
-
-            def log_message(self, *args):
-                pass
-
-        return Handler
 
 
 def _unquote(text: str) -> str:
