@@ -106,9 +106,12 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
                     _kill_workers(workers)
                     break
     finally:
-        if workers is not None:
-            _kill_workers(workers)
-        ray.kill(record, no_restart=True)
+        try:
+            if workers is not None:
+                _kill_workers(workers)
+            ray.kill(record, no_restart=True)
+        except Exception:  # already gone: `rlhf stop-session` kills them too
+            pass
         log(f"[rlhf] session of run {run_id} ended ({reason or 'error'})", flush=True)
     return reason
 
@@ -250,6 +253,8 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
             if asked_rebuild_of != info["generation"]:
                 ray.get(record.request_rebuild.remote())
                 asked_rebuild_of = info["generation"]
+            elif not _job_live(head, info["job_id"]):
+                stop(run_id)  # its serve job is gone, nobody will rebuild: clear the remains
         elif info is None:
             client = jobs_client(head)
             if submitted is None:
@@ -259,6 +264,15 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
                                    f"{client.get_job_logs(submitted)[-3000:]}")
         time.sleep(0.5)
     raise TimeoutError(f"no session for run {run_id} after {timeout_s:.0f}s (see `ray job logs` on the head)")
+
+
+def _job_live(head, submission_id: str) -> bool:
+    from rlhf_core.ray_head import jobs_client
+
+    try:
+        return str(jobs_client(head).get_job_status(submission_id)) in _LIVE_JOB
+    except RuntimeError:  # the Jobs API does not know it
+        return False
 
 
 def stop(run_id: str, head=None) -> bool:

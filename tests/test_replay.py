@@ -26,8 +26,34 @@ def run(tmp_path_factory):
     os.environ.setdefault("RLHF_CACHE", str(tmp_path_factory.mktemp("rlhf-cache")))
     root = tmp_path_factory.mktemp("audit")
     cfg = apply_overrides(small_config(root / "out"), PPO)
-    run_direct(cfg, 2, f"file://{root / 'store'}", "audit", log=lambda *a: None)
+    # every committed iteration is also exported to MLflow (a file store here)
+    mlflow_env = {"MLFLOW_TRACKING_URI": f"file://{root / 'mlruns'}", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in mlflow_env.items():
+            patch.setenv(key, value)
+        run_direct(cfg, 1, f"file://{root / 'store'}", "audit", log=lambda *a: None)
+        run_direct(cfg, 1, f"file://{root / 'store'}", "audit", log=lambda *a: None)  # a second process would do the same
+    RUN_ENV.update(mlflow_env)
     return f"file://{root / 'store'}/audit"
+
+
+RUN_ENV: dict = {}
+
+
+def test_iterations_are_exported_to_mlflow(run, monkeypatch):
+    import mlflow
+
+    for key, value in RUN_ENV.items():
+        monkeypatch.setenv(key, value)
+    client = mlflow.MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("rlhf").experiment_id],
+                                  filter_string="tags.`rlhf.run_id` = 'audit'")
+    history = client.get_metric_history(found.info.run_id, "critic/score/mean")
+    assert [m.step for m in history] == [0, 1]  # both iterations, one MLflow run
+    assert found.data.params["algorithm.adv_estimator"] == "gae"
+    assert found.data.tags["rlhf.last_checkpoint"].endswith("checkpoints/step-000002")
+    lineage = mlflow.artifacts.load_dict(f"{found.info.artifact_uri}/lineage/iter-000001.json")
+    assert lineage["parent_iteration"] == 0 and lineage["config_hash"] == found.data.tags["rlhf.config_hash"]
 
 
 def test_every_stage_replays_exactly(run):

@@ -72,7 +72,16 @@ def test_iterations_attach_survive_a_killed_worker_and_match_a_direct_run(tmp_pa
     out = iterate(tmp_path, head_root).stdout
     # the same job rebuilt its workers from the last checkpoint; the iteration finished
     assert "session: generation 2, job rlhf-session-run-1" in out and "iteration 2:" in out
-    assert_same_as_direct(tmp_path, 3)
+
+    # the session's job itself dies (its driver SIGKILLed), then a worker: nobody is left
+    # to rebuild, so the next trigger clears the remains and submits a new session job
+    driver = subprocess.run(["pgrep", "-f", "rlhf_core.cli serve --foreground"], capture_output=True, text=True)
+    for pid in [int(p) for p in driver.stdout.split()] + session_worker_pids():
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(1)
+    out = iterate(tmp_path, head_root).stdout
+    assert "job rlhf-session-run-2" in out and "iteration 3:" in out
+    assert_same_as_direct(tmp_path, 4)
 
 
 # Every stage of a PPO iteration with a critic and a reference model, in order.

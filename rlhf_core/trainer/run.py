@@ -174,6 +174,7 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
     """
     from tqdm import tqdm
 
+    from rlhf_core import tracking
     from rlhf_core.testing import faults
     from rlhf_core.trainer.iteration_store import code_version
     from rlhf_core.trainer.ppo import PPOTrainer
@@ -218,6 +219,8 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
                     "snapshots": {name: istore.stage_uri(iteration, name) for name, _ in trainer.stages()
                                   if name != "weight_sync"},
                 })
+                if tracking.enabled():
+                    tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
                 if on_committed is not None:
                     on_committed(trainer.state.global_step)
                 row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
