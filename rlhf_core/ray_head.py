@@ -48,12 +48,16 @@ def _free_port() -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID exists on this machine."""
+    """Whether a process with this PID runs on this machine (a zombie, exited but not yet
+    reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
-        return True
     except OSError:
         return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _ray_binary() -> str:
@@ -127,13 +131,17 @@ def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
     if info is None:
         return
     try:
-        os.killpg(info.pid, signal.SIGTERM)
+        os.kill(info.pid, signal.SIGTERM)  # `ray start --block` then stops its processes in order
     except OSError:
         pass
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and pid_alive(info.pid):
         time.sleep(0.2)
-    for pid in _pids_with(info.temp_dir) + ([info.pid] if pid_alive(info.pid) else []):
+    try:  # whatever of the group is left (agents rename themselves, so also by group)
+        os.killpg(info.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for pid in _pids_with(info.temp_dir):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
