@@ -130,22 +130,44 @@ def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
         head_state_path(root).unlink(missing_ok=True)
     if info is None:
         return
+    # Ray job drivers (the session's `rlhf serve`) run in sessions of their own and do not
+    # name the temp dir: find every descendant now, while the process tree still links them.
+    family = _descendants(info.pid)
     try:
         os.kill(info.pid, signal.SIGTERM)  # `ray start --block` then stops its processes in order
     except OSError:
         pass
-    deadline = time.monotonic() + 10
+    # an idle head drains in ~2 s; one with live actors waits for them, and nothing of
+    # ours needs a graceful end (the store is the record), so do not wait long
+    deadline = time.monotonic() + 3
     while time.monotonic() < deadline and pid_alive(info.pid):
         time.sleep(0.2)
     try:  # whatever of the group is left (agents rename themselves, so also by group)
         os.killpg(info.pid, signal.SIGKILL)
     except OSError:
         pass
-    for pid in _pids_with(info.temp_dir):
+    for pid in _pids_with(info.temp_dir) + family:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 def _pids_with(marker: str) -> list[int]:
