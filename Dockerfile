@@ -19,7 +19,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # procps: Ray's process tools; tini: a real init for signal handling in pods.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends procps=2:4.0.2-3 tini=0.19.0-1 \
+    && apt-get install -y --no-install-recommends procps=2:4.0.2-3 tini=0.19.0-1+b3 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 1000 --shell /bin/bash rlhf \
     && python -m venv /opt/rlhf \

@@ -9,8 +9,9 @@ import os
 
 from kfp import dsl
 
-#: The image built from this repository's Dockerfile (components and Ray nodes share it).
-IMAGE = os.environ.get("RLHF_IMAGE", "ghcr.io/rlhf-core/rlhf-core:0.1.0")
+from components.kuberay.spec import DEFAULT_IMAGE
+
+IMAGE = os.environ.get("RLHF_IMAGE", DEFAULT_IMAGE)
 
 
 @dsl.component(base_image=IMAGE)
@@ -25,7 +26,7 @@ def ensure_session(run_id: str, store: str, config_overrides: list, head_root: s
     cfg = apply_overrides(RunConfig(), list(config_overrides))  # validated by the controller
     info = ray_head.resolve_head(head_root, ray_address, dashboard_url)
     client = ray_head.jobs_client(info)
-    job = session.submit_job(client, cfg, run_id, store)
+    job = session.submit_job(client, cfg, run_id, store, info)
     session.wait_job_ready(client, job)
     print(f"session job {job} ready on {info.address}")
     return info.address

@@ -14,13 +14,12 @@ from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
 from components.iteration import ensure_session, report, run_iteration
+from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
 
 HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
 COMPILED_KUBERAY = HERE / "ppo_iteration_kuberay.yaml"
-#: Kubernetes secrets (manifests/base/secret-*.example.yaml).
-S3_SECRET = "rlhf-object-store"
-RAY_TOKEN_SECRET = "rlhf-ray-token"
+
 
 
 def _pod_settings(task, small: bool) -> None:
@@ -32,7 +31,7 @@ def _pod_settings(task, small: bool) -> None:
         task.set_cpu_request("0.5").set_memory_request("512M").set_memory_limit("2G")
     else:
         task.set_cpu_request("1").set_memory_request("2G").set_memory_limit("16G")
-    kubernetes.use_secret_as_env(task, secret_name=S3_SECRET, secret_key_to_env={
+    kubernetes.use_secret_as_env(task, secret_name=OBJECT_STORE_SECRET, secret_key_to_env={
         "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
         "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"})
     kubernetes.add_node_selector(task, label_key="rlhf.io/pool", label_value="controller")

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import json
-import re
+
+from rlhf_core import run_layout
 
 
 class AuditError(ValueError):
@@ -34,10 +35,11 @@ def list_store(uri: str) -> str:
     for info in infos:
         rel = info.uri[len(uri):].strip("/") or "."
         lines.append(f"{rel:<58}{info.state:<12}{info.num_rows:>6}{_size(info.stored_bytes):>12}")
-        m = re.match(r"^(.*?iter-\d{6})/", info.uri + "/")
-        if m and "/replays/" not in m.group(1) and m.group(1) not in iterations:
-            manifest = sfs.read_bytes(sfs.resolve(m.group(1) + "/MANIFEST.json"))
-            iterations[m.group(1)] = manifest is not None
+        loc = run_layout.parse(info.uri)
+        it_uri = loc.iteration_uri if loc is not None else None
+        if it_uri and "/replays/" not in it_uri and it_uri not in iterations:
+            manifest = sfs.read_bytes(sfs.resolve(f"{it_uri}/{run_layout.MANIFEST}"))
+            iterations[it_uri] = manifest is not None
     if iterations:
         lines.append("")
         for it, done in iterations.items():
@@ -52,10 +54,10 @@ def _tokenizer_for(uri: str):
     """The tokenizer of the run that wrote ``uri`` (from its iteration manifest), if any."""
     from rlhf_core.snapshot import fs as sfs
 
-    m = re.match(r"^(.*?/iter-\d{6})/", uri.rstrip("/") + "/")
-    if not m:
+    loc = run_layout.parse(uri)
+    if loc is None or loc.iteration is None:
         return None
-    raw = sfs.read_bytes(sfs.resolve(m.group(1) + "/MANIFEST.json"))
+    raw = sfs.read_bytes(sfs.resolve(f"{loc.iteration_uri}/{run_layout.MANIFEST}"))
     if raw is None:
         return None
     config = json.loads(raw)["config"]

@@ -5,7 +5,9 @@
         iteration a Kubeflow pipeline run (KFP local runner; --direct: all in this
         process); prints `metrics:`, `curve:` and `snapshots:` last.
     rlhf iterate / serve / stop-session / head   the long-lived session, piece by piece
-    rlhf compile / submit / schedule             the pipeline for a Kubeflow server
+    rlhf compile / submit / schedule / manifests the pipeline for a Kubeflow server and the
+        KubeRay objects: registered by `pipelines` and `components` through the
+        ``rlhf.commands`` entry point (this package imports neither)
     rlhf config [key=value ...]
         Print every config field with its value and documentation.
     rlhf demo
@@ -17,6 +19,34 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
+
+#: How ``rlhf run`` runs iterations when not ``--direct``: filled by plugins.
+RUN_MODES: dict[str, Callable] = {}
+PLUGIN_GROUP = "rlhf.commands"
+
+
+class PluginAPI:
+    """What a plugin's ``register(subparsers, api)`` may use besides adding subcommands."""
+
+    @staticmethod
+    def register_run_mode(name: str, runner: Callable) -> None:
+        """``runner(args, cfg, iterations, store, api) -> exit code`` for ``rlhf run``."""
+        RUN_MODES[name] = runner
+
+    config = staticmethod(lambda overrides: _config(overrides))
+    default_store = staticmethod(lambda cfg: _default_store(cfg))
+
+
+def load_plugins(sub) -> list[str]:
+    """Let every installed ``rlhf.commands`` entry point add its subcommands."""
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in sorted(entry_points(group=PLUGIN_GROUP), key=lambda e: e.name):
+        ep.load()(sub, PluginAPI)
+        loaded.append(ep.name)
+    return loaded
 
 
 def _config(overrides: list[str]):
@@ -28,14 +58,24 @@ def _config(overrides: list[str]):
         raise SystemExit(f"rlhf: config error: {exc}") from None
 
 
+def _new_run_id() -> str:
+    from rlhf_core.run_ids import new_run_id
+
+    return new_run_id()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_core.trainer.run import run_direct
 
     cfg = _config(args.overrides)
+    args.run_id = args.run_id or _new_run_id()
     iterations = args.iterations or cfg.trainer.total_iterations
     store = args.store or _default_store(cfg)
     if not args.direct:
-        return _run_pipeline(args, cfg, iterations, store)
+        if "pipeline" not in RUN_MODES:
+            raise SystemExit("rlhf: running iterations as pipeline runs needs the `pipelines` package (installed "
+                             "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
+        return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
     result = run_direct(cfg, iterations, store, args.run_id)
     rows = result["rows"]
     if rows:
@@ -75,7 +115,7 @@ def _cmd_head(args: argparse.Namespace) -> int:
 def _local_head(args, cfg):
     from rlhf_core import ray_head
 
-    return ray_head.start_head(args.head_root or os.path.join(cfg.trainer.output_dir, "head"))
+    return ray_head.start_head(args.head_root or ray_head.default_head_root(cfg.trainer.output_dir))
 
 
 def _cmd_iterate(args: argparse.Namespace) -> int:
@@ -110,15 +150,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.foreground:  # the Ray job's entrypoint: the session lives in this process
         import ray
 
+        from rlhf_core.config import ConfigError
+
         from_env = os.environ.get("RLHF_SESSION_CONFIG")
-        cfg = config_from_dict(json.loads(from_env)) if from_env else _config(args.overrides)
+        try:
+            cfg = config_from_dict(json.loads(from_env)).validate() if from_env else _config(args.overrides)
+        except (ConfigError, ValueError) as exc:
+            raise SystemExit(f"rlhf: session config: {exc}") from None
+        session.load_credentials_file(os.environ.get("RLHF_CREDENTIALS_FILE"))
         ray.init(namespace=session.namespace_of(args.run_id), log_to_driver=False, configure_logging=False)
         session.serve(cfg, args.run_id, args.store)
         return 0
     cfg = _config(args.overrides)
     info = _local_head(args, cfg)
     client = ray_head.jobs_client(info)
-    job = session.submit_job(client, cfg, args.run_id, args.store or _default_store(cfg))
+    job = session.submit_job(client, cfg, args.run_id, args.store or _default_store(cfg), info)
     session.wait_job_ready(client, job)
     print(f"session of run {args.run_id}: job {job} on {info.dashboard_url} (ready; ends after "
           f"{cfg.trainer.session_idle_timeout_s:.0f}s idle or `rlhf stop-session`)")
@@ -134,103 +180,6 @@ def _cmd_stop_session(args: argparse.Namespace) -> int:
         return 0
     ray_head.connect(info, session.namespace_of(args.run_id))
     print("session stopped" if session.stop(args.run_id, info) else "no session for run " + args.run_id)
-    return 0
-
-
-def _run_pipeline(args, cfg, iterations: int, store: str) -> int:
-    """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
-    import time
-
-    from rlhf_core import ray_head
-    from rlhf_core.trainer.report import run_history
-    from rlhf_core.trainer.run import plot_curve
-
-    sys.path.insert(0, _repo_root())
-    from pipelines.local import run_local_iterations
-
-    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
-    head_root = os.path.join(cfg.trainer.output_dir, "head")
-    ours = ray_head.read_head(head_root) is None  # a head someone started stays up
-    try:
-        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root)
-    finally:
-        if ours and not args.keep_session:
-            ray_head.stop_head(ray_head.read_head(head_root), head_root)
-    rows = run_history(store, run_id)
-    curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
-    if rows:
-        plot_curve(rows, curve)
-        print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
-              f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
-        print(f"checkpoint: {rows[-1]['checkpoint']}")
-    print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
-    print(f"curve: {curve}")
-    print(f"pipeline runs: {root}")
-    print(f"snapshots: {store.rstrip('/')}/{run_id}")
-    return 0
-
-
-def _remote(args):
-    sys.path.insert(0, _repo_root())
-    from pipelines import remote
-
-    from components.kuberay import spec as kube
-    from components.kuberay.names import KubeNameError, cluster_name
-
-    try:  # refuse bad input here, before anything reaches the cluster
-        cfg, kube_spec = kube.load_deployment(args.deployment, args.overrides)
-        cluster_name(args.run_id)
-    except (kube.DeploySpecError, KubeNameError) as exc:
-        raise SystemExit(f"rlhf: {exc}") from None
-    except Exception as exc:  # ConfigError and friends
-        raise SystemExit(f"rlhf: config error: {exc}") from None
-    target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment,
-                           service_account=args.service_account)
-    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, kube_spec, args.cluster_policy)
-    return remote, cfg, target, arguments
-
-
-def _cmd_submit(args: argparse.Namespace) -> int:
-    remote, _, target, arguments = _remote(args)
-    out = remote.submit(target, arguments)
-    print(f"submitted: run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: one iteration "
-          f"of {args.run_id}, continuing from its last committed iteration in {args.store}")
-    return 0
-
-
-def _cmd_schedule(args: argparse.Namespace) -> int:
-    remote, _, target, arguments = _remote(args)
-    try:
-        out = remote.schedule(target, arguments, args.cron)
-    except remote.ScheduleError as exc:
-        raise SystemExit(f"rlhf: {exc}") from None
-    print(f"scheduled: recurring run {out['recurring_run_id']} (experiment {out['experiment_id']}) on "
-          f"{args.host}, cron '{out['cron']}': each trigger runs the next iteration of {args.run_id}")
-    return 0
-
-
-def _cmd_manifests(args: argparse.Namespace) -> int:
-    import yaml
-
-    sys.path.insert(0, _repo_root())
-    from components.kuberay import crd, render, spec
-    from components.kuberay.names import KubeNameError
-
-    try:
-        cfg, kube = spec.load_deployment(args.config, args.overrides)
-        objects = render.render_all(cfg, kube, args.run_id, args.store)
-        if args.crds:
-            for obj in objects.values():
-                crd.validate(obj, args.crds)
-    except (spec.DeploySpecError, render.PoolShapeError, KubeNameError, crd.SchemaViolation) as exc:
-        raise SystemExit(f"rlhf: {exc}") from None
-    os.makedirs(args.out, exist_ok=True)
-    for name, obj in objects.items():
-        path = os.path.join(args.out, name)
-        with open(path, "w", encoding="utf-8") as f:
-            yaml.safe_dump(obj, f, sort_keys=False)
-        print(f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}: {path}")
     return 0
 
 
@@ -274,19 +223,6 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
     return 0
 
 
-def _repo_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _cmd_compile(args: argparse.Namespace) -> int:
-    sys.path.insert(0, _repo_root())
-    from pipelines.ppo_iteration import HERE, compile_all
-
-    for path in compile_all(args.out or HERE):
-        print(f"compiled: {path}")
-    return 0
-
-
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe
 
@@ -301,6 +237,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlhf_core.ray_head import default_head_root
+
     parser = argparse.ArgumentParser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -318,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = sub.add_parser("head", help="start/stop/status of this project's own local Ray head")
     head.add_argument("action", choices=["start", "stop", "status"])
-    head.add_argument("--root", default=os.path.join("runs", "head"), help="folder holding the head's state and token")
+    head.add_argument("--root", default=default_head_root(), help="folder holding the head's state and token "
+                      "(default: {trainer.output_dir}/head, the one every command uses)")
     head.set_defaults(func=_cmd_head)
 
     it = sub.add_parser("iterate", help="run iterations against the run's long-lived session")
@@ -341,40 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     stop = sub.add_parser("stop-session", help="kill the run's session actors")
     stop.add_argument("--run-id", required=True)
-    stop.add_argument("--head-root", default=os.path.join("runs", "head"))
+    stop.add_argument("--head-root", default=default_head_root())
     stop.set_defaults(func=_cmd_stop_session)
-
-    for name, func, text in (("submit", _cmd_submit, "run one iteration on a Kubeflow Pipelines server"),
-                             ("schedule", _cmd_schedule, "a recurring run on a Kubeflow Pipelines server: "
-                              "each trigger runs the next iteration")):
-        remote = sub.add_parser(name, help=text)
-        remote.add_argument("--host", required=True, help="the KFP API endpoint, e.g. http://ml-pipeline-ui.kubeflow")
-        if name == "schedule":
-            remote.add_argument("--cron", required=True, help="cron expression, 5 fields (or KFP's 6, seconds "
-                                "first), e.g. '0 */2 * * *'")
-        remote.add_argument("--run-id", required=True, help="the run the iterations belong to")
-        remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
-        remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")
-        remote.add_argument("--experiment", default="rlhf", help="KFP experiment the runs go to")
-        remote.add_argument("--deployment", default=None, help="deployment file whose `kubernetes:` and "
-                            "`resources:` sections shape the cluster (manifests/configs/)")
-        remote.add_argument("--cluster-policy", default="keep", choices=["keep", "delete", "delete-on-success"],
-                            help="what happens to the RayCluster when the run ends (keep: the session serves "
-                            "the next iteration and ends itself when idle)")
-        remote.add_argument("--service-account", default="rlhf-pipeline", help="Kubernetes service account of "
-                            "the run's pods (manifests/base grants it the KubeRay rights)")
-        remote.add_argument("overrides", nargs="*", help="config overrides passed to every iteration")
-        remote.set_defaults(func=func)
-
-    man = sub.add_parser("manifests", help="render the run's KubeRay RayCluster and RayJob as YAML")
-    man.add_argument("--config", default=None, help="deployment file: run config sections plus a `kubernetes:` "
-                     "section (default: the default run config; see manifests/configs/)")
-    man.add_argument("--run-id", default="demo", help="names the cluster (normalized to a DNS-1035 label)")
-    man.add_argument("--store", default="s3://rlhf/runs", help="object store URI the session restores from")
-    man.add_argument("--out", required=True, help="folder for raycluster.yaml and rayjob.yaml")
-    man.add_argument("--crds", default=None, help="validate against the KubeRay CRDs in this folder first")
-    man.add_argument("overrides", nargs="*")
-    man.set_defaults(func=_cmd_manifests)
 
     rep = sub.add_parser("replay", help="re-run a stage of a committed iteration from its saved input and compare")
     rep.add_argument("uri", help="{store}/{run}/iter-NNNNNN[/stage], or a run URI with --iteration")
@@ -399,11 +306,6 @@ def build_parser() -> argparse.ArgumentParser:
     snaps.add_argument("--fields", nargs="*", default=None, help="show: only these fields")
     snaps.set_defaults(func=_cmd_snapshots)
 
-    comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
-    comp.add_argument("--out", default=None, help="folder for ppo_iteration.yaml and ppo_iteration_kuberay.yaml "
-                      "(default: pipelines/)")
-    comp.set_defaults(func=_cmd_compile)
-
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
@@ -413,11 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--n", type=int, default=4)
     demo.add_argument("--workers", type=int, default=2)
     demo.set_defaults(func=_cmd_demo)
+    load_plugins(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlhf_core.run_ids import RunIdError, StoreUriError, validate_run_id, validate_store_uri
+
     args = build_parser().parse_args(argv)
+    try:  # every command, before any path, process or request exists
+        if getattr(args, "run_id", None) is not None:
+            validate_run_id(args.run_id, "--run-id")
+        if getattr(args, "store", None) is not None:
+            validate_store_uri(args.store, "--store")
+    except (RunIdError, StoreUriError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
     return int(args.func(args) or 0)
 
 

@@ -19,67 +19,81 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-def _f(default, help: str, **kw):
-    """A field with its documentation attached (shown by ``rlhf config``)."""
+def _f(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None, **kw):
+    """A field with its documentation and valid values attached (``rlhf config`` shows the
+    help; ``RunConfig.validate`` checks ``choices`` and the bounds of every field)."""
+    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+POSITIVE = {"gt": 0}
+NON_NEGATIVE = {"ge": 0}
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
 @dataclass
 class ModelConfig:
     path: str = _f("builtin:digits", "HF model directory, or builtin:<task> for the built-in "
                    "task's small model (built locally, warm-started by a short SFT, cached)")
-    dtype: str = _f("float32", "parameter dtype for training: float32 or bfloat16")
+    dtype: str = _f("float32", "parameter dtype for training: float32 | bfloat16 | float16",
+                    choices=("float32", "bfloat16", "float16"))
 
 
 @dataclass
 class DataConfig:
     train_files: str = _f("builtin:digits", "parquet/jsonl with prompt, ground_truth, "
                           "data_source columns, or builtin:<task>")
-    train_batch_size: int = _f(32, "prompts per iteration (before rollout.n repeats)")
-    max_prompt_length: int = _f(16, "prompt tokens; longer prompts are an error")
+    train_batch_size: int = _f(32, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
+    max_prompt_length: int = _f(16, "prompt tokens; longer prompts are an error", **POSITIVE)
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
 
 
 @dataclass
 class ActorConfig:
-    lr: float = _f(2e-4, "AdamW learning rate of the policy")
-    lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n responses)")
-    ppo_epochs: int = _f(1, "passes over each iteration's batch")
-    clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)")
-    clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)")
-    clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)")
+    lr: float = _f(2e-4, "AdamW learning rate of the policy", **NON_NEGATIVE)
+    lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant", **NON_NEGATIVE)
+    weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
+    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
+    clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)", ge=0, lt=1)
+    clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
+    clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
     policy_loss: str = _f("vanilla", "registered policy loss (rlhf_core.algorithms)")
-    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean",
+                            choices=LOSS_AGG_MODES)
     entropy_coeff: float = _f(0.0, "entropy bonus weight (0 disables)")
     use_kl_loss: bool = _f(False, "add KL(policy || reference) to the loss (GRPO style)")
-    kl_loss_coef: float = _f(0.001, "weight of the KL loss")
+    kl_loss_coef: float = _f(0.001, "weight of the KL loss", **NON_NEGATIVE)
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: k1 | k2 | k3/low_var_kl | abs")
-    grad_clip: float = _f(1.0, "max global grad norm")
-    strategy: str = _f("ddp", "data parallelism across actor ranks: ddp")
-    world_size: int = _f(1, "actor/rollout/reference ranks (processes)")
+    grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
+    strategy: str = _f("ddp", "how actor ranks share the model: ddp (every rank holds the whole model, "
+                       "gradients are all-reduced); the only strategy this build trains with", choices=("ddp",))
+    world_size: int = _f(1, "actor/rollout/reference ranks (processes)", **POSITIVE)
 
 
 @dataclass
 class RolloutConfig:
-    name: str = _f("vllm", "generation engine: vllm (in-process engine per rank) or hf")
-    n: int = _f(8, "responses sampled per prompt (GRPO group size)")
-    temperature: float = _f(1.0, "sampling temperature")
-    top_p: float = _f(1.0, "nucleus sampling")
-    response_length: int = _f(8, "max new tokens per response")
-    seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset")
+    name: str = _f("vllm", "generation engine: vllm (in-process engine per rank) or hf",
+                   choices=("vllm", "hf"))
+    n: int = _f(8, "responses sampled per prompt (GRPO group size)", ge=1)
+    temperature: float = _f(1.0, "sampling temperature", **POSITIVE)
+    top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
+    response_length: int = _f(8, "max new tokens per response", **POSITIVE)
+    seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset", **NON_NEGATIVE)
 
 
 @dataclass
 class CriticConfig:
     enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)")
-    lr: float = _f(1e-3, "AdamW learning rate of the value model")
-    cliprange_value: float = _f(0.5, "value clipping range")
-    ppo_epochs: int = _f(1, "passes over each iteration's batch")
-    grad_clip: float = _f(1.0, "max global grad norm")
+    lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
+    cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
+    ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
+    ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
+    loss_agg_mode: str = _f("token-mean", "value loss reduction: token-mean | seq-mean-token-sum | "
+                            "seq-mean-token-mean", choices=LOSS_AGG_MODES)
+    grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
 
 
 @dataclass
@@ -91,18 +105,18 @@ class RewardConfig:
 
 @dataclass
 class KLControlConfig:
-    type: str = _f("fixed", "fixed | adaptive (Ziegler et al. 2019)")
-    kl_coef: float = _f(0.001, "initial / fixed coefficient of KL in the reward")
-    target_kl: float = _f(0.1, "adaptive: KL the controller steers to")
-    horizon: int = _f(10000, "adaptive: samples over which the coefficient adapts")
+    type: str = _f("fixed", "fixed | adaptive (Ziegler et al. 2019)", choices=("fixed", "adaptive"))
+    kl_coef: float = _f(0.001, "initial / fixed coefficient of KL in the reward", **NON_NEGATIVE)
+    target_kl: float = _f(0.1, "adaptive: KL the controller steers to", **POSITIVE)
+    horizon: int = _f(10000, "adaptive: samples over which the coefficient adapts", **POSITIVE)
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = _f("grpo", "registered estimator: gae | grpo | rloo | "
-                            "reinforce_plus_plus | remax")
-    gamma: float = _f(1.0, "discount")
-    lam: float = _f(1.0, "GAE lambda")
+    adv_estimator: str = _f("grpo", "registered estimator: gae (needs a critic) | grpo | rloo | "
+                            "reinforce_plus_plus | remax (a greedy response per prompt as baseline)")
+    gamma: float = _f(1.0, "discount", ge=0, le=1)
+    lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = _f(True, "GRPO: divide by the group std (False: Dr. GRPO)")
     use_kl_in_reward: bool = _f(False, "subtract beta * KL(policy || ref) from token rewards")
     kl_penalty: str = _f("k1", "KL estimator used in the reward")
@@ -111,13 +125,14 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_iterations: int = _f(300, "iterations of `rlhf run` when --iterations is not given")
-    seed: int = _f(0, "seed for data order, model init and everything else")
+    total_iterations: int = _f(300, "iterations of `rlhf run` when --iterations is not given", **POSITIVE)
+    seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
-    cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch threads)")
+    cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch "
+                                "threads)", **POSITIVE)
     progress: bool = _f(True, "show a progress bar per stage")
     session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
-                                       "long without a controller using it")
+                                       "long without a controller using it", **POSITIVE)
 
 
 @dataclass
@@ -125,12 +140,12 @@ class ResourcesConfig:
     """The training resource pool (every role colocated, one process per actor rank) as
     nodes of one shape: what a cluster must provide. Local runs use this machine."""
 
-    nnodes: int = _f(1, "nodes in the training pool (Ray worker pods on a cluster)")
+    nnodes: int = _f(1, "nodes in the training pool (Ray worker pods on a cluster)", **POSITIVE)
     gpus_per_node: int = _f(0, "GPUs per node, one actor rank each (0: CPU nodes, "
-                            "trainer.cpus_per_worker CPUs per rank)")
-    cpus_per_node: float = _f(4.0, "CPUs per node")
-    memory_gib_per_node: float = _f(16.0, "memory per node, GiB")
-    object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB")
+                            "trainer.cpus_per_worker CPUs per rank)", **NON_NEGATIVE)
+    cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE)
+    memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE)
+    object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE)
 
     def ranks_per_node(self, cpus_per_worker: float) -> int:
         return self.gpus_per_node if self.gpus_per_node else int(self.cpus_per_node // cpus_per_worker)
@@ -149,8 +164,15 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     @property
+    def estimator(self):
+        """The advantage estimator's declared needs (``AdvEstimatorSpec``)."""
+        from rlhf_core.algorithms import get_adv_estimator_spec
+
+        return get_adv_estimator_spec(self.algorithm.adv_estimator)
+
+    @property
     def use_critic(self) -> bool:
-        return self.critic.enable if self.critic.enable is not None else self.algorithm.adv_estimator == "gae"
+        return self.critic.enable if self.critic.enable is not None else self.estimator.needs_critic
 
     @property
     def use_reference(self) -> bool:
@@ -171,13 +193,16 @@ class RunConfig:
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":
-        if self.data.train_batch_size % self.actor.ppo_mini_batch_size:
-            raise ConfigError(f"actor.ppo_mini_batch_size ({self.actor.ppo_mini_batch_size}) must divide "
-                              f"data.train_batch_size ({self.data.train_batch_size})")
-        if self.rollout.name not in ("vllm", "hf"):
-            raise ConfigError(f"rollout.name must be 'vllm' or 'hf'; found {self.rollout.name!r}")
-        if self.rollout.n < 1:
-            raise ConfigError(f"rollout.n must be >= 1; found {self.rollout.n}")
+        """Every field's type, choices and range first (so nothing below divides by zero or
+        meets NaN), then the settings that must agree. Raises ``ConfigError`` naming the
+        field, what was expected and what was found."""
+        for path, f in _leaf_paths(self).items():
+            check_field(path, f, _get(self, path))
+        for section in ("actor", "critic"):
+            mini = getattr(self, section).ppo_mini_batch_size
+            if self.data.train_batch_size % mini:
+                raise ConfigError(f"{section}.ppo_mini_batch_size ({mini}) must divide data.train_batch_size "
+                                  f"({self.data.train_batch_size})")
         from rlhf_core.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 
         for name, table, key in [(self.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator"),
@@ -187,11 +212,6 @@ class RunConfig:
             if name not in table:
                 raise ConfigError(f"{key}: {name!r} is not registered; choose from {sorted(table)}")
         res = self.resources
-        for name in ("nnodes", "cpus_per_node", "memory_gib_per_node", "object_store_gib_per_node"):
-            if getattr(res, name) <= 0:
-                raise ConfigError(f"resources.{name} must be > 0; found {getattr(res, name)}")
-        if res.gpus_per_node < 0:
-            raise ConfigError(f"resources.gpus_per_node must be >= 0; found {res.gpus_per_node}")
         if res.object_store_gib_per_node >= res.memory_gib_per_node:
             raise ConfigError(f"resources.object_store_gib_per_node ({res.object_store_gib_per_node}) must be "
                               f"less than resources.memory_gib_per_node ({res.memory_gib_per_node})")
@@ -200,7 +220,10 @@ class RunConfig:
             raise ConfigError(f"actor.world_size={self.actor.world_size} ranks do not fit the pool: "
                               f"resources.nnodes={res.nnodes} x {res.ranks_per_node(self.trainer.cpus_per_worker)} "
                               f"ranks per node (one per GPU, or cpus_per_node / trainer.cpus_per_worker on CPU)")
-        if self.algorithm.adv_estimator in ("grpo", "rloo") and self.rollout.n < 2:
+        if self.estimator.needs_critic and self.critic.enable is False:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
+                              f"found critic.enable=False")
+        if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
         return self
@@ -213,6 +236,47 @@ NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("tra
 
 class ConfigError(ValueError):
     """A config field is unknown or has a value of the wrong type/range."""
+
+
+def _get(cfg, path: str):
+    value = cfg
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def check_field(path: str, f: dataclasses.Field, value) -> None:
+    """One field against its declared type, choices and bounds."""
+    import math
+
+    meta = f.metadata
+    kind = str(f.type).split("|")[0].strip()
+    optional = "None" in str(f.type)
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"{path}: expected {kind}, found None")
+    want = _TYPES.get(kind)
+    ok = (isinstance(value, bool) if want is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if want is float else
+          isinstance(value, int) and not isinstance(value, bool) if want is int else
+          isinstance(value, want) if want is not None else True)
+    if not ok:
+        raise ConfigError(f"{path}: expected {kind}, found {value!r} ({type(value).__name__})")
+    if want is float and not math.isfinite(value):
+        raise ConfigError(f"{path}: expected a finite number, found {value!r}")
+    if want is str and not value.strip():
+        raise ConfigError(f"{path}: expected a non-empty string, found {value!r}")
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise ConfigError(f"{path}: expected one of {', '.join(map(str, meta['choices']))}; found {value!r}")
+    for key, test, words in (("gt", lambda v, b: v > b, ">"), ("ge", lambda v, b: v >= b, ">="),
+                             ("lt", lambda v, b: v < b, "<"), ("le", lambda v, b: v <= b, "<=")):
+        bound = meta.get(key)
+        if bound is not None and not test(value, bound):
+            raise ConfigError(f"{path}: expected a value {words} {bound}; found {value!r}")
 
 
 def _leaf_paths(obj, prefix="") -> dict[str, Any]:
@@ -297,8 +361,6 @@ def describe(cfg: RunConfig) -> str:
     """Every field with its value and help text (printed at the start of a run)."""
     lines = []
     for path, f in _leaf_paths(cfg).items():
-        value = cfg
-        for p in path.split("."):
-            value = getattr(value, p)
+        value = _get(cfg, path)
         lines.append(f"  {path:<38} = {value!r:<18} # {f.metadata.get('help', '')}")
     return "\n".join(lines)

@@ -9,9 +9,8 @@ metrics.
 from __future__ import annotations
 
 import json
-import re
 
-_ANY = re.compile(r"^(?P<run>.+?)/(?:iter-(?P<iter>\d{6})(?:/.*)?|checkpoints/step-(?P<step>\d{6})(?:/.*)?)$")
+from rlhf_core import run_layout
 
 
 class LineageError(ValueError):
@@ -22,14 +21,14 @@ def locate(uri: str) -> tuple[str, str, int | None]:
     """(store, run_id, iteration) of an iteration, stage snapshot or checkpoint URI; a
     run URI gives its last committed iteration (None here, resolved by the caller)."""
     uri = uri.rstrip("/")
-    m = _ANY.match(uri)
-    if m is None:
+    loc = run_layout.parse(uri)
+    if loc is None:
         store, _, run_id = uri.rpartition("/")
         return store, run_id, None
-    store, _, run_id = m.group("run").rpartition("/")
-    if m.group("iter") is not None:
-        return store, run_id, int(m.group("iter"))
-    step = int(m.group("step"))
+    store, run_id = loc.store, loc.run_id
+    if loc.iteration is not None:
+        return store, run_id, loc.iteration
+    step = loc.step
     if step == 0:
         raise LineageError(f"{uri} is the starting checkpoint of run {run_id}: no iteration produced it")
     return store, run_id, step - 1  # step S is written by iteration S - 1
@@ -48,8 +47,12 @@ def chain(uri: str) -> list[dict]:
         n = committed[-1]
     if n not in committed:
         raise LineageError(f"iteration {n} of run {run_id} is not committed; committed: {committed}")
-    out = []
+    out, seen = [], set()
     while n is not None:
+        if n in seen or not isinstance(n, int) or n < 0:
+            raise LineageError(f"run {run_id}: the parent chain loops or is malformed at iteration {n!r} "
+                               f"(walked {sorted(seen)}); a manifest names itself or a later iteration as parent")
+        seen.add(n)
         m = istore.read_manifest(n)
         out.append({"run_id": run_id, "iteration": n, "parent_iteration": m["parent_iteration"],
                     "config_hash": m["config_hash"], "code_version": m["code_version"],
@@ -57,7 +60,11 @@ def chain(uri: str) -> list[dict]:
                     "global_step": m["global_step"], "kl_coef": m["kl_coef"],
                     "reward": m["metrics"].get("critic/score/mean"), "metrics": m["metrics"],
                     "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n)})
-        n = m["parent_iteration"]
+        parent = m["parent_iteration"]
+        if parent is not None and (not isinstance(parent, int) or parent >= n):
+            raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
+                               f"earlier iteration")
+        n = parent
     return out
 
 

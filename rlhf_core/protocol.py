@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from rlhf_core.dtypes import RAW_BITS
+
 __all__ = [
     "DataProto",
     "DataProtoItem",
@@ -273,7 +275,7 @@ def _check_index_tensor(idxs: Any, length: int, where: str) -> torch.Tensor:
 # (benchmarks/dataproto_ops.py), mostly because torch's repeat/index kernels are slow
 # for bool and first-touch large outputs. Anything numpy cannot view (GPU tensors,
 # tensors that need autograd) takes the torch path, with the same result.
-_BITS_VIEW = {torch.bfloat16: torch.int16}
+_BITS_VIEW = {dtype: bits for dtype, (bits, _) in RAW_BITS.items()}
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
@@ -372,10 +374,8 @@ def _tensor_to_wire(t: torch.Tensor) -> tuple[str, np.ndarray]:
         t = t.cpu()
     t = t.contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
-    if t.dtype == torch.bfloat16:
-        return dtype, t.view(torch.int16).numpy()
-    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return dtype, t.view(torch.uint8).numpy()
+    if t.dtype in RAW_BITS:  # numpy has no bf16/fp8: their bits travel, the dtype beside them
+        return dtype, t.view(RAW_BITS[t.dtype][0]).numpy()
     return dtype, t.numpy()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from rlhf_core.net import free_port
 
 
 @dataclass
@@ -28,6 +31,8 @@ class HeadInfo:
     temp_dir: str
     pid: int              # the `ray start --block` process (its group holds the head)
     dashboard_url: str = ""  # the Ray Jobs API (the session runs as a Ray job)
+    started_at: str = ""  # the process's start time (/proc/PID/stat): a reused PID differs
+    owner_pid: int = 0    # the `rlhf run` that started it and stops it (0: someone's own head)
 
     @classmethod
     def remote(cls, address: str, dashboard_url: str) -> "HeadInfo":
@@ -41,10 +46,15 @@ class HeadInfo:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, "RAY_ADDRESS": self.address}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Every Ray process we start on this machine listens on loopback only: with this set, Ray
+#: takes 127.0.0.1 as the node address and its servers (GCS, raylet, agents, workers)
+#: bind to it instead of every interface.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+#: Stage payloads of small models are a few hundred KB: passing them inline with the call
+#: instead of through the object store saves a round trip per stage. Every Ray we start
+#: (our head, a direct run's local Ray) uses these.
+RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024, "task_rpc_inlined_bytes_limit": 16 * 1024 * 1024}
 
 
 def pid_alive(pid: int) -> bool:
@@ -65,21 +75,69 @@ def _ray_binary() -> str:
     return str(candidate) if candidate.exists() else "ray"
 
 
+def default_head_root(output_dir: str = "runs") -> str:
+    """Where the local head of runs writing to ``output_dir`` lives (every command's default)."""
+    return os.path.join(output_dir, "head")
+
+
 def head_state_path(root: str | Path) -> Path:
     return Path(root) / "ray-head.json"
 
 
+def process_start_time(pid: int) -> str:
+    """Field 22 of /proc/PID/stat (clock ticks since boot): with the PID, it names one
+    process; "" when there is no such process."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def is_our_head(info: HeadInfo) -> bool:
+    """The recorded head process is still the one we started: same PID, same start time,
+    and its command line names the head's private temp dir (never trust a PID alone)."""
+    if not info.pid or not info.temp_dir or not pid_alive(info.pid):
+        return False
+    if info.started_at and process_start_time(info.pid) != info.started_at:
+        return False
+    try:
+        return info.temp_dir.encode() in Path(f"/proc/{info.pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def read_head(root: str | Path) -> HeadInfo | None:
-    """The head recorded under ``root``, if its process is still alive."""
+    """The head recorded under ``root``, if it is still running (a dead or reused PID: None)."""
     path = head_state_path(root)
     if not path.exists():
         return None
     info = HeadInfo(**json.loads(path.read_text()))
-    return info if pid_alive(info.pid) else None
+    return info if is_our_head(info) else None
 
 
-def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float = 60.0) -> HeadInfo:
-    """Start (or reuse) the head recorded under ``root``."""
+def set_owner(root: str | Path, info: HeadInfo, owner_pid: int) -> None:
+    """Record who stops the head (0: nobody automatically; `rlhf head stop`)."""
+    info.owner_pid = owner_pid
+    head_state_path(root).write_text(json.dumps(asdict(info), indent=1))
+
+
+def adopt_or_start(root: str | Path, owner_pid: int) -> tuple[HeadInfo, bool]:
+    """For a run: the head under ``root`` and whether this run must stop it at the end.
+    A head someone started by hand stays theirs; one whose owning run died (SIGKILL) is
+    adopted and stopped like one this run started."""
+    existing = read_head(root)
+    if existing is not None and existing.owner_pid and not pid_alive(existing.owner_pid):
+        set_owner(root, existing, owner_pid)
+        return existing, True
+    if existing is not None:
+        return existing, existing.owner_pid == owner_pid
+    return start_head(root, owner_pid=owner_pid), True
+
+
+def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float = 60.0,
+               owner_pid: int = 0) -> HeadInfo:
+    """Start (or reuse) the head recorded under ``root``; ``owner_pid``: the run that will
+    stop it (0: it stays until `rlhf head stop`)."""
     root = Path(root).resolve()
     existing = read_head(root)
     if existing is not None:
@@ -90,22 +148,23 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
         token_path.write_text(secrets.token_hex(32))
         token_path.chmod(0o600)
     temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
-    port, dashboard_port = _free_port(), _free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    port, dashboard_port = free_port(), free_port()
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    env.pop("RAY_AUTH_TOKEN", None)  # the file is this head's token, not one from our environment
     args = [_ray_binary(), "start", "--head", "--block", f"--port={port}",
             f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", f"--temp-dir={temp_dir}",
-            "--disable-usage-stats", f"--ray-client-server-port={_free_port()}",
+            "--disable-usage-stats", f"--ray-client-server-port={free_port()}", "--node-ip-address=127.0.0.1",
             # the dashboard serves the Jobs API; every port of ours is a free one, never a
             # default (another Ray on this machine may hold those)
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-            f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-            f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-            # stage payloads of small models go inline with the call (see trainer/run.py)
-            '--system-config={"max_direct_call_object_size": 4194304, "task_rpc_inlined_bytes_limit": 16777216}']
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--system-config={json.dumps(RAY_SYSTEM_CONFIG)}"]
     log = open(root / "ray-head.log", "ab")
     process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     info = HeadInfo(address=f"127.0.0.1:{port}", token_path=str(token_path), temp_dir=str(temp_dir),
-                    pid=process.pid, dashboard_url=f"http://127.0.0.1:{dashboard_port}")
+                    pid=process.pid, dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+                    started_at=process_start_time(process.pid), owner_pid=owner_pid)
     deadline = time.monotonic() + timeout_s
     for probe in (port, dashboard_port):
         while time.monotonic() < deadline:
@@ -124,33 +183,47 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
 
 
 def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
-    """End the head and every process of it (found by its private temp dir), by PID, and
-    forget it (``root``: where its state file lives)."""
+    """End the head and every process of it, by PID, once its identity is checked (a
+    recorded PID now belonging to another process is left alone), remove its temp dir,
+    and forget it (``root``: where its state file lives)."""
     if root is not None:
         head_state_path(root).unlink(missing_ok=True)
-    if info is None:
+    if info is None or not info.temp_dir:
         return
-    # Ray job drivers (the session's `rlhf serve`) run in sessions of their own and do not
-    # name the temp dir: find every descendant now, while the process tree still links them.
-    family = _descendants(info.pid)
-    try:
-        os.kill(info.pid, signal.SIGTERM)  # `ray start --block` then stops its processes in order
-    except OSError:
-        pass
-    # an idle head drains in ~2 s; one with live actors waits for them, and nothing of
-    # ours needs a graceful end (the store is the record), so do not wait long
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and pid_alive(info.pid):
-        time.sleep(0.2)
-    try:  # whatever of the group is left (agents rename themselves, so also by group)
-        os.killpg(info.pid, signal.SIGKILL)
-    except OSError:
-        pass
+    if is_our_head(info):
+        # Ray job drivers (the session's `rlhf serve`) run in sessions of their own and do
+        # not name the temp dir: find every descendant now, while the tree still links them.
+        family = _descendants(info.pid)
+        try:
+            os.kill(info.pid, signal.SIGTERM)  # `ray start --block` then stops its processes in order
+        except OSError:
+            pass
+        # an idle head drains in ~2 s; one with live actors waits for them, and nothing of
+        # ours needs a graceful end (the store is the record), so do not wait long
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and pid_alive(info.pid):
+            time.sleep(0.2)
+        try:  # whatever of the group is left (agents rename themselves, so also by group)
+            current = process_start_time(info.pid)
+            if not current or not info.started_at or current == info.started_at:
+                os.killpg(info.pid, signal.SIGKILL)
+        except OSError:
+            pass
+    else:
+        family = []
     for pid in _pids_with(info.temp_dir) + family:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+    shutil.rmtree(info.temp_dir, ignore_errors=True)
+
+
+def head_processes(info: HeadInfo) -> list[int]:
+    """Every live process of our head: its tree and whatever names its temp dir."""
+    if not is_our_head(info):
+        return []
+    return sorted(set([info.pid] + _descendants(info.pid) + _pids_with(info.temp_dir)))
 
 
 def _descendants(root: int) -> list[int]:
@@ -171,6 +244,8 @@ def _descendants(root: int) -> list[int]:
 
 
 def _pids_with(marker: str) -> list[int]:
+    if len(marker) < 8:  # an empty or tiny marker would match every process on the machine
+        return []
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -182,11 +257,22 @@ def _pids_with(marker: str) -> list[int]:
     return pids
 
 
+def local_ray_env() -> None:
+    """Before this process starts a Ray of its own (``ray.init(address="local")``): token
+    auth with a fresh token and loopback-only servers. Ray reads these when it starts its
+    processes; set them before ``import ray`` where possible."""
+    os.environ.update(LOOPBACK_ENV)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
 def _auth_env(info: HeadInfo) -> None:
     # Ray reads its auth settings when it is first imported: set them before that.
     os.environ["RAY_AUTH_MODE"] = "token"
     if info.token_path:
         os.environ["RAY_AUTH_TOKEN_PATH"] = info.token_path
+        os.environ.pop("RAY_AUTH_TOKEN", None)
 
 
 def resolve_head(head_root: str, ray_address: str = "", dashboard_url: str = "") -> HeadInfo:

@@ -23,8 +23,10 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 
 from rlhf_core.config import RunConfig
+from rlhf_core.workers.worker_set import WorkerSet, checkpoint_exists
 
 SESSION_ACTOR = "session"
 WORKER_PREFIX = "rlhf_worker"
@@ -34,6 +36,15 @@ _LIVE_JOB = ("PENDING", "RUNNING")
 
 def namespace_of(run_id: str) -> str:
     return f"rlhf-{run_id}"
+
+
+@dataclass
+class AttachedSession:
+    """What a controller holds while it drives the session's workers."""
+
+    workers: WorkerSet
+    record: object        # the SessionRecord actor handle
+    info: dict            # the record's published state when attached
 
 
 class SessionRecord:
@@ -90,7 +101,7 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
             workers = _place(cfg, run_id)
             step = _restore(cfg, store, run_id, workers, log)
             ray.get(record.rebuilt.remote(status="ready", generation=generation, step=step,
-                                          worker_names=workers["_group"].worker_names, started_at=time.time()))
+                                          worker_names=workers.worker_names, started_at=time.time()))
             log(f"{READY_LINE}: run {run_id}, generation {generation}, weights at step {step}, "
                 f"{time.perf_counter() - t0:.1f}s", flush=True)
             while reason is None:
@@ -103,12 +114,12 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
                 elif state["rebuild"]:
                     log("[rlhf] a controller found a worker dead: rebuilding from the last checkpoint", flush=True)
                     ray.get(record.update.remote(status="rebuilding"))
-                    _kill_workers(workers)
+                    workers.kill()
                     break
     finally:
         try:
             if workers is not None:
-                _kill_workers(workers)
+                workers.kill()
             ray.kill(record, no_restart=True)
         except Exception:  # already gone: `rlhf stop-session` kills them too
             pass
@@ -116,29 +127,22 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
     return reason
 
 
-def _place(cfg: RunConfig, run_id: str) -> dict:
-    from rlhf_core.trainer.run import build_workers
-
-    return build_workers(cfg, name_prefix=f"{WORKER_PREFIX}_{run_id}", pool_name=f"{run_id}_pool", detached=True)
+def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
+    return WorkerSet.build(cfg, name_prefix=f"{WORKER_PREFIX}_{run_id}", pool_name=f"{run_id}_pool", detached=True)
 
 
-def _restore(cfg: RunConfig, store: str, run_id: str, workers: dict, log) -> int | None:
+def _restore(cfg: RunConfig, store: str, run_id: str, workers: WorkerSet, log) -> int | None:
     """Load the last committed checkpoint; the step the weights are at (None: fresh,
     the controller writes step 0's checkpoint itself)."""
-    from rlhf_core.trainer.run import _checkpoint_exists, load_checkpoint, open_run
+    from rlhf_core.trainer.restore import open_run
 
     istore, state = open_run(cfg, store, run_id, log=lambda *a: None)
     uri = istore.checkpoint_uri(state.global_step)
-    if state.global_step == 0 or not _checkpoint_exists(uri):
+    if state.global_step == 0 or not checkpoint_exists(uri):
         return None
-    load_checkpoint(workers, uri)
+    workers.load_checkpoint(uri)
     log(f"[rlhf] restored {uri}", flush=True)
     return state.global_step
-
-
-def _kill_workers(workers: dict) -> None:
-    workers["_group"].kill()
-    workers["_pool"].release()
 
 
 # ------------------------------------------------------------ submitting the serve job
@@ -153,10 +157,56 @@ def find_job(client, run_id: str):
     return None
 
 
-def submit_job(client, cfg: RunConfig, run_id: str, store: str) -> str:
+#: Settings the session job needs from the submitter's environment (none of them secret).
+FORWARDED_ENV = ("RLHF_CACHE", "PYTHONPATH", "HF_HOME", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
+#: Secrets never travel in the job's runtime_env (Ray logs it and the Jobs API returns it).
+SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+CREDENTIALS_FILE = "object-store-credentials.json"
+
+
+def session_entrypoint(run_id: str, store: str) -> str:
+    """The serve job's command line; Ray runs it with a shell, so every argument is
+    validated and quoted."""
+    import shlex
+
+    from rlhf_core.run_ids import validate_run_id, validate_store_uri
+
+    argv = [sys.executable, "-m", "rlhf_core.cli", "serve", "--foreground",
+            "--run-id", validate_run_id(run_id), "--store", validate_store_uri(store)]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def write_credentials_file(directory: str) -> str | None:
+    """The object-store secrets of this environment in a file only this user can read
+    (``directory`` is the local head's folder); None when there are none. On KubeRay the
+    Ray pods get them from the Kubernetes secret instead."""
+    secrets = {k: os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
+    if not secrets:
+        return None
+    path = os.path.join(directory, CREDENTIALS_FILE)
+    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(secrets, f)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def load_credentials_file(path: str | None) -> None:
+    """In the serve job: take the secrets the submitter left (never overriding what the
+    pod's own environment already has)."""
+    if not path or not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        for key, value in json.load(f).items():
+            if key in SECRET_ENV:
+                os.environ.setdefault(key, value)
+
+
+def submit_job(client, cfg: RunConfig, run_id: str, store: str, head=None) -> str:
     """Submit ``rlhf serve`` for the run unless one is live; returns its submission id.
     Submission ids are create-only in the Jobs API, so two racing submitters end up
-    with one job."""
+    with one job. ``head``: the local head (its folder holds the credentials file)."""
+    entrypoint = session_entrypoint(run_id, store)  # refuses a bad run id or store first
     job = find_job(client, run_id)
     if job is not None:
         return job.submission_id
@@ -164,14 +214,13 @@ def submit_job(client, cfg: RunConfig, run_id: str, store: str) -> str:
     submission_id = f"rlhf-session-{run_id}-{previous + 1}"
     env = {"RLHF_SESSION_CONFIG": json.dumps(cfg.to_dict()), "RLHF_SESSION_JOB": submission_id,
            "PYTHONUNBUFFERED": "1"}
-    for name in ("RLHF_CACHE", "PYTHONPATH", "HF_HOME", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                 "AWS_ENDPOINT_URL"):
-        if name in os.environ:
-            env[name] = os.environ[name]
+    env.update({name: os.environ[name] for name in FORWARDED_ENV if name in os.environ})
+    if head is not None and getattr(head, "token_path", ""):
+        credentials = write_credentials_file(os.path.dirname(head.token_path))
+        if credentials:
+            env["RLHF_CREDENTIALS_FILE"] = credentials
     try:
-        client.submit_job(entrypoint=f"{sys.executable} -m rlhf_core.cli serve --foreground --run-id {run_id} "
-                                     f"--store {store}",
-                          submission_id=submission_id, runtime_env={"env_vars": env},
+        client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env={"env_vars": env},
                           metadata={"rlhf_run_id": run_id, "kind": "session", "config_hash": cfg.config_hash()})
     except RuntimeError:
         job = find_job(client, run_id)  # another submitter won the race
@@ -200,37 +249,15 @@ def wait_job_ready(client, submission_id: str, timeout_s: float = 900.0) -> None
 # ------------------------------------------------------------- the controller's side
 
 
-def _alive(group) -> bool:
-    import ray
-
-    try:
-        ray.get([w.__ray_ready__.remote() for w in group.workers], timeout=30)
-        return True
-    except Exception:
-        return False
-
-
-def _attach(cfg: RunConfig, run_id: str, record, info: dict) -> dict | None:
-    from rlhf_core.controller import RayWorkerGroup, create_colocated_worker_cls
-    from rlhf_core.trainer.run import worker_roles
-
+def _attach(cfg: RunConfig, run_id: str, record, info: dict) -> AttachedSession | None:
     if info["config_hash"] != cfg.config_hash():
         raise RuntimeError(f"session of run {run_id} runs another config (hash {info['config_hash'][:12]}, "
                            f"now {cfg.config_hash()[:12]}); stop it first (rlhf stop-session)")
-    roles = worker_roles(cfg)
-    try:
-        group = RayWorkerGroup.from_detached(info["worker_names"], create_colocated_worker_cls(roles),
-                                             namespace=namespace_of(run_id), role=WORKER_PREFIX)
-    except ValueError:
-        return None
-    if not _alive(group):
-        return None
-    workers = group.spawn(prefix_set=roles.keys())
-    workers.update(_group=group, _record=record, _info=info)
-    return workers
+    workers = WorkerSet.attach(cfg, info["worker_names"], namespace=namespace_of(run_id), role=WORKER_PREFIX)
+    return None if workers is None else AttachedSession(workers, record, info)
 
 
-def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900.0) -> dict:
+def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900.0) -> AttachedSession:
     """The session's worker groups for this controller (connected to the cluster in the
     run's namespace): attach to the live session, or have it rebuilt / started from the
     last committed checkpoint and then attach. ``head``: the cluster (``HeadInfo``)."""
@@ -247,9 +274,9 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
         except Exception:
             record, info = None, None
         if info is not None and info["status"] == "ready":
-            workers = _attach(cfg, run_id, record, info)
-            if workers is not None:
-                return workers
+            attached = _attach(cfg, run_id, record, info)
+            if attached is not None:
+                return attached
             if asked_rebuild_of != info["generation"]:
                 ray.get(record.request_rebuild.remote())
                 asked_rebuild_of = info["generation"]
@@ -258,7 +285,7 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
         elif info is None:
             client = jobs_client(head)
             if submitted is None:
-                submitted = submit_job(client, cfg, run_id, store)
+                submitted = submit_job(client, cfg, run_id, store, head)
             elif str(client.get_job_status(submitted)) not in _LIVE_JOB:
                 raise RuntimeError(f"session job {submitted} ended ({client.get_job_status(submitted)}):\n"
                                    f"{client.get_job_logs(submitted)[-3000:]}")

@@ -66,7 +66,9 @@ def _export(run_id: str, manifest: dict) -> str:
         client.log_batch(mlflow_run, metrics=metrics[i:i + 1000])
     lineage = {k: manifest.get(k) for k in ("iteration", "parent_iteration", "config_hash", "code_version",
                                             "checkpoint", "data_cursor", "global_step", "kl_coef", "snapshots")}
-    client.log_dict(mlflow_run, lineage, f"lineage/iter-{n:06d}.json")
+    from rlhf_core.run_layout import iteration_dir
+
+    client.log_dict(mlflow_run, lineage, f"lineage/{iteration_dir(n)}.json")
     client.set_tag(mlflow_run, "rlhf.last_iteration", str(n))
     client.set_tag(mlflow_run, "rlhf.last_checkpoint", manifest["checkpoint"])
     return mlflow_run

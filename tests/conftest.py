@@ -5,6 +5,12 @@ import tempfile
 
 import pytest
 
+# Every Ray this test session starts listens on loopback only and wants a token; Ray reads
+# these when it is imported, so before any test module imports it.
+from rlhf_core.ray_head import local_ray_env  # noqa: E402  (imports no Ray)
+
+local_ray_env()
+
 
 @pytest.fixture(scope="session")
 def ray_local():

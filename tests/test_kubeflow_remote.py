@@ -78,7 +78,7 @@ def test_bad_override_is_refused_before_any_request():
 
 def test_bad_run_id_and_pool_shape_are_refused_before_any_request(tmp_path):
     with Recorder() as rec:
-        with pytest.raises(SystemExit, match="needs at least one letter or digit"):
+        with pytest.raises(SystemExit, match="--run-id: expected 1-128 ASCII letters"):
             main(["submit", "--host", rec.url, "--run-id", "///", "--store", "s3://b/r"])
         with pytest.raises(SystemExit, match="unknown setting kubernetes.node_gpu"):
             bad = tmp_path / "d.yaml"

@@ -64,7 +64,7 @@ def test_the_validator_is_strict():
         crd.validate(start_params, CRDS)
 
 
-run_ids = st.text(alphabet=st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1, max_size=80)
+run_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", fullmatch=True)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -85,17 +85,18 @@ def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, m
 @given(a=run_ids, b=run_ids)
 @settings(max_examples=200, deadline=None)
 def test_different_run_ids_never_share_a_cluster(a, b):
-    if a != b and any(c.isalnum() for c in a) and any(c.isalnum() for c in b):
+    if a != b:
         assert cluster_name(a) != cluster_name(b)
 
 
 def test_cluster_names_are_decided_at_run_time_and_stay_readable():
     assert cluster_name("nightly") == "rlhf-nightly"  # valid ids are kept as they are
-    assert cluster_name("Qwen_7B/ppo").startswith("rlhf-qwen-7b-ppo-")
+    assert cluster_name("Qwen_7B.ppo").startswith("rlhf-qwen-7b-ppo-")
     assert cluster_name("A_b") != cluster_name("a-b")
-    assert len(cluster_name("x" * 200)) <= 40
-    with pytest.raises(KubeNameError, match="needs at least one letter or digit .* DNS-1035"):
-        cluster_name("///")
+    assert len(cluster_name("x" * 128)) <= 40
+    for bad in ("///", "dev run", "../x", "x" * 300, "é"):  # not run ids at all: refused, one line
+        with pytest.raises(KubeNameError, match="run id: expected 1-128 ASCII letters"):
+            cluster_name(bad)
 
 
 def test_bad_deployments_are_refused_with_the_field(tmp_path):
@@ -116,10 +117,10 @@ def test_bad_deployments_are_refused_with_the_field(tmp_path):
 
 
 def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
-    assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "dev run",
+    assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "Dev_Run",
                  "--out", str(tmp_path), "--crds", str(CRDS)]) == 0
     cluster = yaml.safe_load((tmp_path / "raycluster.yaml").read_text())
     job = yaml.safe_load((tmp_path / "rayjob.yaml").read_text())
-    assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("dev run")
+    assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("Dev_Run")
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2
     assert "RayCluster rlhf/" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.data.dataset import PromptLoader, load_rows
 from rlhf_core.data.tokenizer import PromptTokenizer
 from rlhf_core.trainer.ppo import PPOTrainer
-from rlhf_core.trainer.run import build_workers
+from rlhf_core.workers.worker_set import WorkerSet
 from rlhf_core.workers import modeling
 
 EXPECTED_METRICS = [
@@ -37,7 +37,7 @@ def run_iterations(overrides, iterations=2, after=None):
     path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
     loader = PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(path),
                           cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed)
-    workers = build_workers(cfg)
+    workers = WorkerSet.build(cfg)
     try:
         trainer = PPOTrainer(cfg, workers, loader)
         metrics = [trainer.run_iteration() for _ in range(iterations)]
@@ -45,8 +45,7 @@ def run_iterations(overrides, iterations=2, after=None):
             after(cfg, trainer, workers)
         return cfg, trainer, metrics
     finally:
-        workers["_group"].kill()
-        workers["_pool"].release()
+        workers.kill()
 
 
 def check_batch(cfg, batch):
@@ -68,13 +67,13 @@ def check_batch(cfg, batch):
 def checkpoint_roundtrip(tmp_path):
     """Save, train one more iteration (weights move), load: log-probs are back exactly."""
     from rlhf_core.trainer.ppo import SEQUENCE_KEYS
-    from rlhf_core.trainer.run import save_checkpoint
+    from rlhf_core.trainer.restore import save_checkpoint
 
     def check(cfg, trainer, workers):
         uri = "file://" + str(tmp_path / "ckpt")
         probe = trainer.last_batch.select(SEQUENCE_KEYS, [])
         before = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
-        save_checkpoint(workers, trainer, cfg, uri)
+        save_checkpoint(workers, trainer.state, cfg, uri)
         trainer.run_iteration()
         moved = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
         assert not torch.equal(before, moved), "an update must change the policy"
@@ -111,3 +110,20 @@ def test_ppo_gae_with_critic_and_hf_rollout(ray_local):
         assert not missing, missing
     check_batch(cfg, trainer.last_batch)
     assert "values" in trainer.last_batch.batch.keys()
+
+
+def test_remax_baseline_is_the_greedy_response_reward(ray_local):
+    """ReMax end to end: the ``reward_baseline`` stage decodes each prompt greedily and
+    scores it; every row of the prompt carries that score, and the advantage is the
+    return minus it."""
+    cfg, trainer, _ = run_iterations(["algorithm.adv_estimator=remax", "rollout.name=hf"], iterations=1)
+    batch = trainer.last_batch
+    baselines = batch.batch["reward_baselines"]
+    assert baselines.shape == (len(batch),)
+    per_prompt = baselines.reshape(-1, cfg.rollout.n)
+    assert torch.all(per_prompt == per_prompt[:, :1]), "one baseline per prompt"
+    assert torch.all((baselines >= 0) & (baselines <= 1))  # the digits task scores in [0, 1]
+    mask = batch.batch["response_mask"].float()
+    returns = (batch.batch["token_level_rewards"] * mask).flip(-1).cumsum(-1).flip(-1)
+    expected = (returns - baselines.unsqueeze(-1)) * mask
+    assert torch.allclose(batch.batch["advantages"], expected)

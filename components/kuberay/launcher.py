@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT
+
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 POLICIES = ("keep", "delete", "delete-on-success")
 
@@ -67,7 +69,8 @@ class Launcher:
         name = cluster["metadata"]["name"]
         service = ((cluster.get("status") or {}).get("head") or {}).get("serviceName") or f"{name}-head-svc"
         host = f"{service}.{self.namespace}.svc.cluster.local"
-        return ClusterAddress(name, self.namespace, f"ray://{host}:10001", f"http://{host}:8265", reused)
+        return ClusterAddress(name, self.namespace, f"ray://{host}:{CLIENT_PORT}", f"http://{host}:{DASHBOARD_PORT}",
+                              reused)
 
     # ---------------------------------------------------------------- launching
 

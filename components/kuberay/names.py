@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+from rlhf_core.run_ids import RunIdError, validate_run_id
+
 #: Room left for KubeRay's suffixes ("-head-svc", "-<group>-worker-xxxxx").
 MAX_CLUSTER_NAME = 40
 PREFIX = "rlhf-"
@@ -29,10 +31,10 @@ def is_dns1035_label(name: str, limit: int = 63) -> bool:
 
 def cluster_name(run_id: str) -> str:
     """The RayCluster (and RayJob) name of a run: ``rlhf-<normalized run id>``."""
-    if not isinstance(run_id, str) or not re.search(r"[A-Za-z0-9]", run_id or ""):
-        raise KubeNameError(f"run id {run_id!r} cannot name a cluster: it needs at least one letter or digit "
-                            f"(cluster names are DNS-1035 labels: lowercase letters, digits and '-', "
-                            f"starting with a letter, at most 63 characters)")
+    try:
+        validate_run_id(run_id)
+    except RunIdError as exc:
+        raise KubeNameError(str(exc)) from None
     body = re.sub(r"[^a-z0-9]+", "-", run_id.lower()).strip("-")
     name = PREFIX + body
     if name == PREFIX + run_id and len(name) <= MAX_CLUSTER_NAME:

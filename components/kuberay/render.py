@@ -14,7 +14,7 @@ import json
 import shlex
 
 from components.kuberay.names import cluster_name, label_value
-from components.kuberay.spec import KubeSpec
+from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT, GCS_PORT, KubeSpec
 
 API_VERSION = "ray.io/v1"
 GIB = 1024 ** 3
@@ -83,8 +83,9 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
     name = cluster_name(run_id)
     labels = _labels(run_id, name)
     head = _container("ray-head", spec, spec.head_cpus, spec.head_memory_gib, 0)
-    head["ports"] = [{"containerPort": 6379, "name": "gcs-server"}, {"containerPort": 8265, "name": "dashboard"},
-                     {"containerPort": 10001, "name": "client"}]
+    head["ports"] = [{"containerPort": GCS_PORT, "name": "gcs-server"},
+                     {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+                     {"containerPort": CLIENT_PORT, "name": "client"}]
     groups = []
     for pool in pools(cfg):
         worker = _container("ray-worker", spec, pool["cpus"], pool["memory_gib"], pool["gpus"])

@@ -19,7 +19,13 @@ import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: The image built from this repository's Dockerfile (components and Ray nodes share it).
 DEFAULT_IMAGE = "ghcr.io/rlhf-core/rlhf-core:0.1.0"
+#: Kubernetes secrets (manifests/base/secret-*.example.yaml).
+OBJECT_STORE_SECRET = "rlhf-object-store"
+RAY_TOKEN_SECRET = "rlhf-ray-token"
+#: Ray head ports on a KubeRay cluster (KubeRay's defaults; the head service exposes them).
+GCS_PORT, DASHBOARD_PORT, CLIENT_PORT = 6379, 8265, 10001
 
 
 class DeploySpecError(ValueError):
@@ -31,8 +37,8 @@ class KubeSpec:
     image: str = DEFAULT_IMAGE              # one image for components and Ray nodes (Dockerfile)
     namespace: str = "rlhf"
     service_account: str = "rlhf-ray"      # Ray pods' account (needs no Kubernetes API rights)
-    object_store_secret: str = "rlhf-object-store"  # AWS_* keys for the s3:// store
-    ray_token_secret: str = "rlhf-ray-token"        # Ray token auth, key auth_token (shared with the pipeline)
+    object_store_secret: str = OBJECT_STORE_SECRET  # AWS_* keys for the s3:// store
+    ray_token_secret: str = RAY_TOKEN_SECRET        # Ray token auth, key auth_token (shared with the pipeline)
     node_gpus: int = 0                      # GPUs the worker node type offers (0: CPU nodes)
     gpu_resource: str = "nvidia.com/gpu"
     node_selector: dict = field(default_factory=dict)   # for the worker (training) pods

@@ -16,6 +16,7 @@ Registries, so that users add their own without touching the trainer::
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -26,6 +27,24 @@ import torch
 ADV_ESTIMATORS: dict[str, Callable] = {}
 POLICY_LOSSES: dict[str, Callable] = {}
 KL_ESTIMATORS: dict[str, Callable] = {}
+
+
+@dataclass(frozen=True)
+class AdvEstimatorSpec:
+    """What an advantage estimator needs; the trainer provides exactly that.
+
+    Every estimator is called with the same named inputs (``token_level_rewards``,
+    ``response_mask``, ``values``, ``index``, ``reward_baselines``, ``gamma``, ``lam``,
+    ``norm_adv_by_std_in_grpo``; absent ones are None) and returns (advantages, returns).
+    """
+
+    name: str
+    needs_critic: bool = False           # a value model: the ``values`` input
+    needs_reward_baseline: bool = False  # a greedy response per prompt: ``reward_baselines``
+    needs_group: bool = False            # several responses per prompt (rollout.n >= 2)
+
+
+ADV_ESTIMATOR_SPECS: dict[str, AdvEstimatorSpec] = {}
 
 
 def _registrar(table: dict, kind: str):
@@ -39,7 +58,19 @@ def _registrar(table: dict, kind: str):
     return register
 
 
-register_adv_est = _registrar(ADV_ESTIMATORS, "advantage estimator")
+def register_adv_est(name: str, *, needs_critic: bool = False, needs_reward_baseline: bool = False,
+                     needs_group: bool = False):
+    """Register an advantage estimator under ``name`` and declare what it needs."""
+    spec = AdvEstimatorSpec(name, needs_critic, needs_reward_baseline, needs_group)
+
+    def decorator(fn):
+        if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name], ADV_ESTIMATOR_SPECS[name] = fn, spec
+        return fn
+    return decorator
+
+
 register_policy_loss = _registrar(POLICY_LOSSES, "policy loss")
 register_kl_estimator = _registrar(KL_ESTIMATORS, "KL estimator")
 
@@ -52,6 +83,13 @@ def _lookup(table: dict, name: str, kind: str) -> Callable:
 
 def get_adv_estimator_fn(name: str) -> Callable:
     return _lookup(ADV_ESTIMATORS, name, "advantage estimator")
+
+
+def get_adv_estimator_spec(name: str) -> AdvEstimatorSpec:
+    """The estimator's declared needs (a function registered straight into
+    ``ADV_ESTIMATORS``, verl style, needs nothing extra)."""
+    get_adv_estimator_fn(name)
+    return ADV_ESTIMATOR_SPECS.get(name, AdvEstimatorSpec(name))
 
 
 def get_policy_loss_fn(name: str) -> Callable:
@@ -119,7 +157,7 @@ def _group_rows(index) -> dict:
     return groups
 
 
-@register_adv_est("gae")
+@register_adv_est("gae", needs_critic=True)
 def compute_gae_advantage_return(token_level_rewards: torch.Tensor, values: torch.Tensor,
                                  response_mask: torch.Tensor, gamma: float = 1.0,
                                  lam: float = 1.0, **_) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +187,7 @@ def _outcome_scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
     return token_level_rewards.sum(dim=-1)
 
 
-@register_adv_est("grpo")
+@register_adv_est("grpo", needs_group=True)
 def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index, norm_adv_by_std_in_grpo: bool = True,
                                    epsilon: float = 1e-6, **_) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +207,7 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     return advantages, advantages
 
 
-@register_adv_est("rloo")
+@register_adv_est("rloo", needs_group=True)
 def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                    index, **_) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024): score minus the mean of the other
@@ -202,10 +240,12 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     return advantages, returns
 
 
-@register_adv_est("remax")
+@register_adv_est("remax", needs_reward_baseline=True)
 def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor,
                                     response_mask: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
-    """ReMax (Li et al. 2023): return-to-go minus the greedy response's reward."""
+    """ReMax (Li et al. 2023): return-to-go minus the reward of the prompt's greedy
+    response (``reward_baselines``, one per row; the trainer's ``reward_baseline`` stage
+    decodes it greedily and scores it with the run's reward function)."""
     with torch.no_grad():
         returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
         advantages = (returns - reward_baselines.unsqueeze(-1)) * response_mask

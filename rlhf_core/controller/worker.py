@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 from typing import Any
 
 from rlhf_core.controller.dispatch import Dispatch, register
@@ -23,12 +22,6 @@ def node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 class Worker:
@@ -72,10 +65,9 @@ class Worker:
 
     def _get_master_addr_port(self) -> tuple[str, int]:
         """Rank 0 picks where the process group rendezvouses (its node IP, a free port)."""
-        return node_ip(), free_port()
+        from rlhf_core.net import free_port
 
-    def _get_pid_and_node(self) -> tuple[int, str]:
-        return os.getpid(), node_ip()
+        return node_ip(), free_port("")
 
     # ---------------------------------------------------------------- distributed
 

@@ -270,9 +270,6 @@ class RayWorkerGroup:
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self._workers]
         return ray_get_ranked(refs, self.role, method)
 
-    def execute_all_async(self, method: str, *args, **kwargs) -> list:
-        return [getattr(w, method).remote(*args, **kwargs) for w in self._workers]
-
     # ---------------------------------------------------------------- nd mesh info
 
     def _query_dispatch_info(self, mesh_name: str) -> list[int]:

@@ -106,4 +106,11 @@ def parse_manifest(raw: bytes, uri: str) -> dict:
     if not isinstance(prefix, str) or not prefix.startswith(DATA_PREFIX) or "/" in prefix:
         raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: data_prefix {prefix!r} is not a "
                                   f"'{DATA_PREFIX}<id>' folder of this snapshot")
+    if not isinstance(manifest["objects"], dict):
+        raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: objects must be a JSON object")
+    for key in manifest["objects"]:  # every object lies inside the snapshot's data prefix
+        parts = key.split("/") if isinstance(key, str) else [""]
+        if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+            raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: object path {key!r} is not a relative path "
+                                      f"inside {prefix}/ (absolute paths and '..' are refused)")
     return manifest

@@ -189,10 +189,9 @@ def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor |
     encoding = info.get("encoding")
     if info["layer"] == "batch":
         if encoding == "raw_bits":
-            bits = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8, "float8_e5m2": torch.uint8}
-            target = getattr(torch, info["dtype"])
-            as_signed = data.view(np.int16) if bits[info["dtype"]] == torch.int16 else data
-            return torch.from_numpy(np.ascontiguousarray(as_signed)).view(target)
+            from rlhf_core.dtypes import from_bits
+
+            return from_bits(info["dtype"], data)
         return torch.from_numpy(np.ascontiguousarray(data))
     if encoding == "native":
         return data

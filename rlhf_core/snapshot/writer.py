@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rlhf_core.dtypes import RAW_BITS, to_bits
+
 from rlhf_core.protocol import DataProto, UnsupportedObjectError, _to_json_value
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.testing import faults
@@ -35,9 +37,6 @@ SHARD_BYTES = 256 * 1024 * 1024
 #: bandwidth-bound, so fewer bytes usually beat a cheaper codec (benchmarks/snapshot_io.py).
 BLOSC = {"cname": "lz4", "clevel": 1, "shuffle": "bitshuffle"}
 
-# dtypes numpy cannot hold natively travel as their raw bit patterns.
-_RAW_BITS = {torch.bfloat16: (torch.int16, np.uint16), torch.float8_e4m3fn: (torch.uint8, np.uint8),
-             torch.float8_e5m2: (torch.uint8, np.uint8)}
 
 
 @dataclass
@@ -51,9 +50,8 @@ class EncodedField:
 def encode_tensor(name: str, t: torch.Tensor) -> EncodedField:
     t = t.detach().cpu().contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
-    if t.dtype in _RAW_BITS:
-        view, stored = _RAW_BITS[t.dtype]
-        data, encoding = t.view(view).numpy().view(stored), "raw_bits"
+    if t.dtype in RAW_BITS:  # dtypes numpy cannot hold natively: their raw bit patterns
+        data, encoding = to_bits(t), "raw_bits"
     else:
         try:
             data, encoding = t.numpy(), "native"

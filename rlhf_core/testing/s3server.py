@@ -15,12 +15,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from rlhf_core.net import free_ports
 
 PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "s3.port", "admin.port", "admin.port.grpc")
@@ -43,20 +44,8 @@ def find_weed() -> str:
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets, ports = [], []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            sockets.append(s)
-            # weed derives nothing from these, but keep clear of the +10000 grpc convention
-            if port + 10000 < 65536 and port not in ports:
-                ports.append(port)
-    finally:
-        for s in sockets:
-            s.close()
-    return ports
+    # weed derives nothing from these, but keep clear of the +10000 grpc convention
+    return free_ports(count, avoid=lambda port: port + 10000 >= 65536)
 
 
 class LocalS3:

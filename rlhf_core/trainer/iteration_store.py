@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.ray_head import pid_alive
+from rlhf_core.run_ids import validate_run_id
+from rlhf_core.run_layout import MANIFEST, checkpoint_dir, iteration_dir, iteration_of_dir, lease_path
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 
 if TYPE_CHECKING:
     from rlhf_core.protocol import DataProto
 
-MANIFEST = "MANIFEST.json"
 ITERATION_FORMAT = "rlhf.iteration"
 ITERATION_SCHEMA_VERSION = 1
-_ITER_RE = re.compile(r"^iter-(\d{6})$")
 
 
 def code_version() -> dict:
@@ -55,13 +55,25 @@ def code_version() -> dict:
     return version
 
 
+def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str, snapshots: dict) -> dict:
+    """The body of an iteration's MANIFEST.json (``commit_iteration`` adds the format,
+    run id, iteration number, parent and commit time): what produced the iteration and
+    everything needed to continue after it."""
+    return {"config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
+            "checkpoint": checkpoint, "data_cursor": state.cursor, "kl_coef": state.kl_coef,
+            "global_step": state.global_step,
+            "rng": {"trainer_seed": cfg.trainer.seed, "rollout_seed": cfg.rollout.seed,
+                    "note": "every random draw is seeded from these and the global step"},
+            "stage_timings_s": {k[len("timing_s/"):]: v for k, v in metrics.items() if k.startswith("timing_s/")},
+            "metrics": {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf"))},
+            "snapshots": snapshots}
+
+
 class IterationStore:
     """Reads and writes one run's stage snapshots, checkpoints and iteration manifests."""
 
     def __init__(self, store_uri: str, run_id: str, storage_options: dict | None = None) -> None:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", run_id or ""):
-            raise ValueError(f"run id {run_id!r} must be 1-128 chars of letters, digits, '.', '_', '-' "
-                             f"and start with a letter or digit")
+        validate_run_id(run_id)
         self.storage_options = storage_options
         self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
         self.run_id = run_id
@@ -71,13 +83,13 @@ class IterationStore:
         return self.run.uri
 
     def iteration_uri(self, iteration: int) -> str:
-        return f"{self.run.uri}/iter-{iteration:06d}"
+        return f"{self.run.uri}/{iteration_dir(iteration)}"
 
     def stage_uri(self, iteration: int, stage: str) -> str:
         return f"{self.iteration_uri(iteration)}/{stage}"
 
     def checkpoint_uri(self, step: int) -> str:
-        return f"{self.run.uri}/checkpoints/step-{step:06d}"
+        return f"{self.run.uri}/{checkpoint_dir(step)}"
 
     # ---------------------------------------------------------------- stages
 
@@ -107,7 +119,7 @@ class IterationStore:
     # ---------------------------------------------------------------- leases
 
     def _lease(self, iteration: int) -> sfs.Location:
-        return self.run.child("leases", f"iter-{iteration:06d}.json")
+        return self.run.child(*lease_path(iteration))
 
     def take_lease(self, iteration: int, ttl_s: float) -> str | None:
         """Take the iteration's lease (create-only). Returns None when taken, else who
@@ -169,13 +181,13 @@ class IterationStore:
             return []
         found = []
         for name in names:
-            match = _ITER_RE.match(name)
-            if match and sfs.read_bytes(self.run.child(name, MANIFEST)) is not None:
-                found.append(int(match.group(1)))
+            n = iteration_of_dir(name)
+            if n is not None and sfs.read_bytes(self.run.child(name, MANIFEST)) is not None:
+                found.append(n)
         return sorted(found)
 
     def read_manifest(self, iteration: int) -> dict:
-        raw = sfs.read_bytes(self.run.child(f"iter-{iteration:06d}", MANIFEST))
+        raw = sfs.read_bytes(self.run.child(iteration_dir(iteration), MANIFEST))
         if raw is None:
             raise FileNotFoundError(f"iteration {iteration} of run {self.run_id} is not committed "
                                     f"({self.iteration_uri(iteration)}/{MANIFEST} missing)")
@@ -192,6 +204,6 @@ class IterationStore:
                 "iteration": iteration, "parent_iteration": iteration - 1 if iteration > 0 else None,
                 "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
                 **manifest}
-        sfs.put_create_only(self.run.child(f"iter-{iteration:06d}", MANIFEST),
+        sfs.put_create_only(self.run.child(iteration_dir(iteration), MANIFEST),
                             json.dumps(body, indent=1, sort_keys=True).encode())
         return f"{self.iteration_uri(iteration)}/{MANIFEST}"

@@ -22,12 +22,9 @@ from rlhf_core.algorithms import (
 from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
 from rlhf_core.testing import faults
+from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
 
-STAGES = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage",
-          "update_critic", "update_actor", "weight_sync")
-#: Stages that change worker state: on resume they re-run from the restored checkpoint.
-STATEFUL_STAGES = ("update_critic", "update_actor", "weight_sync")
 #: What a model forward needs; stages send workers only the columns they read.
 SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
@@ -54,7 +51,7 @@ class StageStore(Protocol):
 class PPOTrainer:
     """Drives PPO/GRPO iterations over worker groups placed on a local or remote Ray."""
 
-    def __init__(self, config: RunConfig, workers: dict, loader, state: TrainerState | None = None,
+    def __init__(self, config: RunConfig, workers, loader, state: TrainerState | None = None,
                  on_stage: Callable[[str], None] | None = None, stage_store: StageStore | None = None) -> None:
         self.config = config
         self.actor, self.reward = workers["actor"], workers["reward"]
@@ -68,20 +65,10 @@ class PPOTrainer:
         self.stage_store = stage_store
         self.worker_time: dict[str, float] = {}
 
-    def stages(self) -> list[tuple[str, Callable[[DataProto], DataProto]]]:
-        """This run's stages in order (reference and critic stages only when used)."""
-        cfg = self.config
-        plan = [("rollout", self.rollout), ("reward", self.compute_reward),
-                ("old_log_prob", self.compute_old_log_prob)]
-        if cfg.use_reference:
-            plan.append(("ref_log_prob", self.compute_ref_log_prob))
-        if cfg.use_critic:
-            plan.append(("values", self.compute_values))
-        plan.append(("advantage", self.compute_advantage))
-        if cfg.use_critic:
-            plan.append(("update_critic", self.update_critic))
-        plan += [("update_actor", self.update_actor), ("weight_sync", self.weight_sync)]
-        return plan
+    def stages(self) -> list[tuple[stage_table.Stage, Callable[[DataProto], DataProto]]]:
+        """This run's stages in order, each with the method that runs it (the table is
+        ``rlhf_core.trainer.stages``)."""
+        return [(stage, getattr(self, stage.method)) for stage in stage_table.plan(self.config)]
 
     def run_iteration(self) -> dict:
         """One iteration: prompts -> every stage in order -> metrics. With a stage store,
@@ -94,19 +81,19 @@ class PPOTrainer:
         batch = self.loader.next_batch()
         batch.meta_info.update(global_step=iteration, temperature=self.config.rollout.temperature)
         plan = self.stages()
-        done = self._committed_prefix(iteration, [name for name, _ in plan])
+        done = self._committed_prefix(iteration, [stage for stage, _ in plan])
         if done:
-            batch = self.stage_store.load(iteration, done[-1])  # each snapshot is the whole batch
+            batch = self.stage_store.load(iteration, done[-1].name)  # each snapshot is the whole batch
             if "kl_coef" in batch.meta_info:
                 self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
-        for name, run_stage in plan[len(done):]:
-            self.on_stage(name)
+        for stage, run_stage in plan[len(done):]:
+            self.on_stage(stage.name)
             t0 = time.perf_counter()
             batch = run_stage(batch)
-            faults.reached(f"stage:{name}")
-            if self.stage_store is not None and name != "weight_sync":  # it adds no data
-                self.stage_store.save(iteration, name, batch)
-            timing[name] = time.perf_counter() - t0
+            faults.reached(f"stage:{stage.name}")
+            if self.stage_store is not None and stage.persisted:
+                self.stage_store.save(iteration, stage.name, batch)
+            timing[stage.name] = time.perf_counter() - t0
 
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()
@@ -114,15 +101,16 @@ class PPOTrainer:
         self.last_batch = batch
         return self._metrics(batch, timing, time.perf_counter() - t_start)
 
-    def _committed_prefix(self, iteration: int, names: list[str]) -> list[str]:
-        """The leading stages whose outputs are committed and need not run again."""
+    def _committed_prefix(self, iteration: int, plan: list[stage_table.Stage]) -> list[stage_table.Stage]:
+        """The leading stages whose outputs are committed and need not run again (a
+        stateful stage always re-runs: the caller restored the state it starts from)."""
         if self.stage_store is None:
             return []
         done = []
-        for name in names:
-            if name in STATEFUL_STAGES or not self.stage_store.has(iteration, name):
+        for stage in plan:
+            if stage.stateful or not stage.persisted or not self.stage_store.has(iteration, stage.name):
                 break
-            done.append(name)
+            done.append(stage)
         return done
 
     # ---------------------------------------------------------------- the stages
@@ -134,6 +122,30 @@ class PPOTrainer:
         batch.batch["sample_seed"] = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
         return batch.union(self._take(self.actor.generate_sequences(prompts), "rollout"))
+
+    def compute_reward_baseline(self, batch: DataProto) -> DataProto:
+        """ReMax's baseline: each prompt's greedy response, scored by the reward function,
+        given to every row of the prompt as ``reward_baselines``."""
+        uids = batch.non_tensor_batch["uid"]
+        first = {}
+        for row, uid in enumerate(uids.tolist()):
+            first.setdefault(uid, row)
+        rows = list(first.values())
+        prompt_len = batch.batch["prompts"].shape[1]
+        greedy_in = DataProto.from_dict({
+            "input_ids": batch.batch["prompts"][rows],
+            "attention_mask": batch.batch["attention_mask"][rows, :prompt_len],
+            "sample_seed": torch.zeros(len(rows), dtype=torch.long)}, meta_info={"do_sample": False})
+        greedy = self._take(self.actor.generate_sequences(greedy_in), "reward_baseline")
+        for key in ("uid", "data_source", "ground_truth", "extra_info"):
+            if key in batch.non_tensor_batch:
+                greedy.non_tensor_batch[key] = batch.non_tensor_batch[key][rows]
+        scored = self._take(self.reward.compute_reward(
+            greedy.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])),
+            "reward_baseline")
+        by_uid = dict(zip(uids[rows].tolist(), scored.batch["token_level_scores"].sum(dim=-1).tolist()))
+        batch.batch["reward_baselines"] = torch.tensor([by_uid[u] for u in uids.tolist()], dtype=torch.float32)
+        return batch
 
     def compute_reward(self, batch: DataProto) -> DataProto:
         needed = batch.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])
@@ -162,10 +174,11 @@ class PPOTrainer:
                                                      "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
         batch.meta_info["kl_coef"] = self.kl_ctrl.value
+        # every estimator gets the same named inputs (absent ones None): see AdvEstimatorSpec
         advantages, returns = get_adv_estimator_fn(cfg.adv_estimator)(
             token_level_rewards=rewards, response_mask=mask, values=batch.batch.get("values", None),
-            index=batch.non_tensor_batch["uid"], gamma=cfg.gamma, lam=cfg.lam,
-            norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+            index=batch.non_tensor_batch["uid"], reward_baselines=batch.batch.get("reward_baselines", None),
+            gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
         batch.batch["token_level_rewards"] = rewards
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         return batch

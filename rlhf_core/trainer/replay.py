@@ -16,7 +16,6 @@ original, which is never touched.
 from __future__ import annotations
 
 import hashlib
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -27,11 +26,8 @@ import torch
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from rlhf_core.protocol import DataProto
 
-REPLAYABLE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage", "update_critic",
-              "update_actor")
 #: Config fields a checkpoint's tensors depend on: a replay cannot change them.
 CHECKPOINT_FIELDS = ("model.path", "model.dtype", "actor.world_size", "critic.enable", "algorithm.adv_estimator")
-_ITER = re.compile(r"^(?P<run>.+)/iter-(?P<n>\d{6})(?:/(?P<stage>[a-z_]+))?/?$")
 
 
 class ReplayError(ValueError):
@@ -65,10 +61,12 @@ class StageReplay:
 def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, int, str | None]:
     """(store, run_id, iteration, stage) from an iteration or stage URI, or a run URI
     plus ``iteration``."""
+    from rlhf_core import run_layout
+
     uri = uri.rstrip("/")
-    m = _ITER.match(uri)
-    if m:
-        run_uri, n, stage = m.group("run"), int(m.group("n")), m.group("stage")
+    loc = run_layout.parse(uri)
+    if loc is not None and loc.iteration is not None:
+        run_uri, n, stage = loc.run_uri, loc.iteration, loc.stage
     elif iteration is not None:
         run_uri, n, stage = uri, iteration, None
     else:
@@ -156,10 +154,12 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
            atol: float = 0.0, rtol: float = 0.0, log=print) -> list[StageReplay]:
     """Replay ``stages`` (default: the URI's stage, else every stage) of one committed
     iteration on fresh local worker groups; returns one comparison per stage."""
-    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.ppo import STATEFUL_STAGES, PPOTrainer, TrainerState
-    from rlhf_core.trainer.run import build_workers, load_checkpoint, make_loader, save_checkpoint, start_local_ray
+    from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
+    from rlhf_core.trainer.restore import make_loader
+    from rlhf_core.trainer.run import start_local_ray
+    from rlhf_core.workers.worker_set import WorkerSet
 
     store, run_id, n, uri_stage = parse_location(uri, iteration)
     istore = IterationStore(store, run_id)
@@ -174,31 +174,32 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
                          kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
     start_ckpt, end_ckpt = istore.checkpoint_uri(n), manifest["checkpoint"]
 
-    start_local_ray(Path(tempfile.mkdtemp(prefix="rlhf-replay-")))
-    workers = build_workers(cfg)
+    replayable = [stage.name for stage in stage_table.plan(cfg) if stage.replayable]
+    wanted = stages or ([uri_stage] if uri_stage else replayable)
+    for stage in wanted:  # before any worker is placed
+        if stage not in replayable:
+            raise ReplayError(f"stage {stage!r} cannot be replayed for this run; its stages are {replayable}")
+    start_local_ray()
+    workers = WorkerSet.build(cfg)
     try:
         trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState(cursor=dict(state.cursor))), state)
-        plan = [name for name, _ in trainer.stages()]
-        run_stage = dict(trainer.stages())
-        wanted = stages or ([uri_stage] if uri_stage else [s for s in plan if s in REPLAYABLE])
-        for stage in wanted:
-            if stage not in REPLAYABLE or stage not in plan:
-                valid = [s for s in plan if s in REPLAYABLE]
-                raise ReplayError(f"stage {stage!r} cannot be replayed for this run; its stages are {valid}")
+        plan = [stage.name for stage, _ in trainer.stages()]
+        run_stage = {stage.name: method for stage, method in trainer.stages()}
         results = []
         # stateless stages first (one restore serves them all), then each update stage
         # from a fresh restore: the state every stage saw the first time
-        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in STATEFUL_STAGES, plan.index(s)))):
+        stateful = {s.name for s in stage_table.STAGES if s.stateful}
+        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s)))):
             t0 = time.perf_counter()
-            if i == 0 or stage in STATEFUL_STAGES:
-                load_checkpoint(workers, start_ckpt)
+            if i == 0 or stage in stateful:
+                workers.load_checkpoint(start_ckpt)
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
             out = run_stage[stage](batch)
             recorded = istore.load(n, stage)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
-            if stage in STATEFUL_STAGES:
-                result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage, save_checkpoint, sfs)
+            if stage in stateful:
+                result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage_table.BY_NAME[stage])
             if overrides:
                 result.saved_uri = _save_replay(istore, n, stage, out, overrides)
             result.seconds = time.perf_counter() - t0
@@ -206,8 +207,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
             results.append(result)
         return results
     finally:
-        workers["_group"].kill()
-        workers["_pool"].release()
+        workers.kill()
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
@@ -219,13 +219,16 @@ def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataPr
     return istore.load(n, plan[index - 1])
 
 
-def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage: str, save_checkpoint, sfs) -> dict:
-    """Checksums of the replayed weights vs the ones the iteration committed."""
-    role = "critic" if stage == "update_critic" else "actor"
+def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage) -> dict:
+    """Checksums of the replayed weights of the stage's roles vs the ones the iteration
+    committed."""
+    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.trainer.restore import save_checkpoint
+
     with tempfile.TemporaryDirectory(prefix="rlhf-replay-ckpt-") as tmp:
-        save_checkpoint(workers, trainer, cfg, f"file://{tmp}")
+        save_checkpoint(workers, trainer.state, cfg, f"file://{tmp}")
         out = {}
-        for path in sorted(Path(tmp).glob(f"{role}_*.safetensors")):
+        for path in sorted(p for role in stage.roles for p in Path(tmp).glob(f"{role}_*.safetensors")):
             recorded = sfs.read_bytes(sfs.resolve(f"{end_ckpt}/{path.name}"))
             out[path.name] = (hashlib.sha256(recorded).hexdigest() if recorded is not None else "missing",
                               _sha256(path))
@@ -233,10 +236,11 @@ def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage: str, save_chec
 
 
 def _save_replay(istore, n: int, stage: str, out: DataProto, overrides: list[str]) -> str:
+    from rlhf_core import run_layout
     from rlhf_core.snapshot import save_snapshot
 
     stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
-    uri = f"{istore.run_uri}/replays/iter-{n:06d}/{stage}-{stamp}"
+    uri = f"{istore.run_uri}/replays/{run_layout.iteration_dir(n)}/{stage}-{stamp}"
     save_snapshot(out, uri, storage_options=istore.storage_options,
                   annotations={"replay_of": istore.stage_uri(n, stage), "overrides": list(overrides)})
     return uri

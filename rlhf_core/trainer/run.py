@@ -16,43 +16,16 @@ import uuid
 from pathlib import Path
 
 from rlhf_core.config import RunConfig, describe
+from rlhf_core.trainer.restore import make_loader, open_run, restore_or_init, save_checkpoint
+from rlhf_core.trainer.stages import persisted_names
+from rlhf_core.workers.worker_set import WorkerSet
 
 
-def worker_roles(cfg: RunConfig) -> dict:
-    """The roles colocated in each worker process: actor/rollout/ref, reward, critic."""
-    from rlhf_core.controller import RayClassWithInitArgs
-    from rlhf_core.workers.actor import ActorRolloutRefWorker
-    from rlhf_core.workers.critic import CriticWorker
-    from rlhf_core.workers.reward import RewardWorker
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A Ray of this process's own (direct runs, replay): loopback only, token auth."""
+    from rlhf_core.ray_head import RAY_SYSTEM_CONFIG, local_ray_env
 
-    roles = {"actor": RayClassWithInitArgs(ActorRolloutRefWorker, cfg),
-             "reward": RayClassWithInitArgs(RewardWorker, cfg)}
-    if cfg.use_critic:
-        roles["critic"] = RayClassWithInitArgs(CriticWorker, cfg)
-    return roles
-
-
-def build_workers(cfg: RunConfig, name_prefix: str = "rlhf_worker", pool_name: str = "global_pool",
-                  detached: bool = False) -> dict:
-    """One process per actor rank hosting every role (actor/rollout/ref, critic, reward);
-    ``detached`` ones outlive this driver (the long-lived session's)."""
-    import torch
-
-    from rlhf_core.controller import RayResourcePool, RayWorkerGroup, create_colocated_worker_cls
-
-    roles = worker_roles(cfg)
-    pool = RayResourcePool([cfg.actor.world_size], use_gpu=torch.cuda.is_available(),
-                           cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name,
-                           max_colocate_count=1, detached=detached)
-    group = RayWorkerGroup(pool, create_colocated_worker_cls(roles), name_prefix=name_prefix, detached=detached)
-    workers = group.spawn(prefix_set=roles.keys())
-    for role in roles:
-        workers[role].init_model()
-    workers["_group"], workers["_pool"] = group, pool
-    return workers
-
-
-def start_local_ray(run_dir: Path, num_cpus: int | None = None) -> None:
+    local_ray_env()
     import ray
 
     if ray.is_initialized():
@@ -60,11 +33,7 @@ def start_local_ray(run_dir: Path, num_cpus: int | None = None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
              _temp_dir=tempfile.mkdtemp(prefix="rlhf-ray-"), log_to_driver=False,
-             configure_logging=False,
-             # Stage payloads of small models are a few hundred KB: passing them inline with
-             # the call instead of through the object store saves a round trip per stage.
-             _system_config={"max_direct_call_object_size": 4 * 1024 * 1024,
-                             "task_rpc_inlined_bytes_limit": 16 * 1024 * 1024})
+             configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
 
 
 def plot_curve(rows: list[dict], path: Path) -> None:
@@ -88,98 +57,21 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def save_checkpoint(workers: dict, trainer, cfg: RunConfig, uri: str, storage_options: dict | None = None) -> None:
-    """Everything needed to continue exactly: the workers write weights, optimizer, LR
-    schedule and their RNG; the controller writes its own state (global step, data
-    cursor, KL coefficient) and the config hash, last."""
-    import dataclasses
-
-    import fsspec
-
-    workers["actor"].save_checkpoint(uri, storage_options)
-    if "critic" in workers:
-        workers["critic"].save_checkpoint(uri, storage_options)
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    state = {**dataclasses.asdict(trainer.state), "config_hash": cfg.config_hash(), "config": cfg.to_dict()}
-    fs.pipe_file(f"{root}/trainer_state.json", json.dumps(state, indent=1).encode())
-
-
-def load_checkpoint(workers: dict, uri: str, storage_options: dict | None = None) -> None:
-    workers["actor"].load_checkpoint(uri, storage_options)
-    if "critic" in workers:
-        workers["critic"].load_checkpoint(uri, storage_options)
-
-
-def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
-    return out
-
-
-def _checkpoint_exists(uri: str) -> bool:
-    from rlhf_core.snapshot import fs as sfs
-
-    loc = sfs.resolve(uri + "/trainer_state.json")
-    return sfs.read_bytes(loc) is not None
-
-
-def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
-    """Read where the run stands: (IterationStore, TrainerState). A committed run must
-    continue with the config it was trained with (the error lists the differences)."""
-    from rlhf_core.config import ConfigError
-    from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.ppo import TrainerState
-
-    cfg.validate()
-    istore = IterationStore(store, run_id)
-    state = TrainerState(kl_coef=cfg.algorithm.kl_ctrl.kl_coef)
-    committed = istore.committed_iterations()
-    if committed:
-        last = istore.read_manifest(committed[-1])
-        if last["config_hash"] != cfg.config_hash():
-            diff = _config_diff(last["config"], cfg.to_dict())
-            raise ConfigError(f"run {run_id} was trained with another config; continuing it would mix "
-                              f"them. Differences (committed -> now): {'; '.join(diff[:10])}. Use a new "
-                              f"--run-id or the same overrides.")
-        state = TrainerState(global_step=last["global_step"], cursor=last["data_cursor"], kl_coef=last["kl_coef"])
-        log(f"[rlhf] run {run_id}: continuing after iteration {committed[-1]}")
-    return istore, state
-
-
-def make_loader(cfg: RunConfig, state):
-    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
-    from rlhf_core.data.tokenizer import PromptTokenizer
-    from rlhf_core.workers import modeling
-
-    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
-    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
-                        cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                        cfg.data.shuffle, cursor=Cursor(**state.cursor))
-
-
-def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int, run_dir: Path,
+def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_dir: Path,
                    workers_at_step: int | None = None, on_stage=None, time_budget_s: float | None = None,
                    stop_at_reward: float | None = None, on_committed=None) -> tuple[list[dict], object]:
-    """The iteration loop shared by direct runs and session-attached controllers.
+    """The iteration loop shared by direct runs and session-attached controllers:
+    restore (or initialize) the workers, then per iteration the stages (resuming at the
+    first uncommitted one) and the commit (checkpoint, then MANIFEST.json).
 
     ``workers_at_step``: the step the workers' state is known to be at (a live session
-    that committed it); otherwise the starting checkpoint is loaded (or, at step 0,
-    written, so that iteration 0 can be resumed too). Each iteration: stages (resuming at
-    the first uncommitted one), checkpoint, then the MANIFEST.json commit.
+    that committed it); otherwise the starting checkpoint is loaded.
     """
     from tqdm import tqdm
 
-    from rlhf_core import tracking
-    from rlhf_core.testing import faults
     from rlhf_core.trainer.iteration_store import code_version
     from rlhf_core.trainer.ppo import PPOTrainer
 
-    loader = make_loader(cfg, state)
     bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr)
 
     def stage_hook(name: str) -> None:
@@ -187,16 +79,8 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
         if on_stage is not None:
             on_stage(trainer.state.global_step, name)
 
-    trainer = PPOTrainer(cfg, workers, loader, state, on_stage=stage_hook, stage_store=istore)
-    start_ckpt = istore.checkpoint_uri(state.global_step)
-    if workers_at_step != state.global_step:
-        if _checkpoint_exists(start_ckpt):
-            load_checkpoint(workers, start_ckpt)  # the exact state this iteration starts from
-        elif state.global_step == 0:
-            save_checkpoint(workers, trainer, cfg, start_ckpt)
-        else:
-            raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but its "
-                                    f"checkpoint {start_ckpt} is missing")
+    trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), state, on_stage=stage_hook, stage_store=istore)
+    restore_or_init(workers, istore, state, cfg, workers_at_step)
     version = code_version()
     rows = []
     train_start = time.perf_counter()
@@ -205,22 +89,7 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
             for _ in range(iterations):
                 iteration = trainer.state.global_step
                 metrics = trainer.run_iteration()
-                checkpoint = istore.checkpoint_uri(trainer.state.global_step)
-                save_checkpoint(workers, trainer, cfg, checkpoint)
-                faults.reached(f"commit:{iteration}")
-                istore.commit_iteration(iteration, {
-                    "config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
-                    "checkpoint": checkpoint, "data_cursor": trainer.state.cursor,
-                    "kl_coef": trainer.state.kl_coef, "global_step": trainer.state.global_step,
-                    "rng": {"trainer_seed": cfg.trainer.seed, "rollout_seed": cfg.rollout.seed,
-                            "note": "every random draw is seeded from these and the global step"},
-                    "stage_timings_s": {k[len("timing_s/"):]: v for k, v in metrics.items() if k.startswith("timing_s/")},
-                    "metrics": {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf"))},
-                    "snapshots": {name: istore.stage_uri(iteration, name) for name, _ in trainer.stages()
-                                  if name != "weight_sync"},
-                })
-                if tracking.enabled():
-                    tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
+                commit(cfg, workers, istore, trainer, iteration, metrics, version)
                 if on_committed is not None:
                     on_committed(trainer.state.global_step)
                 row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
@@ -238,6 +107,23 @@ def run_iterations(cfg: RunConfig, workers: dict, istore, state, iterations: int
     finally:
         bar.close()
     return rows, trainer
+
+
+def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict) -> None:
+    """End an iteration: the checkpoint of the state after it, then its manifest (the
+    iteration exists from that moment), then the optional MLflow export."""
+    from rlhf_core import tracking
+    from rlhf_core.testing import faults
+    from rlhf_core.trainer.iteration_store import iteration_manifest
+
+    checkpoint = istore.checkpoint_uri(trainer.state.global_step)
+    save_checkpoint(workers, trainer.state, cfg, checkpoint)
+    faults.reached(f"commit:{iteration}")
+    istore.commit_iteration(iteration, iteration_manifest(
+        cfg, trainer.state, metrics, version, checkpoint,
+        snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)}))
+    if tracking.enabled():
+        tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
 
 
 def _finish(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trainer, plot: bool = True) -> dict:
@@ -267,16 +153,15 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     log(f"[rlhf] run {run_id}: config (hash {cfg.config_hash()[:12]}):\n{describe(cfg)}")
-    start_local_ray(run_dir)
+    start_local_ray()
     t0 = time.perf_counter()
-    workers = build_workers(cfg)
+    workers = WorkerSet.build(cfg)
     log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
     try:
         rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
                                        time_budget_s=time_budget_s, stop_at_reward=stop_at_reward)
     finally:
-        workers["_group"].kill()
-        workers["_pool"].release()
+        workers.kill()
     return _finish(cfg, run_dir, rows, istore, trainer)
 
 
@@ -313,14 +198,13 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
 
     state_start = state.global_step
     try:
-        workers = session.ensure(cfg, run_id, store, head)
-        info = workers["_info"]
+        attached = session.ensure(cfg, run_id, store, head)
+        info, record = attached.info, attached.record
         log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
-        at_step = info.get("step")
-        record = workers["_record"]
         record.update.remote(step=None)  # dirty until this iteration commits
-        rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, workers_at_step=at_step,
-                                       on_stage=stage_started, on_committed=committed)
+        rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
+                                       workers_at_step=info.get("step"), on_stage=stage_started,
+                                       on_committed=committed)
     finally:
         istore.release_lease(state.global_step)
     result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),

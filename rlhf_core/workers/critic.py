@@ -37,7 +37,7 @@ class CriticWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         cfg = self.config
-        mini = modeling.mini_batch_rows(cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
+        mini = modeling.mini_batch_rows(cfg.critic.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
         self.critic.train()
@@ -45,7 +45,7 @@ class CriticWorker(TrainableWorker):
             mask = batch.batch["response_mask"].float()
             vpreds = self._values(self.critic, batch)
             vf_loss, vf_clipfrac = compute_value_loss(vpreds, batch.batch["returns"], batch.batch["values"],
-                                                      mask, cfg.critic.cliprange_value, cfg.actor.loss_agg_mode)
+                                                      mask, cfg.critic.cliprange_value, cfg.critic.loss_agg_mode)
             self.optimizer.zero_grad(set_to_none=True)
             vf_loss.backward()
             grad_norm = modeling.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)

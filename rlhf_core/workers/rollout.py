@@ -67,7 +67,9 @@ class VLLMRollout:
         from vllm import SamplingParams
 
         seeds = prompts.batch["sample_seed"].tolist()
-        params = [SamplingParams(n=1, temperature=self.config.temperature, top_p=self.config.top_p,
+        # do_sample=False (ReMax's baseline): greedy decoding, temperature 0
+        temperature = self.config.temperature if prompts.meta_info.get("do_sample", True) else 0.0
+        params = [SamplingParams(n=1, temperature=temperature, top_p=self.config.top_p,
                                  max_tokens=self.config.response_length, seed=int(s), logprobs=0,
                                  detokenize=False) for s in seeds]
         requests = [{"prompt_token_ids": ids} for ids in _prompt_token_lists(prompts)]
@@ -101,7 +103,8 @@ class HFRollout:
         model.eval()
         model.config.use_cache = True
         out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                             do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p,
+                             **(dict(do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p)
+                                if prompts.meta_info.get("do_sample", True) else dict(do_sample=False)),
                              max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
                              eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
         model.config.use_cache = False

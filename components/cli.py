@@ -1,0 +1,42 @@
+"""The ``rlhf manifests`` subcommand (KubeRay objects of a run), registered with the
+``rlhf`` command through the ``rlhf.commands`` entry point; rlhf_core never imports it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _cmd_manifests(args: argparse.Namespace) -> int:
+    import yaml
+
+    from components.kuberay import crd, render, spec
+    from components.kuberay.names import KubeNameError
+
+    try:
+        cfg, kube = spec.load_deployment(args.config, args.overrides)
+        objects = render.render_all(cfg, kube, args.run_id, args.store)
+        if args.crds:
+            for obj in objects.values():
+                crd.validate(obj, args.crds)
+    except (spec.DeploySpecError, render.PoolShapeError, KubeNameError, crd.SchemaViolation) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    os.makedirs(args.out, exist_ok=True)
+    for name, obj in objects.items():
+        path = os.path.join(args.out, name)
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(obj, f, sort_keys=False)
+        print(f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}: {path}")
+    return 0
+
+
+def register(sub, api) -> None:
+    man = sub.add_parser("manifests", help="render the run's KubeRay RayCluster and RayJob as YAML")
+    man.add_argument("--config", default=None, help="deployment file: run config sections plus a `kubernetes:` "
+                     "section (default: the default run config; see manifests/configs/)")
+    man.add_argument("--run-id", default="demo", help="names the cluster (normalized to a DNS-1035 label)")
+    man.add_argument("--store", default="s3://rlhf/runs", help="object store URI the session restores from")
+    man.add_argument("--out", required=True, help="folder for raycluster.yaml and rayjob.yaml")
+    man.add_argument("--crds", default=None, help="validate against the KubeRay CRDs in this folder first")
+    man.add_argument("overrides", nargs="*")
+    man.set_defaults(func=_cmd_manifests)

@@ -1,0 +1,122 @@
+"""The ``rlhf`` subcommands that know Kubeflow Pipelines: pipeline-mode ``run``,
+``compile``, ``submit`` and ``schedule``.
+
+``rlhf_core.cli`` finds this module through the ``rlhf.commands`` entry point
+(pyproject.toml) and calls ``register``; rlhf_core itself never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
+    """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
+    from rlhf_core import ray_head
+    from rlhf_core.trainer.report import run_history
+    from rlhf_core.trainer.run import plot_curve
+
+    from pipelines.local import run_local_iterations
+
+    run_id = args.run_id
+    root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
+    head_root = ray_head.default_head_root(cfg.trainer.output_dir)
+    # a head someone started by hand stays up; one this run started, or adopted from a run
+    # that died, is stopped at the end
+    head, ours = ray_head.adopt_or_start(head_root, owner_pid=os.getpid())
+    try:
+        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root)
+    finally:
+        if ours and not args.keep_session:
+            ray_head.stop_head(head, head_root)
+        elif ours:
+            ray_head.set_owner(head_root, head, 0)  # kept on request: it is the user's now
+    rows = run_history(store, run_id)
+    curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
+    if rows:
+        plot_curve(rows, curve)
+        print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
+              f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
+        print(f"checkpoint: {rows[-1]['checkpoint']}")
+    print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
+    print(f"curve: {curve}")
+    print(f"pipeline runs: {root}")
+    print(f"snapshots: {store.rstrip('/')}/{run_id}")
+    return 0
+
+
+def _remote(args):
+    from components.kuberay import spec as kube
+    from components.kuberay.names import KubeNameError, cluster_name
+    from pipelines import remote
+
+    try:  # refuse bad input here, before anything reaches the cluster
+        cfg, kube_spec = kube.load_deployment(args.deployment, args.overrides)
+        cluster_name(args.run_id)
+    except (kube.DeploySpecError, KubeNameError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    except Exception as exc:  # ConfigError and friends
+        raise SystemExit(f"rlhf: config error: {exc}") from None
+    target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment,
+                           service_account=args.service_account)
+    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, kube_spec, args.cluster_policy)
+    return remote, cfg, target, arguments
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    remote, _, target, arguments = _remote(args)
+    out = remote.submit(target, arguments)
+    print(f"submitted: run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: one iteration "
+          f"of {args.run_id}, continuing from its last committed iteration in {args.store}")
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    remote, _, target, arguments = _remote(args)
+    try:
+        out = remote.schedule(target, arguments, args.cron)
+    except remote.ScheduleError as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    print(f"scheduled: recurring run {out['recurring_run_id']} (experiment {out['experiment_id']}) on "
+          f"{args.host}, cron '{out['cron']}': each trigger runs the next iteration of {args.run_id}")
+    return 0
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from pipelines.ppo_iteration import HERE, compile_all
+
+    for path in compile_all(args.out or HERE):
+        print(f"compiled: {path}")
+    return 0
+
+
+def register(sub, api) -> None:
+    """Add this package's subcommands to ``rlhf`` and its pipeline runner to ``rlhf run``."""
+    api.register_run_mode("pipeline", run_pipeline)
+    for name, func, text in (("submit", _cmd_submit, "run one iteration on a Kubeflow Pipelines server"),
+                             ("schedule", _cmd_schedule, "a recurring run on a Kubeflow Pipelines server: "
+                              "each trigger runs the next iteration")):
+        remote = sub.add_parser(name, help=text)
+        remote.add_argument("--host", required=True, help="the KFP API endpoint, e.g. http://ml-pipeline-ui.kubeflow")
+        if name == "schedule":
+            remote.add_argument("--cron", required=True, help="cron expression, 5 fields (or KFP's 6, seconds "
+                                "first), e.g. '0 */2 * * *'")
+        remote.add_argument("--run-id", required=True, help="the run the iterations belong to")
+        remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
+        remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")
+        remote.add_argument("--experiment", default="rlhf", help="KFP experiment the runs go to")
+        remote.add_argument("--deployment", default=None, help="deployment file whose `kubernetes:` and "
+                            "`resources:` sections shape the cluster (manifests/configs/)")
+        remote.add_argument("--cluster-policy", default="keep", choices=["keep", "delete", "delete-on-success"],
+                            help="what happens to the RayCluster when the run ends (keep: the session serves "
+                            "the next iteration and ends itself when idle)")
+        remote.add_argument("--service-account", default="rlhf-pipeline", help="Kubernetes service account of "
+                            "the run's pods (manifests/base grants it the KubeRay rights)")
+        remote.add_argument("overrides", nargs="*", help="config overrides passed to every iteration")
+        remote.set_defaults(func=func)
+
+    comp = sub.add_parser("compile", help="compile the per-iteration pipeline to YAML")
+    comp.add_argument("--out", default=None, help="folder for ppo_iteration.yaml and ppo_iteration_kuberay.yaml "
+                      "(default: pipelines/)")
+    comp.set_defaults(func=_cmd_compile)

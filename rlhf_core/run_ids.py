@@ -1,0 +1,63 @@
+"""Names users hand us: run ids (the one format new ids take and the one check every
+entry point applies) and store URIs (the schemes a run may write to).
+
+A run id names folders (``{output_dir}/{run_id}``), store prefixes (``{store}/{run_id}/``),
+Ray namespaces (``rlhf-{run_id}``) and, normalized, Kubernetes objects; it travels as a
+command-line argument to the session job. So it is checked before any of those is built:
+1-128 ASCII letters, digits, ``.``, ``_``, ``-``, starting with a letter or digit.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_LENGTH = 128
+
+
+class RunIdError(ValueError):
+    """A run id that would be unsafe as a path, namespace or argument."""
+
+
+def validate_run_id(run_id, field: str = "run id") -> str:
+    """``run_id`` itself when it is valid; else a one-line ``RunIdError`` naming the rule."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
+        shown = run_id if not isinstance(run_id, str) or len(run_id) <= 60 else run_id[:57] + "..."
+        raise RunIdError(f"{field}: expected 1-{MAX_LENGTH} ASCII letters, digits, '.', '_' or '-', starting "
+                         f"with a letter or digit; found {shown!r}"
+                         + (f" ({len(run_id)} characters)" if isinstance(run_id, str) and len(run_id) > MAX_LENGTH
+                            else ""))
+    return run_id
+
+
+def new_run_id() -> str:
+    """A fresh id: ``run-YYYYmmdd-HHMMSS-xxxxxx`` (sortable by start time, unique)."""
+    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+#: Store URI schemes a run may write to (a plain path means the local disk).
+STORE_SCHEMES = ("file", "s3", "gs", "gcs", "memory")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+class StoreUriError(ValueError):
+    """A store URI with a scheme we do not write to, or characters no store needs."""
+
+
+def validate_store_uri(uri, field: str = "store") -> str:
+    """``uri`` itself when it is a plain path or one of ``STORE_SCHEMES``'s URIs with
+    printable characters only; else a one-line ``StoreUriError``."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise StoreUriError(f"{field}: expected a path or a URI ({', '.join(s + '://' for s in STORE_SCHEMES)}); "
+                            f"found {uri!r}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in uri):
+        raise StoreUriError(f"{field}: expected printable characters only; found {uri!r}")
+    m = _SCHEME.match(uri)
+    if m and m.group(1).lower() not in STORE_SCHEMES:
+        raise StoreUriError(f"{field}: expected a scheme among {', '.join(STORE_SCHEMES)}; found "
+                            f"{m.group(1)!r} in {uri!r}")
+    if not m and "://" in uri:
+        raise StoreUriError(f"{field}: expected a path or scheme://...; found {uri!r}")
+    return uri

@@ -1,0 +1,87 @@
+"""Where a run stands and how its workers get there: open a run, checkpoints, the loader.
+
+Used by the iteration loop (``trainer/run.py``), the long-lived session and replay; it
+imports neither, so none of them imports another through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from rlhf_core.config import ConfigError, RunConfig
+from rlhf_core.workers.worker_set import TRAINER_STATE_FILE, WorkerSet, checkpoint_exists
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every leaf that differs between two config dicts."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
+    """Read where the run stands: (IterationStore, TrainerState). A committed run must
+    continue with the config it was trained with (the error lists the differences)."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.ppo import TrainerState
+
+    cfg.validate()
+    istore = IterationStore(store, run_id)
+    state = TrainerState(kl_coef=cfg.algorithm.kl_ctrl.kl_coef)
+    committed = istore.committed_iterations()
+    if committed:
+        last = istore.read_manifest(committed[-1])
+        if last["config_hash"] != cfg.config_hash():
+            diff = config_diff(last["config"], cfg.to_dict())
+            raise ConfigError(f"run {run_id} was trained with another config; continuing it would mix "
+                              f"them. Differences (committed -> now): {'; '.join(diff[:10])}. Use a new "
+                              f"--run-id or the same overrides.")
+        state = TrainerState(global_step=last["global_step"], cursor=last["data_cursor"], kl_coef=last["kl_coef"])
+        log(f"[rlhf] run {run_id}: continuing after iteration {committed[-1]}")
+    return istore, state
+
+
+def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str, storage_options: dict | None = None) -> None:
+    """Everything needed to continue exactly: the trainable roles write weights,
+    optimizer, LR schedule and their RNG; the controller writes its own state (global
+    step, data cursor, KL coefficient) and the config hash, last (it marks the
+    checkpoint complete)."""
+    import fsspec
+
+    workers.save_checkpoint(uri, storage_options)
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    body = {**dataclasses.asdict(state), "config_hash": cfg.config_hash(), "config": cfg.to_dict()}
+    fs.pipe_file(f"{root}/{TRAINER_STATE_FILE}", json.dumps(body, indent=1).encode())
+
+
+def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_at_step: int | None) -> None:
+    """Bring the workers to the state iteration ``state.global_step`` starts from: nothing
+    to do when they are known to be there (a live session that committed it); else load
+    that step's checkpoint, or at step 0 write it (so iteration 0 can be resumed too)."""
+    if workers_at_step == state.global_step:
+        return
+    uri = istore.checkpoint_uri(state.global_step)
+    if checkpoint_exists(uri):
+        workers.load_checkpoint(uri)
+    elif state.global_step == 0:
+        save_checkpoint(workers, state, cfg, uri)
+    else:
+        raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but its "
+                                f"checkpoint {uri} is missing")
+
+
+def make_loader(cfg: RunConfig, state):
+    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
+    from rlhf_core.data.tokenizer import PromptTokenizer
+    from rlhf_core.workers import modeling
+
+    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
+    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
+                        cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
+                        cfg.data.shuffle, cursor=Cursor(**state.cursor))

@@ -1,0 +1,67 @@
+"""An iteration's stages, declared once.
+
+The iteration loop (``PPOTrainer``), resume (which stages are loaded, which re-run), replay
+(which stages can be replayed from their saved input), the iteration manifest (which
+snapshots it lists) and the roles a run needs all read this table; nothing else lists
+stages. A stage's ``method`` is the ``PPOTrainer`` method that runs it.
+
+    stateful   it changes worker state (weights, optimizer, engine): on resume it re-runs
+               from the restored checkpoint instead of being loaded from its snapshot
+    persisted  its output batch is committed as a snapshot (and can be replayed)
+    inference  it only reads worker state (a candidate for prefetching the next iteration)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from rlhf_core.config import RunConfig
+
+
+def _always(cfg: RunConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    method: str
+    roles: tuple[str, ...]
+    stateful: bool = False
+    persisted: bool = True
+    enabled: Callable[[RunConfig], bool] = _always
+
+    @property
+    def replayable(self) -> bool:
+        return self.persisted
+
+    @property
+    def inference(self) -> bool:
+        return not self.stateful and bool(self.roles)
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("rollout", "rollout", ("actor",)),
+    Stage("reward_baseline", "compute_reward_baseline", ("actor", "reward"),
+          enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
+    Stage("reward", "compute_reward", ("reward",)),
+    Stage("old_log_prob", "compute_old_log_prob", ("actor",)),
+    Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
+    Stage("values", "compute_values", ("critic",), enabled=lambda cfg: cfg.use_critic),
+    Stage("advantage", "compute_advantage", ()),
+    Stage("update_critic", "update_critic", ("critic",), stateful=True, enabled=lambda cfg: cfg.use_critic),
+    Stage("update_actor", "update_actor", ("actor",), stateful=True),
+    Stage("weight_sync", "weight_sync", ("actor",), stateful=True, persisted=False),
+)
+
+BY_NAME = {stage.name: stage for stage in STAGES}
+
+
+def plan(cfg: RunConfig) -> list[Stage]:
+    """This run's stages, in order."""
+    return [stage for stage in STAGES if stage.enabled(cfg)]
+
+
+def persisted_names(cfg: RunConfig) -> list[str]:
+    return [stage.name for stage in plan(cfg) if stage.persisted]

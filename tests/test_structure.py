@@ -1,0 +1,113 @@
+"""The module graph: rlhf_core has no import cycle (module-level or inside functions) and
+imports nothing from the Kubeflow / KubeRay side (``components``, ``pipelines``, kfp,
+kubernetes); the `rlhf` commands of that side still reach users through plugins."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ROOT / "rlhf_core"
+FORBIDDEN = ("components", "pipelines", "kfp", "kubernetes")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module ``path`` imports, wherever the import statement stands."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    return found
+
+
+def library_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in LIBRARY.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for imported in imports_of(path):
+            # `import a.b.c` depends on a.b.c (and loads its packages, which import nothing
+            # that matters here: package __init__ files are re-exports)
+            if imported in modules and imported != name:
+                targets.add(imported)
+        graph[name] = targets
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_rlhf_core_has_no_import_cycle():
+    graph = library_graph()
+    # package __init__ modules only re-export their own submodules; an edge from a module
+    # to its own package would be a false cycle
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_rlhf_core_imports_nothing_of_kubeflow_or_kuberay():
+    offenders = []
+    for path in LIBRARY.rglob("*.py"):
+        for imported in imports_of(path):
+            if imported.split(".")[0] in FORBIDDEN:
+                offenders.append(f"{path.relative_to(ROOT)}: {imported}")
+        if "sys.path" in path.read_text():
+            offenders.append(f"{path.relative_to(ROOT)}: edits sys.path")
+    assert not offenders, offenders
+
+
+def test_kubeflow_commands_arrive_as_plugins_and_the_library_loads_without_them():
+    """`rlhf submit/schedule/compile/manifests` come from the entry points; importing the
+    CLI and the trainer loads no kfp/kubernetes/components/pipelines module."""
+    from rlhf_core.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+    assert {"submit", "schedule", "compile", "manifests", "run", "replay"} <= set(commands)
+    probe = ("import sys, rlhf_core.cli, rlhf_core.trainer.run, rlhf_core.session, rlhf_core.trainer.replay; "
+             "bad = sorted(m for m in sys.modules if m.split('.')[0] in %r); print(bad)" % (FORBIDDEN,))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
