@@ -12,11 +12,13 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from test_resume import fingerprint, small_config
 
+from rlhf_core import ray_head, session
 from rlhf_core.config import apply_overrides
 from rlhf_core.trainer.run import run_direct
 
@@ -45,9 +47,22 @@ def iterate(tmp_path, head_root, *extra, overrides=(), kill_at=None, check=True)
     return proc
 
 
-def session_worker_pids():
-    out = subprocess.run(["pgrep", "-f", "ray::Colocated"], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+def head_pids_named(head_root, marker: str) -> list[int]:
+    """Processes of *our* head (its process tree and whatever names its temp dir) whose
+    command line contains ``marker``: never another run's processes on this machine."""
+    info = ray_head.read_head(head_root)
+    found = []
+    for pid in ray_head.head_processes(info) if info else []:
+        try:
+            if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" "):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def session_worker_pids(head_root):
+    return head_pids_named(head_root, "ray::Colocated")
 
 
 def assert_same_as_direct(tmp_path, iterations, overrides=()):
@@ -64,7 +79,7 @@ def test_iterations_attach_survive_a_killed_worker_and_match_a_direct_run(tmp_pa
     out = iterate(tmp_path, head_root).stdout
     assert "session: generation 1" in out and "iteration 1:" in out  # attached, not rebuilt
 
-    before = set(session_worker_pids())
+    before = set(session_worker_pids(head_root))
     assert before, "the session's worker process should be running"
     for pid in before:
         os.kill(pid, signal.SIGKILL)
@@ -75,8 +90,9 @@ def test_iterations_attach_survive_a_killed_worker_and_match_a_direct_run(tmp_pa
 
     # the session's job itself dies (its driver SIGKILLed), then a worker: nobody is left
     # to rebuild, so the next trigger clears the remains and submits a new session job
-    driver = subprocess.run(["pgrep", "-f", "rlhf_core.cli serve --foreground"], capture_output=True, text=True)
-    for pid in [int(p) for p in driver.stdout.split()] + session_worker_pids():
+    driver = head_pids_named(head_root, "serve --foreground")
+    assert driver, "the session job's driver should be running"
+    for pid in driver + session_worker_pids(head_root):
         os.kill(pid, signal.SIGKILL)
     time.sleep(1)
     out = iterate(tmp_path, head_root).stdout
@@ -149,7 +165,78 @@ def test_session_job_ends_when_idle(tmp_path, head_root):
         time.sleep(1)
     assert "ended (idle)" in job[1]
     time.sleep(2)
-    assert not session_worker_pids()
+    assert not session_worker_pids(head_root)
     # the next trigger brings a new session up from the checkpoint
     out = iterate(tmp_path, head_root).stdout
     assert "job rlhf-session-run-2" in out and "iteration 1:" in out
+
+
+SECRET = "rlhf-test-secret-" + "7f3a9c1e5b"  # never written anywhere but the user's 0600 file
+LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def listening_sockets(pids):
+    """(pid, local address hex, port) of every listening TCP socket the PIDs hold."""
+    inodes = {}
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                found.append((inodes[fields[9]], address, int(port, 16)))
+    return found
+
+
+def test_secrets_stay_out_of_logs_and_ray_listens_on_loopback_with_a_token(tmp_path, head_root, monkeypatch):
+    """A session run with object-store credentials in the environment: the secret is in
+    no file under the Ray temp dir, no Jobs API answer, no snapshot, manifest, metrics
+    file or log (only in the user's own 0600 credentials file); every socket our Ray
+    processes listen on is a loopback one, and a client without the token is refused."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIA" + SECRET)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "tok-" + SECRET)
+    monkeypatch.setenv("AWS_REGION", "eu-test-1")
+    out = iterate(tmp_path, head_root)
+    assert "iteration 0:" in out.stdout
+    info = ray_head.read_head(head_root)
+
+    listening = listening_sockets(ray_head.head_processes(info))
+    assert listening, "the head's processes should listen somewhere"
+    exposed = [(pid, addr, port) for pid, addr, port in listening if addr not in LOOPBACK]
+    assert not exposed, exposed
+
+    code = ("import json, sys; from rlhf_core import ray_head; "
+            "c = ray_head.jobs_client(ray_head.read_head(sys.argv[1])); "
+            "print(json.dumps([j.dict() if hasattr(j, 'dict') else vars(j) for j in c.list_jobs()], default=str))")
+    jobs = subprocess.run([sys.executable, "-c", code, str(head_root)], capture_output=True, text=True, timeout=120)
+    assert jobs.returncode == 0, jobs.stderr[-2000:]
+    assert "rlhf-session-run-1" in jobs.stdout and SECRET not in jobs.stdout
+    assert "eu-test-1" in jobs.stdout  # settings that are not secret do travel
+
+    leaks = []
+    for folder in (info.temp_dir, tmp_path / "store", tmp_path / "out", head_root):
+        for path in Path(folder).rglob("*"):
+            if path.is_file() and not path.is_symlink() and path.name != session.CREDENTIALS_FILE:
+                try:
+                    if SECRET.encode() in path.read_bytes():
+                        leaks.append(str(path))
+                except OSError:
+                    continue
+    assert not leaks, leaks
+    assert SECRET not in out.stdout + out.stderr
+    credentials = Path(head_root) / session.CREDENTIALS_FILE
+    assert credentials.stat().st_mode & 0o077 == 0  # readable by this user only
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={info.address!r}); print('IN')"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert probe.returncode != 0 and "IN" not in probe.stdout
