@@ -23,11 +23,12 @@ def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout
 
     from components.kuberay.launcher import Launcher, kube_apis
     from components.kuberay.render import render_raycluster
-    from components.kuberay.spec import spec_from_dict
+    from components.kuberay.spec import DeploymentPolicy, spec_from_dict
     from rlhf_core.config import RunConfig, apply_overrides
 
     cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
-    spec = spec_from_dict(kube_spec)
+    # the image and account come from a run parameter: only what the deployment allows
+    spec = DeploymentPolicy.from_env().check(spec_from_dict(kube_spec))
     custom, core = kube_apis()
     address = Launcher(custom, core, spec.namespace).ensure(render_raycluster(cfg, spec, run_id), timeout_s)
     return namedtuple("Cluster", ["name", "ray_address", "dashboard_url"])(

@@ -14,7 +14,9 @@ from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
 from components.iteration import ensure_session, report, run_iteration
-from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
+from components.kuberay.spec import (
+    OBJECT_STORE_SECRET, POLICY_ACCOUNTS_ENV, POLICY_CONFIG_MAP, POLICY_IMAGES_ENV, RAY_TOKEN_SECRET,
+)
 
 HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
@@ -34,6 +36,10 @@ def _pod_settings(task, small: bool) -> None:
     kubernetes.use_secret_as_env(task, secret_name=OBJECT_STORE_SECRET, secret_key_to_env={
         "AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY",
         "AWS_ENDPOINT_URL": "AWS_ENDPOINT_URL"})
+    # the image's user (Dockerfile: uid 1000), never root; kfp.kubernetes sets identity only
+    # (the compiler and backend add allowPrivilegeEscalation=false, drop ALL, RuntimeDefault
+    # seccomp); a read-only root filesystem cannot be asked for from the SDK
+    kubernetes.set_security_context(task, run_as_user=1000, run_as_group=1000, run_as_non_root=True)
     kubernetes.add_node_selector(task, label_key="rlhf.io/pool", label_value="controller")
     kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
 
@@ -68,6 +74,9 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         cluster = launch_cluster(run_id=run_id, config_overrides=config_overrides, kube_spec=kube_spec,
                                  timeout_s=launch_timeout_s)
         _pod_settings(cluster, small=True)
+        # which images and accounts kube_spec may choose: the deployment's, not the run's
+        kubernetes.use_config_map_as_env(cluster, config_map_name=POLICY_CONFIG_MAP, config_map_key_to_env={
+            "allowed_images": POLICY_IMAGES_ENV, "allowed_service_accounts": POLICY_ACCOUNTS_ENV})
         session, step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
                                    cluster.outputs["dashboard_url"])
         for task in (session, step):  # they talk to the token-authenticated Ray cluster

@@ -134,13 +134,13 @@ def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
 def _restore(cfg: RunConfig, store: str, run_id: str, workers: WorkerSet, log) -> int | None:
     """Load the last committed checkpoint; the step the weights are at (None: fresh,
     the controller writes step 0's checkpoint itself)."""
-    from rlhf_core.trainer.restore import open_run
+    from rlhf_core.trainer.restore import load_checkpoint, open_run
 
     istore, state = open_run(cfg, store, run_id, log=lambda *a: None)
     uri = istore.checkpoint_uri(state.global_step)
     if state.global_step == 0 or not checkpoint_exists(uri):
         return None
-    workers.load_checkpoint(uri)
+    load_checkpoint(workers, istore, state.global_step)
     log(f"[rlhf] restored {uri}", flush=True)
     return state.global_step
 

@@ -124,3 +124,64 @@ def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
     assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("Dev_Run")
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2
     assert "RayCluster rlhf/" in capsys.readouterr().out
+
+
+def _pod_templates(obj):
+    spec = obj["spec"].get("rayClusterSpec", obj["spec"])
+    yield spec["headGroupSpec"]["template"]
+    for group in spec["workerGroupSpecs"]:
+        yield group["template"]
+    if "submitterPodTemplate" in obj["spec"]:
+        yield obj["spec"]["submitterPodTemplate"]
+
+
+def test_every_ray_pod_meets_restricted_pod_security():
+    """Non-root, no capabilities, RuntimeDefault seccomp, read-only root filesystem with
+    writable emptyDirs where Ray writes, no service-account token mounted."""
+    cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
+    for obj in render_all(cfg, kube, "hardened", "s3://b/runs").values():
+        crd.validate(obj, CRDS)
+        templates = list(_pod_templates(obj))
+        assert len(templates) == (3 if obj["kind"] == "RayJob" else 2)
+        for template in templates:
+            pod = template["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"] == \
+                {"type": "RuntimeDefault"}
+            assert pod["automountServiceAccountToken"] is False
+            for container in pod["containers"]:
+                sc = container["securityContext"]
+                assert sc["capabilities"] == {"drop": ["ALL"]} and sc["readOnlyRootFilesystem"] is True
+                assert sc["allowPrivilegeEscalation"] is False and sc["runAsNonRoot"] is True
+                mounts = {m["mountPath"] for m in container["volumeMounts"]}
+                assert {"/tmp", "/dev/shm", "/home/rlhf/.cache"} <= mounts
+                volumes = {v["name"]: v for v in pod["volumes"]}
+                assert all("emptyDir" in volumes[m["name"]] for m in container["volumeMounts"])
+
+
+def test_kube_spec_cannot_choose_an_image_or_account_the_deployment_does_not_allow():
+    from components.kuberay.spec import DeploymentPolicy
+
+    policy = DeploymentPolicy.from_env({"RLHF_ALLOWED_IMAGES": "registry.example.com/rlhf-core:*, "
+                                                               "ghcr.io/rlhf-core/rlhf-core:0.1.0",
+                                        "RLHF_ALLOWED_SERVICE_ACCOUNTS": "rlhf-ray"})
+    policy.check(KubeSpec(image="registry.example.com/rlhf-core:0.2.0-cuda"))
+    policy.check(KubeSpec())
+    for image in ("docker.io/attacker/miner:latest", "registry.example.com/rlhf-core:0.2/../../x",
+                  "registry.example.com/rlhf-core-evil:1", "registry.example.com/rlhf-core@sha256:abc"):
+        with pytest.raises(DeploySpecError, match="kubernetes.image: expected one of the deployment's allowed"):
+            policy.check(KubeSpec(image=image))
+    with pytest.raises(DeploySpecError, match="kubernetes.service_account: expected one of .* found 'default'"):
+        policy.check(KubeSpec(service_account="default"))
+    # with no policy set, only this project's image and the Ray account
+    with pytest.raises(DeploySpecError):
+        DeploymentPolicy.from_env({}).check(KubeSpec(image="busybox"))
+
+
+def test_the_cluster_pipeline_reads_the_policy_from_the_deployment_and_sets_pod_identity():
+    doc = list(yaml.safe_load_all((ROOT / "pipelines/ppo_iteration_kuberay.yaml").read_text()))
+    executors = doc[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    launch = executors["exec-launch-cluster"]
+    assert launch["configMapAsEnv"][0]["configMapName"] == "rlhf-deployment-policy"
+    for name, executor in executors.items():
+        assert executor["securityContext"] == {"runAsUser": "1000", "runAsGroup": "1000", "runAsNonRoot": True} \
+            or executor["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}, name

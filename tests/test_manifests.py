@@ -86,3 +86,16 @@ def test_dockerfile_shape():
     assert "ARG ACCEL=cpu" in text and '".[gpu]"' in text and '".[cpu]"' in text
     assert not re.search(r"(?i)(secret|password|token|aws_)[a-z_]*\s*=", text), "no credentials in the image"
     assert not re.search(r"^FROM \S+:latest", text, re.M)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_namespace_enforces_restricted_pods_and_admits_only_the_pipeline(overlay):
+    objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay)
+    labels = next(o for o in objects if o["kind"] == "Namespace")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert policies["rlhf-default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    head = policies["rlhf-ray-head-from-pipelines"]
+    assert {p["port"] for p in head["ingress"][0]["ports"]} == {10001, 8265}
+    policy = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rlhf-deployment-policy")
+    assert policy["data"]["allowed_service_accounts"] == "rlhf-ray"

@@ -81,3 +81,32 @@ def test_continuing_with_another_config_is_refused(tmp_path):
     changed = apply_overrides(small_config(tmp_path / "out"), ["actor.lr=0.1"])
     with pytest.raises(ConfigError, match=r"another config.*actor.lr: 0.0002 -> 0.1"):
         run_direct(changed, 1, store, "run", log=lambda *a: None)
+
+
+def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, monkeypatch):
+    """The iteration manifest records every checkpoint file's sha256; resuming from a
+    checkpoint whose bytes changed stops with the file named. Local writes are fsynced
+    before the manifest that makes them visible."""
+    import os
+
+    from rlhf_core.controller import WorkerError
+
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
+    store = tmp_path / "s"
+    run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
+    manifest = json.loads((store / "run/iter-000000/MANIFEST.json").read_text())
+    ckpt = store / "run/checkpoints/step-000001"
+    assert set(manifest["checkpoint_sha256"]) >= {"actor_model.safetensors", "actor_optim.pt", "trainer_state.json"}
+    assert manifest["checkpoint_sha256"]["actor_model.safetensors"] == hashlib.sha256(
+        (ckpt / "actor_model.safetensors").read_bytes()).hexdigest()
+    # the controller's own writes (checkpoint state, snapshot data) were fsynced here
+    assert str(ckpt / "trainer_state.json") in synced
+    assert any("/iter-000000/rollout/data-" in p for p in synced)
+
+    weights = bytearray((ckpt / "actor_model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (ckpt / "actor_model.safetensors").write_bytes(bytes(weights))
+    with pytest.raises(WorkerError, match="actor_model.safetensors: sha256 .* is not the .* its iteration committed"):
+        run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)

@@ -19,6 +19,11 @@ from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT, GCS_PORT, KubeS
 API_VERSION = "ray.io/v1"
 GIB = 1024 ** 3
 TRAINING_GROUP = "train"
+CACHE_DIR = "/home/rlhf/.cache"
+#: What the object-store secret may hold (manifests/base/secret-object-store.example.yaml).
+OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
+                     "AWS_REGION")
+REQUIRED_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 
 
 class PoolShapeError(ValueError):
@@ -54,20 +59,29 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
     if gpus:
         limits[spec.gpu_resource] = str(gpus)
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": spec.object_store_secret, "key": key,
-                                                          "optional": key == "AWS_ENDPOINT_URL"}}}
-           for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")]
+                                                          "optional": key not in REQUIRED_SECRET_KEYS}}}
+           for key in OBJECT_STORE_KEYS]
     return {
         "name": name, "image": spec.image, "imagePullPolicy": "IfNotPresent",
-        "env": env + [{"name": "RLHF_CACHE", "value": "/home/rlhf/.cache/rlhf-core"}],
+        "env": env + [{"name": "RLHF_CACHE", "value": f"{CACHE_DIR}/rlhf-core"}],
         "resources": {"requests": dict(limits), "limits": limits},
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        # restricted Pod Security: nothing but the process itself; the root filesystem is
+        # read-only and Ray writes to emptyDirs (its temp dir under /tmp, caches, /dev/shm)
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
+                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "cache", "mountPath": CACHE_DIR}],
     }
 
 
 def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool) -> dict:
-    pod = {"serviceAccountName": spec.service_account, "containers": [container],
-           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(shm_gib)}}]}
+    pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": False,
+           "containers": [container],
+           "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                               "seccompProfile": {"type": "RuntimeDefault"}},
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(shm_gib)}},
+                       {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
     if workers and spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if workers and spec.tolerations:
@@ -75,6 +89,14 @@ def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float,
     if workers and spec.priority_class:
         pod["priorityClassName"] = spec.priority_class
     return {"metadata": {"labels": dict(labels)}, "spec": pod}
+
+
+def _submitter_template(spec: KubeSpec, labels: dict) -> dict:
+    container = _container("ray-job-submitter", spec, 0.5, 1.0, 0)
+    container["env"] = [e for e in container["env"] if "valueFrom" not in e]  # it needs no store keys
+    template = _pod_template(container, spec, labels, 0.0625, workers=False)
+    template["spec"]["restartPolicy"] = "Never"
+    return template
 
 
 def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
@@ -130,6 +152,9 @@ def render_rayjob(cfg, spec: KubeSpec, run_id: str, store: str) -> dict:
             # K8sJobMode: a Kubernetes Job submits and follows the session, retried by
             # Kubernetes, with its logs in a pod of its own (KubeRay's default, widely supported)
             "submissionMode": "K8sJobMode",
+            # the submitter pod meets the namespace's restricted Pod Security too (KubeRay
+            # fills in its command); our labels let the network policy admit it to the head
+            "submitterPodTemplate": _submitter_template(spec, _labels(run_id, name)),
             "shutdownAfterJobFinishes": True,
             "ttlSecondsAfterFinished": spec.ttl_after_finished_s,
             "activeDeadlineSeconds": spec.session_max_lifetime_s,

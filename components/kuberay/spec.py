@@ -67,6 +67,44 @@ class KubeSpec:
         return self
 
 
+@dataclass(frozen=True)
+class DeploymentPolicy:
+    """What a run-time ``kube_spec`` may choose, set by the platform team in the
+    deployment (the ConfigMap ``rlhf-deployment-policy``, manifests/base), never by a
+    pipeline parameter: images (exact references, or ``repo:*`` for any tag of a
+    repository) and the service accounts Ray pods may run as."""
+
+    images: tuple[str, ...] = (DEFAULT_IMAGE,)
+    service_accounts: tuple[str, ...] = ("rlhf-ray",)
+
+    @classmethod
+    def from_env(cls, env=None) -> "DeploymentPolicy":
+        import os
+
+        env = os.environ if env is None else env
+        split = lambda raw: tuple(x.strip() for x in raw.replace("\n", ",").split(",") if x.strip())
+        return cls(images=split(env.get(POLICY_IMAGES_ENV, "")) or cls.images,
+                   service_accounts=split(env.get(POLICY_ACCOUNTS_ENV, "")) or cls.service_accounts)
+
+    def image_allowed(self, image: str) -> bool:
+        return any(image == rule or (rule.endswith(":*") and image.startswith(rule[:-1])
+                                     and "/" not in image[len(rule) - 1:] and "@" not in image[len(rule) - 1:])
+                   for rule in self.images)
+
+    def check(self, spec: "KubeSpec") -> "KubeSpec":
+        if not self.image_allowed(spec.image):
+            raise DeploySpecError(f"kubernetes.image: expected one of the deployment's allowed images "
+                                  f"{list(self.images)}; found {spec.image!r}")
+        if spec.service_account not in self.service_accounts:
+            raise DeploySpecError(f"kubernetes.service_account: expected one of the deployment's allowed accounts "
+                                  f"{list(self.service_accounts)}; found {spec.service_account!r}")
+        return spec
+
+
+POLICY_CONFIG_MAP = "rlhf-deployment-policy"
+POLICY_IMAGES_ENV, POLICY_ACCOUNTS_ENV = "RLHF_ALLOWED_IMAGES", "RLHF_ALLOWED_SERVICE_ACCOUNTS"
+
+
 def spec_from_dict(data: dict | None) -> KubeSpec:
     data = dict(data or {})
     known = {f.name for f in dataclasses.fields(KubeSpec)}

@@ -135,6 +135,40 @@ def put_create_only(loc: Location, data: bytes) -> None:
         raise
 
 
+def fsync_path(path: str) -> None:
+    """Flush a local file or directory to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(uri: str, files: dict[str, bytes], storage_options: dict | None = None) -> dict[str, str]:
+    """Write ``files`` ({name: bytes}) under ``uri``; on local disk each file and the
+    folder are fsynced before this returns (what a later commit makes visible must
+    survive a power loss). Returns {name: sha256}."""
+    import hashlib
+
+    loc = resolve(uri, storage_options)
+    digests = {}
+    if loc.is_local:
+        os.makedirs(loc.path, exist_ok=True)
+    for name, data in files.items():
+        target = loc.child(name)
+        if loc.is_local:
+            with open(target.path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        else:
+            target.fs.pipe_file(target.path, data)
+        digests[name] = hashlib.sha256(data).hexdigest()
+    if loc.is_local:
+        fsync_path(loc.path)
+    return digests
+
+
 def read_bytes(loc: Location) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     try:

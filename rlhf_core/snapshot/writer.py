@@ -115,6 +115,7 @@ class _Uploader:
         self.pending = []
         self.objects: dict[str, dict] = {}
         self.metadata: dict[str, dict] = {}
+        self.folders: set[str] = set()
 
     def submit(self, key: str, raw: bytes) -> None:
         if key == "zarr.json" or key.endswith("/zarr.json"):
@@ -125,9 +126,13 @@ class _Uploader:
         digest = hashlib.sha256(raw).hexdigest()
         target = self.loc.child(key)
         if self.loc.is_local:
+            # durable before the manifest makes it visible: data, then (in finish) folders
             os.makedirs(os.path.dirname(target.path), exist_ok=True)
             with open(target.path, "wb") as f:
                 f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            self.folders.add(os.path.dirname(target.path))
         else:
             try:
                 target.fs.pipe_file(target.path, raw)
@@ -148,6 +153,16 @@ class _Uploader:
                 future.result()
         finally:
             self.pool.shutdown(wait=True)
+        if self.loc.is_local and self.folders:
+            # every folder from the deepest up to the snapshot's own, so the entries
+            # naming the data survive a crash too
+            folders = set(self.folders)
+            for folder in self.folders:
+                while folder.startswith(self.loc.path) and folder != os.path.dirname(self.loc.path):
+                    folders.add(folder)
+                    folder = os.path.dirname(folder)
+            for folder in sorted(folders, key=len, reverse=True):
+                sfs.fsync_path(folder)
 
 
 def _write_field(parent, field: EncodedField) -> None:

@@ -55,12 +55,13 @@ def code_version() -> dict:
     return version
 
 
-def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str, snapshots: dict) -> dict:
+def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str, checkpoint_sha256: dict,
+                       snapshots: dict) -> dict:
     """The body of an iteration's MANIFEST.json (``commit_iteration`` adds the format,
     run id, iteration number, parent and commit time): what produced the iteration and
     everything needed to continue after it."""
     return {"config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
-            "checkpoint": checkpoint, "data_cursor": state.cursor, "kl_coef": state.kl_coef,
+            "checkpoint": checkpoint, "checkpoint_sha256": checkpoint_sha256, "data_cursor": state.cursor, "kl_coef": state.kl_coef,
             "global_step": state.global_step,
             "rng": {"trainer_seed": cfg.trainer.seed, "rollout_seed": cfg.rollout.seed,
                     "note": "every random draw is seeded from these and the global step"},

@@ -157,7 +157,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import make_loader
+    from rlhf_core.trainer.restore import committed_checksums, make_loader
     from rlhf_core.trainer.run import start_local_ray
     from rlhf_core.workers.worker_set import WorkerSet
 
@@ -192,7 +192,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s)))):
             t0 = time.perf_counter()
             if i == 0 or stage in stateful:
-                workers.load_checkpoint(start_ckpt)
+                workers.load_checkpoint(start_ckpt, expected=committed_checksums(istore, n))
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
             out = run_stage[stage](batch)

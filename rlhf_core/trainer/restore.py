@@ -47,17 +47,33 @@ def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
     return istore, state
 
 
-def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str, storage_options: dict | None = None) -> None:
+def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
+                    storage_options: dict | None = None) -> dict[str, str]:
     """Everything needed to continue exactly: the trainable roles write weights,
     optimizer, LR schedule and their RNG; the controller writes its own state (global
     step, data cursor, KL coefficient) and the config hash, last (it marks the
-    checkpoint complete)."""
-    import fsspec
+    checkpoint complete). Returns {file: sha256} for the iteration manifest."""
+    from rlhf_core.snapshot import fs as sfs
 
-    workers.save_checkpoint(uri, storage_options)
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    digests = workers.save_checkpoint(uri, storage_options)
     body = {**dataclasses.asdict(state), "config_hash": cfg.config_hash(), "config": cfg.to_dict()}
-    fs.pipe_file(f"{root}/{TRAINER_STATE_FILE}", json.dumps(body, indent=1).encode())
+    digests.update(sfs.write_durably(uri, {TRAINER_STATE_FILE: json.dumps(body, indent=1).encode()},
+                                     storage_options))
+    return dict(sorted(digests.items()))
+
+
+def committed_checksums(istore, step: int) -> dict | None:
+    """{file: sha256} of the checkpoint after ``step`` iterations, as the iteration that
+    wrote it committed them (None: step 0, or a manifest from before checksums)."""
+    if step == 0:
+        return None
+    return istore.read_manifest(step - 1).get("checkpoint_sha256")
+
+
+def load_checkpoint(workers: WorkerSet, istore, step: int) -> None:
+    """Restore the workers to the state after ``step`` iterations, refusing any file that
+    differs from what was committed."""
+    workers.load_checkpoint(istore.checkpoint_uri(step), expected=committed_checksums(istore, step))
 
 
 def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_at_step: int | None) -> None:
@@ -68,7 +84,7 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
         return
     uri = istore.checkpoint_uri(state.global_step)
     if checkpoint_exists(uri):
-        workers.load_checkpoint(uri)
+        load_checkpoint(workers, istore, state.global_step)
     elif state.global_step == 0:
         save_checkpoint(workers, state, cfg, uri)
     else:

@@ -117,10 +117,10 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     from rlhf_core.trainer.iteration_store import iteration_manifest
 
     checkpoint = istore.checkpoint_uri(trainer.state.global_step)
-    save_checkpoint(workers, trainer.state, cfg, checkpoint)
+    checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
     faults.reached(f"commit:{iteration}")
     istore.commit_iteration(iteration, iteration_manifest(
-        cfg, trainer.state, metrics, version, checkpoint,
+        cfg, trainer.state, metrics, version, checkpoint, checksums,
         snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)}))
     if tracking.enabled():
         tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))

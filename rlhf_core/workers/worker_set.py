@@ -131,14 +131,19 @@ class WorkerSet:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
-        """Every trainable role writes weights, optimizer, LR schedule and RNG under ``uri``."""
+    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict[str, str]:
+        """Every trainable role writes weights, optimizer, LR schedule and RNG under
+        ``uri``; returns {file: sha256} of everything written."""
+        digests: dict[str, str] = {}
         for name in self.trainable:
-            self.roles[name].save_checkpoint(uri, storage_options)
+            for written in self.roles[name].save_checkpoint(uri, storage_options):
+                digests.update(written or {})
+        return digests
 
-    def load_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
+    def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
+        """Restore every trainable role; ``expected`` ({file: sha256}) refuses changed files."""
         for name in self.trainable:
-            self.roles[name].load_checkpoint(uri, storage_options)
+            self.roles[name].load_checkpoint(uri, storage_options, expected)
 
 
 def checkpoint_exists(uri: str, storage_options: dict | None = None) -> bool:
