@@ -440,3 +440,102 @@ def test_credentials_from_environment_and_never_stored(s3_server, monkeypatch):
     for path in loc.fs.find(loc.path):
         raw = loc.fs.cat_file(path)
         assert s3_server.secret_key.encode() not in raw and s3_server.access_key.encode() not in raw, path
+
+
+# ------------------------------------------------------------------ S3 commit edge cases
+
+
+def _wrap_s3_calls(fs, monkeypatch, hook):
+    """Route the S3 client's calls through ``hook(call, method, kwargs)`` (the real call)."""
+    real = fs._call_s3
+
+    async def call(method, *args, **kwargs):
+        return await hook(lambda: real(method, *args, **kwargs), method, kwargs)
+
+    monkeypatch.setattr(fs, "_call_s3", call)
+
+
+def test_a_retried_commit_whose_first_answer_was_lost_succeeds(s3_server, monkeypatch):
+    """The client's PUT of the manifest lands, its answer is lost, the retry gets 412:
+    the snapshot is committed once, its data kept, and it reads back whole."""
+    from rlhf_core.snapshot import fs as sfs
+
+    uri = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/s"
+    fs = sfs.resolve(uri, s3_server.storage_options).fs
+    attempts = []
+
+    async def lose_first_answer(real, method, kwargs):
+        if method == "put_object" and kwargs.get("IfNoneMatch") == "*" and kwargs["Key"].endswith("SNAPSHOT.json"):
+            attempts.append(kwargs["Key"])
+            await real()  # it lands ...
+            return await real()  # ... and the client's retry meets the object it just wrote: 412
+        return await real()
+
+    _wrap_s3_calls(fs, monkeypatch, lose_first_answer)
+    dp = sample_batch()
+    save_snapshot(dp, uri, storage_options=s3_server.storage_options)
+    assert len(attempts) == 1
+    monkeypatch.undo()
+    assert_same(load_snapshot(uri, storage_options=s3_server.storage_options, verify="full"), dp)
+    # a different writer's commit to the same URI is still refused
+    with pytest.raises(SnapshotExistsError):
+        save_snapshot(dp, uri, storage_options=s3_server.storage_options)
+
+
+def test_a_409_is_retried_then_raised_as_a_typed_error(s3_server, monkeypatch):
+    from botocore.exceptions import ClientError
+
+    from rlhf_core.snapshot import CommitConflictError
+    from rlhf_core.snapshot import fs as sfs
+
+    from s3fs.errors import translate_boto_error
+
+    # what AWS S3 answers, as the S3 client library hands it over
+    conflict = translate_boto_error(ClientError(
+        {"Error": {"Code": "ConditionalRequestConflict", "Message": "A conflicting conditional operation is "
+                   "currently in progress against this resource. Please try again."},
+         "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject"))
+    uri = f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/obj"
+    loc = sfs.resolve(uri, s3_server.storage_options)
+    sfs.check_create_only(loc)  # probe first, outside the injected failures
+    failures = {"left": 2}
+
+    async def conflict_twice(real, method, kwargs):
+        if method == "put_object" and kwargs.get("IfNoneMatch") == "*" and failures["left"]:
+            failures["left"] -= 1
+            raise conflict
+        return await real()
+
+    _wrap_s3_calls(loc.fs, monkeypatch, conflict_twice)
+    sfs.put_create_only(loc, b"payload")  # two 409s, then it goes through
+    assert failures["left"] == 0 and sfs.read_bytes(loc) == b"payload"
+    failures["left"] = 100
+    with pytest.raises(CommitConflictError, match="answered 409"):
+        sfs.put_create_only(sfs.resolve(uri + "2", s3_server.storage_options), b"x")
+
+
+def test_a_store_that_ignores_if_none_match_is_refused(s3_server, monkeypatch):
+    from rlhf_core.snapshot import UnsupportedStoreError
+    from rlhf_core.snapshot import fs as sfs
+
+    loc = sfs.resolve(f"s3://{s3_server.bucket}/{uuid.uuid4().hex}/obj", s3_server.storage_options)
+
+    async def drop_condition(real, method, kwargs):
+        kwargs.pop("IfNoneMatch", None)  # what a store without conditional writes does
+        return await real()
+
+    _wrap_s3_calls(loc.fs, monkeypatch, drop_condition)
+    monkeypatch.setattr(sfs, "_PROBED", {})
+    with pytest.raises(UnsupportedStoreError, match="does not honour conditional writes"):
+        sfs.put_create_only(loc, b"x")
+    assert sfs.read_bytes(loc) is None  # nothing committed
+
+
+def test_local_commit_is_idempotent_for_the_same_bytes(tmp_path):
+    from rlhf_core.snapshot import fs as sfs
+
+    loc = sfs.resolve(str(tmp_path / "m.json"))
+    sfs.put_create_only(loc, b"same")
+    sfs.put_create_only(loc, b"same")  # a retry of our own write
+    with pytest.raises(SnapshotExistsError):
+        sfs.put_create_only(loc, b"other")

@@ -15,10 +15,12 @@ create-only); readers refuse anything else. See ``layout.py`` for the format.
 from rlhf_core.snapshot.errors import (
     CorruptSnapshotError,
     IncompleteSnapshotError,
+    CommitConflictError,
     SnapshotAccessError,
     SnapshotError,
     SnapshotExistsError,
     SnapshotSchemaError,
+    UnsupportedStoreError,
 )
 
 # The reader and writer need torch; they load on first use so that tools which only read
@@ -37,5 +39,6 @@ def __getattr__(name: str):
 __all__ = [
     "save_snapshot", "load_snapshot", "list_snapshots", "snapshot_info", "verify_snapshot",
     "SnapshotInfo", "SnapshotError", "IncompleteSnapshotError", "CorruptSnapshotError",
-    "SnapshotExistsError", "SnapshotSchemaError", "SnapshotAccessError",
+    "SnapshotExistsError", "SnapshotSchemaError", "SnapshotAccessError", "CommitConflictError",
+    "UnsupportedStoreError",
 ]

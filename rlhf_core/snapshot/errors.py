@@ -24,3 +24,13 @@ class SnapshotSchemaError(SnapshotError):
 
 class SnapshotAccessError(SnapshotError, PermissionError):
     """The storage backend refused the credentials."""
+
+
+class CommitConflictError(SnapshotError):
+    """The object store kept answering 409 (a concurrent conditional write to the same
+    key) after retries; nothing was committed by this writer."""
+
+
+class UnsupportedStoreError(SnapshotError):
+    """The store does not honour create-only writes (If-None-Match), so commits could
+    overwrite each other; it is refused for commits."""

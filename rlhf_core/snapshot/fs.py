@@ -8,15 +8,19 @@ environment variables; they are only ever passed to the client, never written an
 from __future__ import annotations
 
 import atexit
+import errno
 import json
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 
-from rlhf_core.snapshot.errors import SnapshotAccessError, SnapshotExistsError
+from rlhf_core.snapshot.errors import (
+    CommitConflictError, SnapshotAccessError, SnapshotExistsError, UnsupportedStoreError,
+)
 
 # Fail fast instead of hanging when an endpoint is unreachable or refuses us.
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 120,
@@ -102,7 +106,11 @@ def put_create_only(loc: Location, data: bytes) -> None:
 
     Local disk: write a private temp file, fsync, then ``link`` it into place (link fails
     when the name exists, and readers never see a partly written file). Object stores:
-    a conditional PUT (``If-None-Match: *``), which S3 and SeaweedFS enforce.
+    a conditional PUT (``If-None-Match: *``), after a one-time probe that the store
+    enforces it. Idempotent: when the object exists with exactly these bytes (our own
+    earlier attempt, e.g. a PUT retried by the client after its response was lost), the
+    write has succeeded; anything else there raises ``SnapshotExistsError``. A 409
+    (concurrent conditional write) is retried, then raises ``CommitConflictError``.
     """
     if loc.is_local:
         directory = os.path.dirname(loc.path)
@@ -115,24 +123,86 @@ def put_create_only(loc: Location, data: bytes) -> None:
         try:
             os.link(tmp, loc.path)
         except FileExistsError:
+            if read_bytes(loc) == data:
+                return
             raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
         finally:
             os.unlink(tmp)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        fsync_path(directory)
         return
+    check_create_only(loc)
+    for attempt in range(CONFLICT_RETRIES + 1):
+        try:
+            loc.fs.pipe_file(loc.path, data, mode="create")
+            return
+        except PermissionError as exc:
+            raise describe_access_error(loc, exc) from exc
+        except OSError as exc:
+            if _precondition_failed(exc):
+                if hasattr(loc.fs, "invalidate_cache"):
+                    loc.fs.invalidate_cache(loc.path)
+                if read_bytes(loc) == data:
+                    return  # our own write landed; only its answer was lost
+                raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
+            if not _conflict(exc):
+                raise
+            if attempt == CONFLICT_RETRIES:
+                raise CommitConflictError(f"{loc.uri}: the store answered 409 (a concurrent conditional write to "
+                                          f"this key) {CONFLICT_RETRIES + 1} times; nothing was committed") from exc
+            time.sleep(0.05 * 2 ** attempt)
+
+
+CONFLICT_RETRIES = 4
+_PROBED: dict[tuple, bool] = {}
+
+
+def _precondition_failed(exc: OSError) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, FileExistsError) or "precondition" in text or "pre-condition" in text or "412" in text
+
+
+def _conflict(exc: OSError) -> bool:
+    """A 409 ConditionalRequestConflict, however the S3 client library wrapped it."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    code = (response.get("Error") or {}).get("Code")
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    text = str(exc)
+    return (code == "ConditionalRequestConflict" or status == 409 or getattr(exc, "errno", None) == errno.EBUSY
+            or "ConditionalRequestConflict" in text or "conflicting conditional" in text.lower())
+
+
+def check_create_only(loc: Location) -> None:
+    """Once per store (bucket and endpoint): write a probe object twice with
+    ``If-None-Match: *``; the second write must be refused. A store that accepts it would
+    let two commits overwrite each other, so it is refused for commits."""
+    bucket = loc.path.split("/", 1)[0]
+    endpoint = (loc.storage_options.get("client_kwargs") or {}).get("endpoint_url", "")
+    key = (loc.protocol, endpoint, bucket)
+    if _PROBED.get(key):
+        return
+    probe = f"{bucket}/.rlhf-create-only-probe/{uuid.uuid4().hex}"
     try:
-        loc.fs.pipe_file(loc.path, data, mode="create")
-    except PermissionError as exc:
-        raise describe_access_error(loc, exc) from exc
-    except OSError as exc:
-        if "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower() \
-                or isinstance(exc, FileExistsError):
-            raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
-        raise
+        loc.fs.pipe_file(probe, b"1", mode="create")
+        try:
+            loc.fs.pipe_file(probe, b"2", mode="create")
+            honoured = False
+        except PermissionError as exc:
+            raise describe_access_error(loc, exc) from exc
+        except OSError as exc:
+            honoured = _precondition_failed(exc)
+            if not honoured:
+                raise
+    finally:
+        try:
+            loc.fs.rm(probe)
+        except Exception:
+            pass
+    if not honoured:
+        raise UnsupportedStoreError(f"{loc.protocol}://{bucket} ({endpoint or 'default endpoint'}) accepted a second "
+                                    f"create-only write (If-None-Match: *) to one key: it does not honour conditional "
+                                    f"writes, so concurrent commits could overwrite each other. Use a store that does "
+                                    f"(AWS S3, MinIO, SeaweedFS, GCS through its S3 API with conditional writes)")
+    _PROBED[key] = True
 
 
 def fsync_path(path: str) -> None:
