@@ -35,13 +35,20 @@ def ensure_session(run_id: str, store: str, config_overrides: list, head_root: s
 @dsl.component(base_image=IMAGE)
 def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
-                  metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "") -> int:
+                  metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "", kfp_run_id: str = "",
+                  kfp_task: str = "") -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
-    holds the iteration's lease)."""
+    holds the iteration's lease). ``kfp_run_id``/``kfp_task`` name the lease holder: a
+    retry of this task (another pod) takes the lease over at once."""
+    import os
+
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.run import iterate
+
+    if kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
+        os.environ["RLHF_LEASE_HOLDER"] = f"kfp:{kfp_run_id}/{kfp_task}"
 
     cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
     # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head

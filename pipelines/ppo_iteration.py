@@ -48,7 +48,8 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
     session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
                              ray_address=ray_address, dashboard_url=dashboard_url)
     step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
-                         ray_address=session.output, dashboard_url=dashboard_url)
+                         ray_address=session.output, dashboard_url=dashboard_url,
+                         kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
     step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
     summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
     for task, small in ((session, True), (step, False), (summary, True)):

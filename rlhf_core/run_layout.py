@@ -3,7 +3,7 @@
     {store}/{run_id}/iter-{N:06d}/{stage}/         a stage's snapshot
     {store}/{run_id}/iter-{N:06d}/MANIFEST.json    the iteration, committed last
     {store}/{run_id}/checkpoints/step-{S:06d}/     the state after S iterations
-    {store}/{run_id}/leases/iter-{N:06d}.json      who runs iteration N now
+    {store}/{run_id}/leases/iter-{N:06d}/{G:08d}.json   who runs iteration N (a log of records)
     {store}/{run_id}/replays/iter-{N:06d}/...      what-if replays, apart from the originals
 
 Everything that builds or parses such a path uses these functions.
@@ -26,10 +26,6 @@ def iteration_dir(iteration: int) -> str:
 
 def checkpoint_dir(step: int) -> str:
     return f"checkpoints/step-{step:06d}"
-
-
-def lease_path(iteration: int) -> tuple[str, str]:
-    return "leases", f"{iteration_dir(iteration)}.json"
 
 
 def iteration_of_dir(name: str) -> int | None:

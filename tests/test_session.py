@@ -133,16 +133,22 @@ def test_controller_sigkilled_at_every_stage_resumes_bit_identical(tmp_path, hea
 
 
 def test_overlapping_trigger_leaves_a_leased_iteration_alone(tmp_path, head_root):
-    lease = tmp_path / "store" / "run" / "leases" / "iter-000000.json"
-    lease.parent.mkdir(parents=True)
-    lease.write_text(json.dumps({"holder": "other-host:42", "taken_at": time.time()}))
+    leases = tmp_path / "store" / "run" / "leases" / "iter-000000"
+    leases.mkdir(parents=True)
+    (leases / "00000001.json").write_text(json.dumps({"holder": "kfp:other/run-iteration", "token": 1,
+                                                      "state": "held", "at": time.time()}))
     out = iterate(tmp_path, head_root).stdout
-    assert "lease held by other-host:42" in out
+    assert "lease held by kfp:other/run-iteration" in out
     assert not (tmp_path / "store" / "run" / "iter-000000").exists()
-    # a stale lease (its holder died long ago) is taken over
-    lease.write_text(json.dumps({"holder": "dead-host:1", "taken_at": time.time() - 7200}))
+    # a stale lease (its holder stopped renewing long ago) is taken over
+    (leases / "00000002.json").write_text(json.dumps({"holder": "kfp:other/run-iteration", "token": 1,
+                                                      "state": "held", "at": time.time() - 7200}))
     out = iterate(tmp_path, head_root).stdout
-    assert "iteration 0:" in out and not lease.exists()
+    assert "iteration 0:" in out
+    records = [json.loads(p.read_text()) for p in sorted(leases.iterdir())]
+    assert records[2]["token"] == 3 and records[-1]["state"] == "released"
+    manifest = json.loads((tmp_path / "store" / "run" / "iter-000000" / "MANIFEST.json").read_text())
+    assert manifest["lease"]["token"] == 3
 
 
 def session_job(head_root, submission_id):

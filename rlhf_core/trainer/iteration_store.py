@@ -16,14 +16,12 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import re
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf_core.ray_head import pid_alive
 from rlhf_core.run_ids import validate_run_id
-from rlhf_core.run_layout import MANIFEST, checkpoint_dir, iteration_dir, iteration_of_dir, lease_path
+from rlhf_core.run_layout import MANIFEST, checkpoint_dir, iteration_dir, iteration_of_dir
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 
@@ -119,56 +117,11 @@ class IterationStore:
 
     # ---------------------------------------------------------------- leases
 
-    def _lease(self, iteration: int) -> sfs.Location:
-        return self.run.child(*lease_path(iteration))
+    def lease_log(self, iteration: int, ttl_s: float):
+        """The iteration's lease (``rlhf_core.trainer.lease``)."""
+        from rlhf_core.trainer.lease import LeaseLog
 
-    def take_lease(self, iteration: int, ttl_s: float) -> str | None:
-        """Take the iteration's lease (create-only). Returns None when taken, else who
-        holds a fresh one. A lease older than ``ttl_s`` is stale (its holder died) and
-        is taken over."""
-        import os
-        import socket
-        import time
-
-        me = {"holder": f"{socket.gethostname()}:{os.getpid()}", "taken_at": time.time()}
-        loc = self._lease(iteration)
-        for _ in range(2):
-            try:
-                sfs.put_create_only(loc, json.dumps(me).encode())
-                return None
-            except SnapshotExistsError:
-                raw = sfs.read_bytes(loc)
-                current = json.loads(raw) if raw else {}
-                holder = str(current.get("holder", ""))
-                host, _, pid = holder.rpartition(":")
-                dead_here = host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid))
-                if current and not dead_here and time.time() - float(current.get("taken_at", 0)) < ttl_s:
-                    return holder
-                try:
-                    loc.fs.rm(loc.path)  # stale: take it over
-                except FileNotFoundError:
-                    pass
-        return "another trigger (lost the race twice)"
-
-    def renew_lease(self, iteration: int) -> None:
-        """The holder refreshes ``taken_at`` (before each stage), so only a lease whose
-        holder stopped making progress goes stale."""
-        import os
-        import socket
-        import time
-
-        loc = self._lease(iteration)
-        me = f"{socket.gethostname()}:{os.getpid()}"
-        raw = sfs.read_bytes(loc)
-        if raw and json.loads(raw).get("holder") == me:
-            loc.fs.pipe_file(loc.path, json.dumps({"holder": me, "taken_at": time.time()}).encode())
-
-    def release_lease(self, iteration: int) -> None:
-        try:
-            loc = self._lease(iteration)
-            loc.fs.rm(loc.path)
-        except (FileNotFoundError, OSError):
-            pass
+        return LeaseLog(self.run, iteration, ttl_s)
 
     # ---------------------------------------------------------------- iterations
 

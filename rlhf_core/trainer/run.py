@@ -57,15 +57,21 @@ def plot_curve(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+class LeaseHeld(Exception):
+    """The next iteration's lease belongs to another controller (``str(exc)``: who)."""
+
+
 def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_dir: Path,
                    workers_at_step: int | None = None, on_stage=None, time_budget_s: float | None = None,
-                   stop_at_reward: float | None = None, on_committed=None) -> tuple[list[dict], object]:
+                   stop_at_reward: float | None = None, on_committed=None, take_lease=None) -> tuple[list[dict], object]:
     """The iteration loop shared by direct runs and session-attached controllers:
     restore (or initialize) the workers, then per iteration the stages (resuming at the
     first uncommitted one) and the commit (checkpoint, then MANIFEST.json).
 
     ``workers_at_step``: the step the workers' state is known to be at (a live session
-    that committed it); otherwise the starting checkpoint is loaded.
+    that committed it); otherwise the starting checkpoint is loaded. ``take_lease``:
+    ``iteration -> LeaseKeeper`` (raises ``LeaseHeld``); each iteration then runs under
+    its lease, checked right before the checkpoint and the commit.
     """
     from tqdm import tqdm
 
@@ -88,8 +94,13 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for _ in range(iterations):
                 iteration = trainer.state.global_step
-                metrics = trainer.run_iteration()
-                commit(cfg, workers, istore, trainer, iteration, metrics, version)
+                keeper = take_lease(iteration) if take_lease is not None else None
+                try:
+                    metrics = trainer.run_iteration()
+                    commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper)
+                finally:
+                    if keeper is not None:
+                        keeper.close()
                 if on_committed is not None:
                     on_committed(trainer.state.global_step)
                 row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
@@ -109,19 +120,27 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     return rows, trainer
 
 
-def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict) -> None:
+def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict,
+           keeper=None) -> None:
     """End an iteration: the checkpoint of the state after it, then its manifest (the
-    iteration exists from that moment), then the optional MLflow export."""
+    iteration exists from that moment), then the optional MLflow export. Under a lease,
+    the holder checks it still holds it right before each write (a holder that lost it
+    raises ``LeaseLost`` and writes nothing); the manifest records the fencing token."""
     from rlhf_core import tracking
     from rlhf_core.testing import faults
     from rlhf_core.trainer.iteration_store import iteration_manifest
 
+    check = keeper.check if keeper is not None else (lambda: None)
     checkpoint = istore.checkpoint_uri(trainer.state.global_step)
+    check()
     checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
     faults.reached(f"commit:{iteration}")
-    istore.commit_iteration(iteration, iteration_manifest(
-        cfg, trainer.state, metrics, version, checkpoint, checksums,
-        snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)}))
+    manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
+                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)})
+    if keeper is not None:
+        manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
+    check()
+    istore.commit_iteration(iteration, manifest)
     if tracking.enabled():
         tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
 
@@ -176,37 +195,48 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     the store; a second trigger finding a fresh lease returns without doing anything."""
     from rlhf_core import session
 
+    from rlhf_core.trainer.lease import LeaseKeeper, holder_id
+
     istore, state = open_run(cfg, store, run_id, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    holder = istore.take_lease(state.global_step, lease_ttl_s)
-    if holder is not None:
-        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
-        return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
-                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
-    def committed(step: int) -> None:
-        record.update.remote(step=step)
-        istore.release_lease(step - 1)
-        if step < state_start + iterations:
-            istore.take_lease(step, lease_ttl_s)
+    me = holder_id()
+
+    def take_lease(iteration: int):
+        log_ = istore.lease_log(iteration, lease_ttl_s)
+        lease = log_.acquire(me)
+        if isinstance(lease, str):
+            raise LeaseHeld(lease)
+        if iteration in istore.committed_iterations():  # a holder committed it, then released
+            log_.release(lease)
+            raise LeaseHeld("nobody: it is committed already")
+        return LeaseKeeper(log_, lease)
 
     def stage_started(step: int, name: str) -> None:
-        istore.renew_lease(step)  # a live holder keeps its lease fresh
-        record.update.remote(stage=name)  # and the session sees it is in use
+        record.update.remote(stage=name)  # the session sees it is in use
         if on_stage is not None:
             on_stage(step, name)
 
-    state_start = state.global_step
+    current = istore.lease_log(state.global_step, lease_ttl_s)
+    first = current.latest()
+    if first is not None and not current.is_free(first[1], me):
+        holder = first[1].get("holder")  # checked again, atomically, when the iteration starts
+        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
+        return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
+                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
+    attached = session.ensure(cfg, run_id, store, head)
+    info, record = attached.info, attached.record
+    log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
+    record.update.remote(step=None)  # dirty until this iteration commits
     try:
-        attached = session.ensure(cfg, run_id, store, head)
-        info, record = attached.info, attached.record
-        log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
-        record.update.remote(step=None)  # dirty until this iteration commits
         rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
                                        workers_at_step=info.get("step"), on_stage=stage_started,
-                                       on_committed=committed)
-    finally:
-        istore.release_lease(state.global_step)
+                                       on_committed=lambda step: record.update.remote(step=step),
+                                       take_lease=take_lease)
+    except LeaseHeld as held:
+        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {held}; leaving it alone")
+        return {"run_id": run_id, "rows": [], "lease_held_by": str(held), "snapshots": istore.run_uri,
+                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
     result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),
               "session": {k: info[k] for k in ("generation", "job_id")}}
     if rows:

@@ -1,0 +1,164 @@
+"""Who runs an iteration: a lease in the store that a retried task takes over at once,
+renewed in the background, and checked as a fencing token before anything is written.
+
+The scheme needs only the one primitive every store here honours: create-only writes
+(``If-None-Match: *`` on S3, ``link()`` on disk). A lease is a log of numbered records::
+
+    {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at"}
+
+Every change (acquire, take over, renew, release) is the creation of the next generation,
+so two contenders for one change cannot both succeed: exactly one creates it, the other
+finds it there and re-reads. The record with the highest generation is the lease. A
+holder's *token* is the generation at which it acquired; it holds the lease while the
+latest record names its holder and token and is not released. No read-modify-write, no
+delete: it is correct on S3 (strongly consistent LIST and create-only PUT) and on disk.
+
+A lease is free to take when its latest record is released, older than the TTL, held by
+a process on this host that no longer exists, or held by the same holder id (a KFP retry
+of the same task: the pod before it is gone).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from rlhf_core.ray_head import pid_alive
+from rlhf_core.run_layout import iteration_dir
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot.errors import SnapshotExistsError
+
+
+class LeaseLost(RuntimeError):
+    """This controller no longer holds the iteration's lease: it must not write."""
+
+
+def local_holder() -> str:
+    return f"local:{socket.gethostname()}:{os.getpid()}"
+
+
+def holder_id() -> str:
+    """Who we are: the KFP task (``RLHF_LEASE_HOLDER``, set by the pipeline from the run
+    and task ids, the same for every retry of the task), else this process."""
+    return os.environ.get("RLHF_LEASE_HOLDER") or local_holder()
+
+
+@dataclass
+class Lease:
+    iteration: int
+    holder: str
+    token: int  # the generation at which the holder acquired: the fencing token
+
+
+class LeaseLog:
+    """The lease of one iteration of a run."""
+
+    def __init__(self, run: sfs.Location, iteration: int, ttl_s: float) -> None:
+        self.folder = run.child("leases", iteration_dir(iteration))
+        self.iteration, self.ttl_s = iteration, ttl_s
+
+    def latest(self) -> tuple[int, dict] | None:
+        fs = self.folder.fs
+        if hasattr(fs, "invalidate_cache"):
+            fs.invalidate_cache(self.folder.path)
+        try:
+            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.folder.path, detail=False)]
+        except FileNotFoundError:
+            return None
+        generations = sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+        for generation in reversed(generations):
+            raw = sfs.read_bytes(self.folder.child(f"{generation:08d}.json"))
+            if raw is not None:
+                return generation, json.loads(raw)
+        return None
+
+    def _write(self, generation: int, record: dict) -> bool:
+        try:
+            sfs.put_create_only(self.folder.child(f"{generation:08d}.json"), json.dumps(record).encode())
+            return True
+        except SnapshotExistsError:
+            return False  # someone else made this change first
+
+    def is_free(self, record: dict, holder: str) -> bool:
+        """Whether ``holder`` may take the lease whose latest record is ``record``."""
+        if record.get("state") == "released" or record.get("holder") == holder:
+            return True
+        if time.time() - float(record.get("at", 0)) >= self.ttl_s:
+            return True
+        kind, _, rest = str(record.get("holder", "")).partition(":")
+        host, _, pid = rest.rpartition(":")
+        return kind == "local" and host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid))
+
+    def acquire(self, holder: str, attempts: int = 20) -> Lease | str:
+        """The lease, or who holds it now (a fresh lease of another holder)."""
+        for _ in range(attempts):
+            latest = self.latest()
+            if latest is not None and not self.is_free(latest[1], holder):
+                return str(latest[1].get("holder"))
+            generation = 1 if latest is None else latest[0] + 1
+            if self._write(generation, {"holder": holder, "token": generation, "state": "held", "at": time.time()}):
+                return Lease(self.iteration, holder, generation)
+        return "another contender (lost the race repeatedly)"
+
+    def holds(self, lease: Lease) -> bool:
+        latest = self.latest()
+        return (latest is not None and latest[1].get("state") == "held" and latest[1].get("holder") == lease.holder
+                and latest[1].get("token") == lease.token)
+
+    def renew(self, lease: Lease) -> bool:
+        """Refresh the lease's time; False when it was lost (someone took it over)."""
+        for _ in range(5):
+            latest = self.latest()
+            if latest is None or latest[1].get("holder") != lease.holder or latest[1].get("token") != lease.token \
+                    or latest[1].get("state") != "held":
+                return False
+            if self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "held",
+                                           "at": time.time()}):
+                return True
+        return False
+
+    def release(self, lease: Lease) -> None:
+        latest = self.latest()
+        if latest is not None and latest[1].get("holder") == lease.holder and latest[1].get("token") == lease.token:
+            self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "released",
+                                        "at": time.time()})
+
+
+class LeaseKeeper:
+    """Holds an acquired lease for the length of an iteration: renews it in the
+    background every ``ttl_s / 3`` (independent of how long a stage takes), and
+    ``check()`` raises ``LeaseLost`` when it was lost (checked right before the checkpoint
+    and the commit)."""
+
+    def __init__(self, log: LeaseLog, lease: Lease) -> None:
+        self.log, self.lease = log, lease
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{lease.iteration}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        period = max(0.05, self.log.ttl_s / 3)
+        while not self._stop.wait(period):
+            try:
+                if not self.log.renew(self.lease):
+                    self.lost.set()
+                    return
+            except Exception:  # a store hiccup: the next renewal (well within the TTL) retries
+                continue
+
+    def check(self) -> None:
+        if self.lost.is_set() or not self.log.holds(self.lease):
+            self.lost.set()
+            raise LeaseLost(f"iteration {self.lease.iteration}: lease (holder {self.lease.holder}, token "
+                            f"{self.lease.token}) was taken over; this controller stops without writing")
+
+    def close(self, release: bool = True) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if release and not self.lost.is_set():
+            self.log.release(self.lease)
