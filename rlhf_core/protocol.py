@@ -56,12 +56,26 @@ __all__ = [
     "pad_dataproto_to_divisor",
     "unpad_dataproto",
     "AUTO_PADDING_KEY",
+    "DataProtoConfig",
+    "MissingKeyError",
     "object_column",
+    "fold_batch_dim",
+    "unfold_batch_dim",
+    "union_two_dict",
+    "list_of_dict_to_dict_of_list",
+    "collate_fn",
 ]
 
 #: meta_info key that, when true, lets ``chunk`` split a batch that does not divide
 #: evenly. Same key as verl so ported code that sets it keeps working.
 AUTO_PADDING_KEY = "_verl_auto_padding"
+
+
+class DataProtoConfig:
+    """Process-wide DataProto settings (verl's name). ``auto_padding``: every batch may
+    be chunked unevenly, as if each had ``meta_info[AUTO_PADDING_KEY] = True``."""
+
+    auto_padding: bool = False
 
 #: Version of the wire format. Bumped only on incompatible changes; never chosen at
 #: run time, so every node produces and expects the same bytes.
@@ -71,8 +85,10 @@ WIRE_VERSION = 1
 # --------------------------------------------------------------------------- errors
 
 
-class DataProtoError(ValueError):
-    """Base class of every error this module raises about a batch's contents."""
+class DataProtoError(ValueError, AssertionError):
+    """Base class of every error this module raises about a batch's contents. It is an
+    ``AssertionError`` too: verl signals these misuses with ``assert``, and code written
+    against verl that catches ``AssertionError`` must still catch ours."""
 
 
 class BatchSizeMismatchError(DataProtoError):
@@ -93,6 +109,13 @@ class DataProtoTypeError(DataProtoError, TypeError):
 
 class UnsupportedObjectError(DataProtoTypeError):
     """An object column or meta value holds a type the pickle-free wire cannot carry."""
+
+
+class MissingKeyError(DataProtoError, KeyError):
+    """A named key is not in the batch (a ``KeyError`` and, as in verl, an assertion)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 # --------------------------------------------------------------------- module helpers
@@ -134,16 +157,47 @@ def _first_difference(a: np.ndarray | torch.Tensor, b: np.ndarray | torch.Tensor
 
 
 def _objects_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape:
+    """Equal shape, dtype kind and contents; NaN equals NaN (a column compared with
+    itself after a round trip is equal), nested lists/dicts/arrays compared deeply."""
+    if a.shape != b.shape or (a.dtype == object) != (b.dtype == object):
         return False
-    if a.dtype != object and b.dtype != object:
-        return bool(np.array_equal(a, b))
+    if a.dtype != object:
+        if a.dtype != b.dtype:
+            return False
+        nan_ok = a.dtype.kind in "fc"
+        return bool(np.array_equal(a, b, equal_nan=nan_ok))
     try:
-        return a.tolist() == b.tolist()  # element ==, nested lists/dicts included
-    except ValueError:  # arrays nested inside object cells: compare them one by one
+        if a.tolist() == b.tolist():  # fast path: element ==, nested lists/dicts included
+            return True
+    except (ValueError, TypeError, RecursionError):
         pass
-    return all(x == y if not isinstance(x, np.ndarray) else np.array_equal(x, y)
-               for x, y in zip(a.ravel().tolist(), b.ravel().tolist()))
+    return _deep_equal(a, b, set())
+
+
+def _deep_equal(x: Any, y: Any, seen: set) -> bool:
+    """Structural equality with NaN == NaN, safe on self-referencing containers (a pair
+    already being compared counts as equal; its other elements decide)."""
+    if x is y:
+        return True
+    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:
+        return True
+    containers = (list, tuple, dict, np.ndarray)
+    if isinstance(x, containers) and isinstance(y, containers):
+        pair = (id(x), id(y))
+        if pair in seen:
+            return True
+        seen.add(pair)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            x, y = np.asarray(x, dtype=object), np.asarray(y, dtype=object)
+            return x.shape == y.shape and all(_deep_equal(u, v, seen) for u, v in zip(x.ravel(), y.ravel()))
+        if isinstance(x, dict) or isinstance(y, dict):
+            return (isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys()
+                    and all(_deep_equal(x[k], y[k], seen) for k in x))
+        return len(x) == len(y) and all(_deep_equal(u, v, seen) for u, v in zip(x, y))
+    try:
+        return bool(x == y)
+    except Exception:
+        return False
 
 
 def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -196,8 +250,8 @@ def union_numpy_dict(tensor_dict1: dict[str, np.ndarray],
             mine = tensor_dict1[key]
             if mine is not value and not _objects_equal(mine, value):
                 raise UnionConflictError(
-                    f"union: non-tensor column {key!r} is in both batches with different "
-                    f"values ({_first_difference(mine, value)})"
+                    f"union: `{key}` in tensor_dict1 and tensor_dict2 are not the same object. The non-tensor "
+                    f"column {key!r} is in both batches with different values ({_first_difference(mine, value)})"
                 )
         else:
             tensor_dict1[key] = value
@@ -227,18 +281,32 @@ def _merge_meta(left: dict, right: dict) -> dict:
 def _merge_metrics(metas: Sequence[dict]) -> dict:
     """Concatenate per-chunk ``metrics`` into one dict of lists, in chunk order.
 
-    Each chunk's ``meta_info["metrics"]`` is ``{name: value}`` or ``{name: [values]}``
-    (what a worker reports for its shard); the merged value is the list of every value.
+    Each chunk's ``meta_info["metrics"]`` is ``{name: value}``, ``{name: [values]}`` or
+    a list of such dicts (several reports from one worker); None is skipped. The merged
+    value is the list of every value, in order.
     """
     merged: dict[str, list] = {}
     for meta in metas:
-        for name, value in (meta.get("metrics") or {}).items():
-            bucket = merged.setdefault(name, [])
-            if isinstance(value, (list, tuple)):
-                bucket.extend(value)
-            else:
-                bucket.append(value)
+        reports = meta.get("metrics")
+        if reports is None:
+            continue
+        for report in reports if isinstance(reports, (list, tuple)) else [reports]:
+            for name, value in (report or {}).items():
+                bucket = merged.setdefault(name, [])
+                if isinstance(value, (list, tuple)):
+                    bucket.extend(value)
+                else:
+                    bucket.append(value)
     return merged
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # tensors/arrays: elementwise ==
+        return _deep_equal(a, b, set())
 
 
 def _check_index_tensor(idxs: Any, length: int, where: str) -> torch.Tensor:
@@ -476,7 +544,10 @@ class DataProto:
                 f"from_dict: num_batch_dims must be 1 (one batch axis); found {num_batch_dims}"
             )
         tensors = dict(tensors or {})
-        non_tensors = dict(non_tensors or {})
+        # plain lists are accepted as verl accepts them: np.array(values, dtype=object),
+        # so equal-length rows become a 2-D column (use object_column to keep lists whole)
+        non_tensors = {k: v if isinstance(v, np.ndarray) else np.array(v, dtype=object)
+                       for k, v in (non_tensors or {}).items()}
         meta_info = dict(meta_info or {})
         batch = None
         if tensors:
@@ -518,7 +589,7 @@ class DataProto:
         for key in tensor_dict.keys():
             value = tensor_dict.get(key)
             if isinstance(value, NonTensorStack):
-                non_tensors[key] = object_column(value.tolist())
+                non_tensors[key] = np.array(value.tolist(), dtype=object)
             elif isinstance(value, NonTensorData):
                 meta[key] = value.data
             elif isinstance(value, torch.Tensor):
@@ -540,7 +611,11 @@ class DataProto:
             for key, value in self.batch.items():
                 out.set(key, value)
         for key, column in self.non_tensor_batch.items():
-            out.set(key, NonTensorStack.from_list(list(column)))
+            if key in out.keys():
+                raise UnionConflictError(f"to_tensordict: {key!r} is both a tensor and a non-tensor column")
+            # rows as plain Python values (a 2-D column's row is a list), as verl does
+            rows = column.tolist() if column.dtype != object or column.ndim > 1 else list(column)
+            out.set(key, NonTensorStack(*[NonTensorData(r) for r in rows], batch_size=[size]))
         for key, value in self.meta_info.items():
             if key in out.keys():
                 raise UnionConflictError(
@@ -602,8 +677,9 @@ class DataProto:
         return 0
 
     def is_padding_enabled(self) -> bool:
-        """Whether ``chunk`` may split this batch unevenly (``meta_info[AUTO_PADDING_KEY]``)."""
-        return bool(self.meta_info.get(AUTO_PADDING_KEY, False))
+        """Whether ``chunk`` may split this batch unevenly (``meta_info[AUTO_PADDING_KEY]``,
+        or ``DataProtoConfig.auto_padding`` for every batch)."""
+        return bool(self.meta_info.get(AUTO_PADDING_KEY, False)) or DataProtoConfig.auto_padding
 
     # ---------------------------------------------------------------- indexing
 
@@ -661,23 +737,23 @@ class DataProto:
         Without ``deepcopy`` the result shares tensors and arrays with self; with it,
         everything is copied. Unknown keys raise KeyError naming the key and the choices.
         """
-        def pick(source: dict, keys, layer: str) -> dict:
+        def pick(source: dict, keys, layer: str, strict: bool) -> dict:
             if keys is None:
                 return dict(source)
             missing = [k for k in keys if k not in source]
-            if missing:
-                raise KeyError(f"select: {layer} has no key(s) {missing}; available: "
-                               f"{sorted(source)}")
-            return {k: source[k] for k in keys}
+            if missing and strict:
+                raise MissingKeyError(f"select: {layer} has no key(s) {missing}; available: {sorted(source)}")
+            return {k: source[k] for k in keys if k in source}
 
         batch = None
         if self.batch is not None:
-            tensors = pick(dict(self.batch.items()), batch_keys, "batch")
+            tensors = pick(dict(self.batch.items()), batch_keys, "batch", strict=True)
             batch = TensorDict(tensors, batch_size=self.batch.batch_size)
         elif batch_keys:
-            raise KeyError(f"select: batch is empty; cannot select {list(batch_keys)}")
-        non_tensor = pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch")
-        meta = pick(self.meta_info, meta_info_keys, "meta_info")
+            raise MissingKeyError(f"select: batch is empty; cannot select {list(batch_keys)}")
+        # as in verl: absent object columns and meta keys are skipped, absent tensors are not
+        non_tensor = pick(self.non_tensor_batch, non_tensor_batch_keys, "non_tensor_batch", strict=False)
+        meta = pick(self.meta_info, meta_info_keys, "meta_info", strict=False)
         if deepcopy:
             batch = batch.clone() if batch is not None else None
             non_tensor = {k: v.copy() for k, v in non_tensor.items()}
@@ -695,14 +771,14 @@ class DataProto:
         available = set(self.batch.keys()) if self.batch is not None else set()
         for key in batch_keys:
             if key not in available:
-                raise KeyError(f"pop: batch has no key {key!r}; available: {sorted(available)}")
+                raise MissingKeyError(f"pop: batch has no key {key!r}; available: {sorted(available)}")
         for key in non_tensor_batch_keys:
             if key not in self.non_tensor_batch:
-                raise KeyError(f"pop: non_tensor_batch has no key {key!r}; available: "
+                raise MissingKeyError(f"pop: non_tensor_batch has no key {key!r}; available: "
                                f"{sorted(self.non_tensor_batch)}")
         for key in meta_info_keys:
             if key not in self.meta_info:
-                raise KeyError(f"pop: meta_info has no key {key!r}; available: "
+                raise MissingKeyError(f"pop: meta_info has no key {key!r}; available: "
                                f"{sorted(self.meta_info)}")
         tensors = {k: self.batch.pop(k) for k in batch_keys}
         non_tensor = {k: self.non_tensor_batch.pop(k) for k in non_tensor_batch_keys}
@@ -762,9 +838,10 @@ class DataProto:
     def concat(data: Sequence["DataProto"]) -> "DataProto":
         """Concatenate batches row-wise (copy). Every part must have the same keys.
 
-        meta_info comes from the first part, except ``meta_info["metrics"]``, which is
-        merged across parts into ``{name: [values from every part, in order]}`` so that
-        per-rank metrics survive a collect.
+        meta_info is the union of the parts' (a key two parts hold with different values
+        is a UnionConflictError), except ``meta_info["metrics"]``, which is merged across
+        parts into ``{name: [values from every part, in order]}`` so that per-rank
+        metrics survive a collect. The result has the first part's class.
         """
         data = list(data)
         if not data:
@@ -790,10 +867,19 @@ class DataProto:
                     raise DataProtoError(f"concat: part {i} lacks non-tensor column {key!r}")
                 parts.append(p.non_tensor_batch[key])
             non_tensor[key] = np.concatenate(parts, axis=0)
-        meta = dict(first.meta_info)
-        if any("metrics" in p.meta_info for p in data):
-            meta["metrics"] = _merge_metrics([p.meta_info for p in data])
-        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
+        meta: dict = {}
+        for part in data:
+            for key, value in part.meta_info.items():
+                if key == "metrics":
+                    continue
+                if key in meta and not _same_value(meta[key], value):
+                    raise UnionConflictError(f"concat: Conflicting values for meta_info key {key!r}: "
+                                             f"{meta[key]!r} vs {value!r}")
+                meta.setdefault(key, value)
+        metrics = _merge_metrics([p.meta_info for p in data])
+        if metrics:
+            meta["metrics"] = metrics
+        return type(first)(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
     def chunk(self, chunks: int) -> list["DataProto"]:
         """Split into ``chunks`` parts along the batch axis (tensor parts are views).
@@ -892,17 +978,21 @@ class DataProto:
         """
         kwargs = dict(dataloader_kwargs or {})
         shuffle = bool(kwargs.pop("shuffle", False))
+        # DataLoader settings that do not change which rows a mini-batch holds here
+        for harmless in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "drop_last"):
+            kwargs.pop(harmless, None)
         if kwargs:
             raise DataProtoError(f"make_iterator: unsupported dataloader_kwargs {sorted(kwargs)}; "
-                                 f"supported: ['shuffle']")
+                                 f"supported: ['shuffle'] (and DataLoader's worker/pinning settings, ignored)")
         n = len(self)
         if mini_batch_size < 1 or n % mini_batch_size:
             raise ChunkSizeError(
                 f"make_iterator: batch of {n} rows does not split into mini-batches of "
                 f"{mini_batch_size}"
             )
-        generator = torch.Generator()
+        generator = None  # unseeded: torch's global RNG, as a DataLoader would use
         if seed is not None:
+            generator = torch.Generator()
             generator.manual_seed(seed)
         meta = dict(self.meta_info)
 
@@ -938,6 +1028,65 @@ class DataProto:
         keys = list(self.batch.keys()) if self.batch is not None else []
         return (f"DataProto(len={len(self)}, batch={keys}, "
                 f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})")
+
+    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
+        """Each row becomes ``n_split`` rows (copy): columns named in ``split_keys`` are
+        cut into ``n_split`` equal pieces along their second axis, every other column is
+        repeated (e.g. a multi-turn row into its turns)."""
+        split_keys = set(split_keys or [])
+        if not isinstance(n_split, int) or n_split < 1:
+            raise DataProtoError(f"unfold_column_chunks: n_split must be a positive int; found {n_split!r}")
+
+        def unfold(name: str, value):
+            if name in split_keys:
+                if value.ndim < 2 or value.shape[1] % n_split:
+                    raise ChunkSizeError(f"unfold_column_chunks: {name!r} of shape {tuple(value.shape)} does not "
+                                         f"split into {n_split} pieces along axis 1")
+                return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])
+            if isinstance(value, torch.Tensor):
+                return torch.repeat_interleave(value, n_split, dim=0)
+            return np.repeat(value, n_split, axis=0)
+
+        rows = len(self) * n_split
+        batch = None
+        if self.batch is not None:
+            batch = TensorDict({k: unfold(k, v) for k, v in self.batch.items()}, batch_size=[rows])
+        non_tensor = {k: unfold(k, v) for k, v in self.non_tensor_batch.items()}
+        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
+
+    def save_to_disk(self, filepath: str) -> None:
+        """Write this batch to one file (overwritten if present) in the wire format: a
+        numpy ``.npz`` of raw buffers plus a JSON header. Nothing is pickled."""
+        wire = self.to_wire()
+        arrays, header = {}, {"wire_version": wire["wire_version"], "batch_size": wire["batch_size"],
+                              "meta_info": wire["meta_info"], "batch": None, "non_tensor_batch": {}}
+        if wire["batch"] is not None:
+            header["batch"] = {}
+            for i, (key, (dtype, array)) in enumerate(wire["batch"].items()):
+                arrays[f"t{i}"] = array
+                header["batch"][key] = [dtype, f"t{i}"]
+        for i, (key, entry) in enumerate(wire["non_tensor_batch"].items()):
+            arrays[f"n{i}"] = entry[1]
+            header["non_tensor_batch"][key] = [entry[0], f"n{i}", list(entry[2]) if len(entry) > 2 else None]
+        arrays["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
+        with open(filepath, "wb") as f:
+            np.savez(f, **arrays)
+
+    @staticmethod
+    def load_from_disk(filepath: str) -> "DataProto":
+        """Read a file written by :meth:`save_to_disk` (``allow_pickle=False``)."""
+        with np.load(filepath, allow_pickle=False) as npz:
+            header = json.loads(npz["header"].tobytes().decode("utf-8"))
+            batch = None
+            if header["batch"] is not None:
+                batch = {k: (dtype, np.array(npz[name])) for k, (dtype, name) in header["batch"].items()}
+            non_tensor = {}
+            for key, (kind, name, shape) in header["non_tensor_batch"].items():
+                array = np.array(npz[name])
+                non_tensor[key] = (kind, array) if kind == "raw" else (kind, array, tuple(shape))
+        return _from_wire({"wire_version": header["wire_version"], "batch": batch,
+                           "batch_size": header["batch_size"], "non_tensor_batch": non_tensor,
+                           "meta_info": header["meta_info"]})
 
     # ---------------------------------------------------------------- pickle-free wire
 
@@ -1003,6 +1152,80 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     if pad_size < 0 or pad_size > len(data):
         raise DataProtoError(f"unpad_dataproto: pad_size must be in [0, {len(data)}]; found {pad_size}")
     return data.slice(0, len(data) - pad_size) if pad_size else data
+
+
+# ------------------------------------------------------- verl's module-level helpers
+
+
+def union_two_dict(dict1: dict, dict2: dict) -> dict:
+    """Add ``dict2``'s items to ``dict1`` (in place) and return it; a key both hold with
+    different values is a UnionConflictError."""
+    for key, value in dict2.items():
+        if key in dict1 and not _same_value(dict1[key], value):
+            raise UnionConflictError(f"union_two_dict: {key!r} differs: {dict1[key]!r} vs {value!r}")
+        dict1[key] = value
+    return dict1
+
+
+def list_of_dict_to_dict_of_list(list_of_dict: list[dict]) -> dict:
+    """``[{a: 1, b: 2}, {a: 3, b: 4}]`` -> ``{a: [1, 3], b: [2, 4]}`` (keys of the first)."""
+    if not list_of_dict:
+        return {}
+    keys = list(list_of_dict[0])
+    out: dict[str, list] = {k: [] for k in keys}
+    for i, row in enumerate(list_of_dict):
+        if set(row) != set(keys):
+            raise DataProtoError(f"list_of_dict_to_dict_of_list: row {i} has keys {sorted(row)}, row 0 {sorted(keys)}")
+        for k in keys:
+            out[k].append(row[k])
+    return out
+
+
+def collate_fn(items: list[DataProtoItem]) -> DataProto:
+    """DataProtoItems (rows) back into one DataProto (copy), e.g. as a DataLoader's collate."""
+    if not items:
+        raise DataProtoError("collate_fn: no items")
+    batch = None
+    if items[0].batch is not None:
+        batch = torch.stack([it.batch for it in items]).contiguous()
+    non_tensor = {}
+    for key in items[0].non_tensor_batch:
+        column = object_column([it.non_tensor_batch[key] for it in items])
+        non_tensor[key] = column
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(items[0].meta_info))
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Group consecutive rows: a batch of ``B`` rows becomes ``new_batch_size`` rows whose
+    columns gain a second axis of ``B // new_batch_size`` (views where possible; ``data``
+    is left as it was). Undo with :func:`unfold_batch_dim`."""
+    n = len(data)
+    if not isinstance(new_batch_size, int) or new_batch_size < 1 or n % new_batch_size:
+        raise ChunkSizeError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size!r} rows")
+    group = n // new_batch_size
+    batch = None
+    if data.batch is not None:
+        batch = TensorDict({k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.batch.items()},
+                           batch_size=[new_batch_size])
+    non_tensor = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """Inverse of :func:`fold_batch_dim`: merge the first ``batch_dims`` axes of every
+    column into one batch axis (views where possible)."""
+    if batch_dims < 1:
+        raise DataProtoError(f"unfold_batch_dim: batch_dims must be >= 1; found {batch_dims}")
+    columns = list(data.batch.items()) if data.batch is not None else []
+    first = columns[0][1] if columns else next(iter(data.non_tensor_batch.values()), None)
+    if first is None:
+        return type(data)(meta_info=dict(data.meta_info))
+    rows = int(np.prod(tuple(first.shape[:batch_dims])))
+    batch = None
+    if data.batch is not None:
+        batch = TensorDict({k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in columns}, batch_size=[rows])
+    non_tensor = {k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
+    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
 
 
 # ---------------------------------------------------------------------- futures
