@@ -516,18 +516,13 @@ class DataProto:
                          meta_info: dict | None = None, auto_padding: bool = False) -> "DataProto":
         """Split one flat dict into tensors (-> ``batch``) and numpy arrays (-> object
         columns). Values are not copied. Any other value type is a DataProtoTypeError."""
-        tensors, non_tensors = {}, {}
         for key, value in data.items():
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-            elif isinstance(value, np.ndarray):
-                non_tensors[key] = value
-            else:
-                raise DataProtoTypeError(
-                    f"from_single_dict: field {key!r} must be a torch.Tensor or np.ndarray; "
-                    f"found {_describe(value)}"
-                )
-        return cls.from_dict(tensors, non_tensors, meta_info, auto_padding=auto_padding)
+            if not isinstance(value, (torch.Tensor, np.ndarray)):
+                raise DataProtoTypeError(f"from_single_dict: field {key!r} must be a torch.Tensor or "
+                                         f"np.ndarray; found {_describe(value)}")
+        return cls.from_dict({k: v for k, v in data.items() if isinstance(v, torch.Tensor)},
+                             {k: v for k, v in data.items() if isinstance(v, np.ndarray)},
+                             meta_info, auto_padding=auto_padding)
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None,

@@ -29,3 +29,12 @@ def ray_local():
              configure_logging=False, log_to_driver=False, object_store_memory=300 * 1024**2)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (SeaweedFS) on loopback with its own credentials, for the session."""
+    from rlhf_core.testing.s3server import LocalS3
+
+    with LocalS3() as server:
+        yield server

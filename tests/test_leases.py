@@ -11,21 +11,14 @@ import pytest
 
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
-from rlhf_core.testing.s3server import LocalS3
 from rlhf_core.trainer.lease import Lease, LeaseKeeper, LeaseLog, LeaseLost
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with LocalS3() as server:
-        yield server
 
 
 @pytest.fixture(params=["local", "s3"])
 def run(request, tmp_path):
     if request.param == "local":
         return sfs.resolve(str(tmp_path / "run"))
-    server = request.getfixturevalue("s3")
+    server = request.getfixturevalue("s3_server")
     return sfs.resolve(f"s3://{server.bucket}/{uuid.uuid4().hex}/run", server.storage_options)
 
 

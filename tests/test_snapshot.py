@@ -71,12 +71,6 @@ def assert_same(a: DataProto, b: DataProto):
 # ------------------------------------------------------------------ backends
 
 
-@pytest.fixture(scope="session")
-def s3_server():
-    with LocalS3() as server:
-        yield server
-
-
 @pytest.fixture(params=["local", "s3"])
 def store(request, tmp_path):
     """(base URI, storage_options) of a fresh, empty place on each backend."""
