@@ -28,7 +28,6 @@ from rlhf_core.snapshot import (
     verify_snapshot,
 )
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.testing.s3server import LocalS3
 
 
 obj = object_column  # one object per row (lists stay cells)

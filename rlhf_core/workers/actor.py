@@ -39,7 +39,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.reference = None
         if cfg.use_reference:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.policy = modeling.init_distributed_model(self, policy)
+        self.policy = modeling.init_distributed_model(self, policy, cfg.actor.strategy)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         warmup = max(1, cfg.actor.lr_warmup_steps)

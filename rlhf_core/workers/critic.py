@@ -19,7 +19,8 @@ class CriticWorker(TrainableWorker):
         cfg = self.config
         torch.manual_seed(cfg.trainer.seed + 1000 + self.rank)
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
-        self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype))
+        self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
+                                                    cfg.actor.strategy)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}

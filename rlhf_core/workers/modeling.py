@@ -70,10 +70,17 @@ def response_values(model, input_ids, attention_mask, position_ids, response_len
     return values[:, -response_length - 1:-1]
 
 
-def init_distributed_model(worker, model: torch.nn.Module) -> torch.nn.Module:
-    """Join the group's process group and wrap ``model`` in DDP (gloo on CPU, NCCL on GPU)."""
+#: How ranks share a trained model (``actor.strategy``): name -> wrapper.
+STRATEGIES = ("ddp",)
+
+
+def init_distributed_model(worker, model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Module:
+    """Join the group's process group and wrap ``model`` for ``strategy``: ``ddp``
+    (every rank holds the whole model; gradients all-reduced; gloo on CPU, NCCL on GPU)."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if strategy not in STRATEGIES:
+        raise ValueError(f"actor.strategy: expected one of {', '.join(STRATEGIES)}; found {strategy!r}")
     worker.init_process_group()
     if worker.world_size == 1:
         return model  # DDP on one rank only adds a bucket all-reduce per step
