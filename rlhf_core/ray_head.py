@@ -270,9 +270,12 @@ def local_ray_env() -> None:
 def _auth_env(info: HeadInfo) -> None:
     # Ray reads its auth settings when it is first imported: set them before that.
     os.environ["RAY_AUTH_MODE"] = "token"
-    if info.token_path:
+    if info.token_path:  # our own local head: its token file, and its loopback address as is
         os.environ["RAY_AUTH_TOKEN_PATH"] = info.token_path
         os.environ.pop("RAY_AUTH_TOKEN", None)
+        # without this, Ray rewrites a 127.0.0.1 address to the machine's address, where
+        # a loopback-only head does not listen
+        os.environ.update(LOOPBACK_ENV)
 
 
 def resolve_head(head_root: str, ray_address: str = "", dashboard_url: str = "") -> HeadInfo:

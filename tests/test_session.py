@@ -35,7 +35,10 @@ def head_root(tmp_path):
 
 def iterate(tmp_path, head_root, *extra, overrides=(), kill_at=None, check=True):
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
-    env.pop("RAY_ADDRESS", None)
+    # a user's shell: none of the Ray settings this test process made for its own Ray
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
+                 *ray_head.LOOPBACK_ENV):
+        env.pop(name, None)
     if kill_at:
         env["RLHF_KILL_AT"] = kill_at
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet",

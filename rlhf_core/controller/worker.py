@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 from typing import Any
 
 from rlhf_core.controller.dispatch import Dispatch, register
 
 # Environment a WorkerGroup sets on each actor (torch.distributed's env:// contract).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: One id per worker group, the same on every rank: names the group's rendezvous file
+#: when every rank runs on this machine.
+RENDEZVOUS_ENV = "RLHF_RDZV_ID"
+
+
+def _is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
 
 
 def node_ip() -> str:
@@ -89,8 +97,15 @@ class Worker:
                                f"RayWorkerGroup (or torchrun)?")
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend, rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        init_method = "env://"
+        if _is_loopback(os.environ["MASTER_ADDR"]) and os.environ.get(RENDEZVOUS_ENV):
+            # every rank on this machine: rendezvous through a file, not a TCP store (which
+            # listens on every interface), and gloo's pairs on the loopback interface
+            init_method = f"file://{tempfile.gettempdir()}/rlhf-rdzv-{os.environ[RENDEZVOUS_ENV]}"
+            if os.path.exists("/sys/class/net/lo"):
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,
+                                world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
         return backend
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

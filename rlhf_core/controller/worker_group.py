@@ -14,11 +14,13 @@ with the worker's traceback; a dead actor raises :class:`WorkerDiedError`.
 from __future__ import annotations
 
 import inspect
+import uuid
 
 from rlhf_core.controller.dispatch import (
     MAGIC_ATTR, PADDING_KWARG, Execute, get_dispatch_mode,
 )
 from rlhf_core.controller.resource_pool import RayResourcePool
+from rlhf_core.controller.worker import RENDEZVOUS_ENV
 from rlhf_core.protocol import DataProto, DataProtoFuture, unpad_dataproto
 
 
@@ -154,8 +156,9 @@ class RayWorkerGroup:
         remote_cls = ray.remote(self.ray_cls_with_init.cls)
         slots = [(pg, b) for pg, count in zip(pgs, pool.process_on_nodes) for b in range(count)]
         master_addr = master_port = None
+        rendezvous = uuid.uuid4().hex
         for rank, (pg, bundle) in enumerate(slots):
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world_size),
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), RENDEZVOUS_ENV: rendezvous,
                    "LOCAL_RANK": str(bundle), "RAY_LOCAL_WORLD_SIZE": str(len(slots))}
             if master_addr is not None:
                 env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
