@@ -65,12 +65,27 @@ def _new_run_id() -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from rlhf_core.trainer.restore import iterations_to_run
     from rlhf_core.trainer.run import run_direct
 
     cfg = _config(args.overrides)
     args.run_id = args.run_id or _new_run_id()
-    iterations = args.iterations or cfg.trainer.total_iterations
     store = args.store or _default_store(cfg)
+    if args.more is not None and args.iterations is not None:
+        raise SystemExit("rlhf: --iterations (the run's total) and --more (iterations to add) exclude each other")
+    total = None if args.more is not None else (args.iterations if args.iterations is not None
+                                                 else cfg.trainer.total_iterations)
+    try:
+        committed, iterations = iterations_to_run(store, args.run_id, total, args.more)
+    except ValueError as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    if iterations == 0:
+        print(f"run {args.run_id} has {committed} committed iteration(s), its total is {total}: nothing to do "
+              f"(add iterations with --more N)")
+        print(f"snapshots: {store.rstrip('/')}/{args.run_id}")
+        return 0
+    if committed:
+        print(f"run {args.run_id}: {committed} iteration(s) committed, {iterations} to run")
     if not args.direct:
         if "pipeline" not in RUN_MODES:
             raise SystemExit("rlhf: running iterations as pipeline runs needs the `pipelines` package (installed "
@@ -243,7 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run PPO/GRPO iterations on the embedded default")
-    run.add_argument("--iterations", type=int, default=None, help="iterations (default trainer.total_iterations)")
+    run.add_argument("--iterations", type=int, default=None, help="the run's total iterations (default "
+                     "trainer.total_iterations); running the same command again finishes the run, then does "
+                     "nothing")
+    run.add_argument("--more", type=int, default=None, help="train this many iterations more than the run has")
     run.add_argument("--store", default=None, help="fsspec URI for snapshots and checkpoints (default runs/store)")
     run.add_argument("--run-id", default=None, help="name of the run (default: timestamped); an existing "
                      "run id continues from its last committed iteration")

@@ -125,7 +125,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_iterations: int = _f(300, "iterations of `rlhf run` when --iterations is not given", **POSITIVE)
+    total_iterations: int = _f(300, "the run's total iterations when `rlhf run` is not given --iterations (a "
+                               "re-run of the same command finishes the run, then does nothing)", **POSITIVE)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
     cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch "
@@ -231,6 +232,7 @@ class RunConfig:
 
 #: Fields that change how a run is shown or where local logs go, never what it trains.
 NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
+                       ("trainer", "total_iterations"),  # how long a run goes on, not what an iteration does
                        ("resources", None))  # where it runs, not what it trains
 
 

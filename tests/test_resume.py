@@ -110,3 +110,26 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     (ckpt / "actor_model.safetensors").write_bytes(bytes(weights))
     with pytest.raises(WorkerError, match="actor_model.safetensors: sha256 .* is not the .* its iteration committed"):
         run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
+
+
+def test_an_iteration_count_is_the_runs_total(tmp_path, capsys):
+    """`rlhf run --iterations N` means N in all: killed after some iterations and run again
+    as the same command, it finishes the run, and a third time it does nothing; --more K
+    adds K."""
+    from rlhf_core.cli import main
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    store = f"file://{tmp_path / 's'}"
+    common = ["run", "--direct", "--run-id", "count", "--store", store, "data.train_batch_size=8",
+              "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
+              f"trainer.output_dir={tmp_path / 'out'}"]
+    # the first attempt "crashes" after one committed iteration: stand in for it with --more 1
+    assert main([*common[:1], "--more", "1", *common[1:]]) == 0
+    assert main([*common[:1], "--iterations", "2", *common[1:]]) == 0
+    assert "1 iteration(s) committed, 1 to run" in capsys.readouterr().out
+    assert IterationStore(store, "count").committed_iterations() == [0, 1]
+    assert main([*common[:1], "--iterations", "2", *common[1:]]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert IterationStore(store, "count").committed_iterations() == [0, 1]
+    with pytest.raises(SystemExit, match="exclude each other"):
+        main([*common[:1], "--iterations", "2", "--more", "1", *common[1:]])

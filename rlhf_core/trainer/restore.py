@@ -47,6 +47,21 @@ def open_run(cfg: RunConfig, store: str, run_id: str, log=print):
     return istore, state
 
 
+def iterations_to_run(store: str, run_id: str, total: int | None = None, more: int | None = None) -> tuple[int, int]:
+    """(committed so far, iterations to run now). A count is the run's *total*: running
+    the same command again after a failure finishes the fine-tune and then does nothing;
+    ``more`` adds iterations to what is committed. Exactly one of the two is given."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    if (total is None) == (more is None):
+        raise ValueError("give either a total number of iterations or a number of iterations more, not both")
+    for name, value in (("iterations", total), ("more", more)):
+        if value is not None and (not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name}: expected a whole number >= 0; found {value!r}")
+    committed = len(IterationStore(store, run_id).committed_iterations())
+    return committed, (more if more is not None else max(0, total - committed))
+
+
 def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
                     storage_options: dict | None = None) -> dict[str, str]:
     """Everything needed to continue exactly: the trainable roles write weights,
