@@ -36,18 +36,22 @@ def ensure_session(run_id: str, store: str, config_overrides: list, head_root: s
 def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "", kfp_run_id: str = "",
-                  kfp_task: str = "") -> int:
+                  kfp_task: str = "", lease_holder: str = "") -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
-    holds the iteration's lease). ``kfp_run_id``/``kfp_task`` name the lease holder: a
-    retry of this task (another pod) takes the lease over at once."""
+    holds the iteration's lease). The lease holder is ``lease_holder`` when given (the
+    fine-tune driver names one per iteration, so its resubmission after a failed run
+    takes over at once), else the KFP run and task (a KFP retry of this task, another
+    pod, takes the lease over at once)."""
     import os
 
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.run import iterate
 
-    if kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
+    if lease_holder:
+        os.environ["RLHF_LEASE_HOLDER"] = lease_holder
+    elif kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
         os.environ["RLHF_LEASE_HOLDER"] = f"kfp:{kfp_run_id}/{kfp_task}"
 
     cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()

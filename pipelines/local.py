@@ -23,7 +23,7 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
 
 
 def run_local_iterations(run_id: str, store: str, overrides: list, head_root: str, iterations: int,
-                         pipeline_root: str) -> list[dict]:
+                         pipeline_root: str, lease_holder: str = "") -> list[dict]:
     from kfp import local
 
     from pipelines.ppo_iteration import ppo_iteration
@@ -34,7 +34,73 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     runs = []
     for _ in range(iterations):
         task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
-                             head_root=os.path.abspath(head_root))
+                             head_root=os.path.abspath(head_root), lease_holder=lease_holder)
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
     return runs
+
+
+class LocalKfpStandIn:
+    """A stand-in for the part of ``kfp.Client`` the fine-tune driver uses, answered on
+    this machine: each submitted run executes the per-iteration pipeline with the KFP
+    local runner in a process of its own (so the iterations really train, against the
+    local head under ``head_root``). It is not a Kubeflow server: the pipeline package it
+    is handed is ignored, the local per-iteration pipeline runs instead.
+
+    ``fail`` maps the k-th submission (1-based) to a fault point (``RLHF_KILL_AT``, e.g.
+    ``stage:reward``): that run's controller is SIGKILLed there, so the run fails mid-way.
+    """
+
+    def __init__(self, head_root: str, pipeline_root: str, fail: dict | None = None) -> None:
+        self.head_root, self.pipeline_root = head_root, pipeline_root
+        self.fail = dict(fail or {})
+        self.runs: dict[str, object] = {}
+        self.submitted: list[dict] = []
+
+    def run_pipeline(self, experiment_id: str, job_name: str, pipeline_package_path: str = "", params=None,
+                     enable_caching: bool = False, **_):
+        import subprocess
+        import sys
+        import uuid
+        from types import SimpleNamespace
+
+        params = dict(params or {})
+        kfp_run_id = uuid.uuid4().hex[:12]
+        env = dict(os.environ)
+        fault = self.fail.get(len(self.submitted) + 1)
+        if fault:
+            env["RLHF_KILL_AT"] = fault
+        argv = [sys.executable, "-m", "pipelines.local", "--run-id", params["run_id"], "--store", params["store"],
+                "--head-root", self.head_root, "--root", os.path.join(self.pipeline_root, kfp_run_id),
+                "--lease-holder", params.get("lease_holder", ""), *params.get("config_overrides", [])]
+        log = open(os.path.join(self.pipeline_root, f"{kfp_run_id}.log"), "wb")
+        self.runs[kfp_run_id] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.submitted.append({"name": job_name, "experiment_id": experiment_id, "params": params,
+                               "kfp_run_id": kfp_run_id, "fault": fault})
+        return SimpleNamespace(run_id=kfp_run_id)
+
+    def get_run(self, run_id: str):
+        from types import SimpleNamespace
+
+        code = self.runs[run_id].poll()
+        return SimpleNamespace(state="RUNNING" if code is None else ("SUCCEEDED" if code == 0 else "FAILED"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One per-iteration pipeline run on the local runner (what the stand-in starts)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pipelines.local")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--head-root", required=True)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--lease-holder", default="")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    run_local_iterations(args.run_id, args.store, args.overrides, args.head_root, 1, args.root, args.lease_holder)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

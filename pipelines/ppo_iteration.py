@@ -13,6 +13,7 @@ from pathlib import Path
 from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
+from components.finetune import drive_finetune
 from components.iteration import ensure_session, report, run_iteration
 from components.kuberay.spec import (
     OBJECT_STORE_SECRET, POLICY_ACCOUNTS_ENV, POLICY_CONFIG_MAP, POLICY_IMAGES_ENV, RAY_TOKEN_SECRET,
@@ -21,6 +22,7 @@ from components.kuberay.spec import (
 HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
 COMPILED_KUBERAY = HERE / "ppo_iteration_kuberay.yaml"
+COMPILED_FINETUNE = HERE / "finetune.yaml"
 
 
 
@@ -44,12 +46,13 @@ def _pod_settings(task, small: bool) -> None:
     kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
 
 
-def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url=""):
+def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder=""):
     session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
                              ray_address=ray_address, dashboard_url=dashboard_url)
     step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
                          ray_address=session.output, dashboard_url=dashboard_url,
-                         kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER)
+                         kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+                         lease_holder=lease_holder)
     step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
     summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
     for task, small in ((session, True), (step, False), (summary, True)):
@@ -60,15 +63,16 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
 @dsl.pipeline(name="rlhf-ppo-iteration",
               description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it stopped.")
 def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
-                  head_root: str = "/var/run/rlhf"):
-    _iteration(run_id, store, config_overrides, head_root)
+                  head_root: str = "/var/run/rlhf", lease_holder: str = ""):
+    _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder)
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
               description="One PPO/GRPO iteration of a run on its KubeRay cluster (created or reused), "
                           "resumable at the stage where it stopped.")
 def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
-                          kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200):
+                          kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
+                          lease_holder: str = ""):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
     with dsl.ExitHandler(teardown, name="iteration"):
@@ -79,10 +83,26 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         kubernetes.use_config_map_as_env(cluster, config_map_name=POLICY_CONFIG_MAP, config_map_key_to_env={
             "allowed_images": POLICY_IMAGES_ENV, "allowed_service_accounts": POLICY_ACCOUNTS_ENV})
         session, step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
-                                   cluster.outputs["dashboard_url"])
+                                   cluster.outputs["dashboard_url"], lease_holder)
         for task in (session, step):  # they talk to the token-authenticated Ray cluster
             kubernetes.use_secret_as_env(task, secret_name=RAY_TOKEN_SECRET,
                                          secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
+
+
+@dsl.pipeline(name="rlhf-finetune",
+              description="A whole PPO/GRPO fine-tune: runs the per-iteration KubeRay pipeline again and again "
+                          "until the run's total, a reward target or a time budget is reached.")
+def finetune(run_id: str = "demo", store: str = "s3://rlhf/runs", iterations: int = 300, more: int = 0,
+             stop_at_reward: float = -1.0, budget_s: float = 0.0, config_overrides: list = [], kube_spec: dict = {},
+             cluster_policy: str = "keep", max_retries: int = 2, kfp_host: str = "", namespace: str = "",
+             experiment: str = "rlhf", service_account: str = "rlhf-pipeline"):
+    driver = drive_finetune(run_id=run_id, store=store, iterations=iterations, more=more,
+                            stop_at_reward=stop_at_reward, budget_s=budget_s, config_overrides=config_overrides,
+                            kube_spec=kube_spec, cluster_policy=cluster_policy, max_retries=max_retries,
+                            kfp_host=kfp_host, namespace=namespace, experiment=experiment,
+                            service_account=service_account)
+    _pod_settings(driver, small=True)
+    driver.set_retry(num_retries=3, backoff_duration="60s")  # a retried driver continues from the store
 
 
 def compile_pipeline(path=COMPILED, pipeline=ppo_iteration) -> Path:
@@ -92,7 +112,8 @@ def compile_pipeline(path=COMPILED, pipeline=ppo_iteration) -> Path:
 
 def compile_all(folder: Path = HERE) -> list[Path]:
     return [compile_pipeline(Path(folder) / COMPILED.name, ppo_iteration),
-            compile_pipeline(Path(folder) / COMPILED_KUBERAY.name, ppo_iteration_kuberay)]
+            compile_pipeline(Path(folder) / COMPILED_KUBERAY.name, ppo_iteration_kuberay),
+            compile_pipeline(Path(folder) / COMPILED_FINETUNE.name, finetune)]
 
 
 if __name__ == "__main__":

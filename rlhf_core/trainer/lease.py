@@ -55,10 +55,11 @@ class Lease:
 
 
 class LeaseLog:
-    """The lease of one iteration of a run."""
+    """The lease of one iteration of a run (or, with ``name``, of another exclusive job
+    of the run, e.g. its fine-tune driver)."""
 
-    def __init__(self, run: sfs.Location, iteration: int, ttl_s: float) -> None:
-        self.folder = run.child("leases", iteration_dir(iteration))
+    def __init__(self, run: sfs.Location, iteration: int, ttl_s: float, name: str | None = None) -> None:
+        self.folder = run.child("leases", name or iteration_dir(iteration))
         self.iteration, self.ttl_s = iteration, ttl_s
 
     def latest(self) -> tuple[int, dict] | None:

@@ -1,0 +1,177 @@
+"""A whole fine-tune on Kubeflow: submit the per-iteration pipeline run after run.
+
+The driver reads the run's committed iteration manifests (the store is the record, not
+KFP's run states) to decide what comes next: the next iteration, a retry of a failed one
+(the retry resumes at the stage where it stopped), or the end (the run's total reached,
+the reward target met, the wall-clock budget spent, or the driver told to stop). Only one
+driver drives a run at a time: it holds the run's ``driver`` lease, like a controller
+holds an iteration's.
+
+``client`` is anything with kfp.Client's ``run_pipeline(experiment_id, job_name,
+pipeline_package_path, params, enable_caching, service_account)`` and ``get_run(run_id)``
+(``.state``): the real client inside the cluster, or the local stand-in
+(``pipelines.local.LocalKfpStandIn``) in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELED", "SKIPPED", "CANCELLED", "ERROR"}
+
+
+class DriveError(RuntimeError):
+    """The fine-tune cannot go on (an iteration failed more times than allowed)."""
+
+
+@dataclass
+class Plan:
+    """What to drive: a total (``iterations``) or a number ``more`` than the run has."""
+
+    run_id: str
+    store: str
+    arguments: dict                     # the per-iteration pipeline's parameters
+    iterations: int | None = None
+    more: int | None = None
+    stop_at_reward: float | None = None  # mean critic/score/mean of the last 5 iterations
+    budget_s: float | None = None
+    max_retries: int = 2
+    poll_s: float = 5.0
+
+
+@dataclass
+class Outcome:
+    reason: str
+    committed: list[int]
+    runs: list[dict] = field(default_factory=list)   # iteration, attempt, kfp run id, state, seconds
+
+
+def _recent_reward(istore, committed: list[int], window: int = 5) -> float | None:
+    rewards = [istore.read_manifest(n)["metrics"].get("critic/score/mean") for n in committed[-window:]]
+    rewards = [r for r in rewards if r is not None]
+    return sum(rewards) / len(rewards) if rewards else None
+
+
+def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
+          service_account: str | None = None) -> Outcome:
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.lease import LeaseKeeper, LeaseLog, holder_id
+
+    istore = IterationStore(plan.store, plan.run_id)
+    lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
+    lease = lease_log.acquire(holder_id())
+    if isinstance(lease, str):
+        log(f"[driver] run {plan.run_id} is driven by {lease}; this trigger does nothing")
+        return Outcome(f"driven by {lease}", istore.committed_iterations())
+    keeper = LeaseKeeper(lease_log, lease)
+    start = time.monotonic()
+    first = len(istore.committed_iterations())
+    target = plan.iterations if plan.iterations is not None else first + (plan.more or 0)
+    runs: list[dict] = []
+    attempts: dict[int, int] = {}
+    try:
+        while True:
+            committed = istore.committed_iterations()
+            reward = _recent_reward(istore, committed) if plan.stop_at_reward is not None else None
+            if len(committed) >= target:
+                reason = f"{len(committed)} of {target} iterations committed"
+            elif reward is not None and reward >= plan.stop_at_reward:
+                reason = f"mean reward {reward:.3f} of the last iterations reached {plan.stop_at_reward}"
+            elif plan.budget_s is not None and time.monotonic() - start >= plan.budget_s:
+                reason = f"wall-clock budget of {plan.budget_s:.0f}s spent"
+            elif stopping():
+                reason = "stopped"
+            else:
+                reason = None
+            if reason is not None:
+                log(f"[driver] run {plan.run_id}: done ({reason})")
+                return Outcome(reason, committed, runs)
+            keeper.check()
+            n = len(committed)
+            attempt = attempts.get(n, 0)
+            if attempt > plan.max_retries:
+                raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
+                                 f"{plan.max_retries}); see its runs: {[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
+            name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
+            t0 = time.monotonic()
+            kwargs = {"service_account": service_account} if service_account else {}
+            # one lease holder per iteration across the driver's attempts: the driver knows an
+            # attempt that failed is over, so the next takes its lease over at once
+            params = {**plan.arguments, "lease_holder": f"driver:{plan.run_id}/iteration-{n}"}
+            run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
+                                      params=params, enable_caching=False, **kwargs)
+            log(f"[driver] submitted {name}: {run.run_id}")
+            state = _wait(client, run.run_id, plan.poll_s)
+            done = n in istore.committed_iterations()
+            runs.append({"iteration": n, "attempt": attempt, "kfp_run_id": run.run_id, "name": name,
+                         "state": state, "committed": done, "seconds": round(time.monotonic() - t0, 1)})
+            log(f"[driver] {name}: {state}" + ("" if done else " (not committed: it will be retried)"))
+            if not done:
+                attempts[n] = attempt + 1
+    finally:
+        keeper.close()
+
+
+def _wait(client, kfp_run_id: str, poll_s: float) -> str:
+    while True:
+        state = str(getattr(client.get_run(kfp_run_id), "state", "") or "").upper()
+        if state in FINAL_STATES:
+            return state
+        time.sleep(poll_s)
+
+
+def report_markdown(plan: Plan, outcome: Outcome, run_url=lambda kfp_run_id: "") -> str:
+    """The fine-tune's report: why it ended, the reward curve, one line per iteration run."""
+    from rlhf_core.trainer.report import markdown_report
+
+    lines = [f"# Fine-tune {plan.run_id}", "", f"Ended: {outcome.reason}. Committed iterations: "
+             f"{len(outcome.committed)}.", "", markdown_report(plan.store, plan.run_id), "",
+             "| iteration | attempt | KFP run | state | committed | seconds |", "|---|---|---|---|---|---|"]
+    for r in outcome.runs:
+        url = run_url(r["kfp_run_id"])
+        link = f"[{r['kfp_run_id']}]({url})" if url else r["kfp_run_id"]
+        lines.append(f"| {r['iteration']} | {r['attempt']} | {link} | {r['state']} | {r['committed']} | "
+                     f"{r['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Drive a fine-tune on this machine through the local stand-in of the KFP API
+    (``python -m components.driver --run-id R --store S --head-root H --root P
+    --iterations N [overrides]``): what the driver pipeline does on a cluster."""
+    import argparse
+    import signal
+
+    from pipelines.local import LocalKfpStandIn
+
+    parser = argparse.ArgumentParser(prog="python -m components.driver")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--head-root", required=True)
+    parser.add_argument("--root", required=True, help="folder for the local pipeline runs")
+    parser.add_argument("--iterations", type=int, default=None)
+    parser.add_argument("--more", type=int, default=None)
+    parser.add_argument("--stop-at-reward", type=float, default=None)
+    parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--poll-s", type=float, default=0.5)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # finish the current run, submit no more
+    import os
+
+    os.makedirs(args.root, exist_ok=True)
+    plan = Plan(args.run_id, args.store, {"run_id": args.run_id, "store": args.store,
+                                           "config_overrides": list(args.overrides)},
+                iterations=args.iterations, more=args.more, stop_at_reward=args.stop_at_reward,
+                budget_s=args.budget_s, poll_s=args.poll_s)
+    outcome = drive(LocalKfpStandIn(args.head_root, args.root), plan, "", "local", stopping=lambda: bool(stop))
+    with open(os.path.join(args.root, "report.md"), "w", encoding="utf-8") as f:
+        f.write(report_markdown(plan, outcome))
+    print(f"[driver] {outcome.reason}; committed {outcome.committed}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""The Kubeflow component that drives a whole fine-tune (``components/driver.py``): it
+submits the per-iteration KubeRay pipeline run after run through the KFP API from inside
+the cluster, with the pod's service-account token as multi-user Kubeflow provides it."""
+
+from kfp import dsl
+
+from components.iteration import IMAGE
+
+
+@dsl.component(base_image=IMAGE)
+def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_reward: float, budget_s: float,
+                   config_overrides: list, kube_spec: dict, cluster_policy: str, max_retries: int,
+                   kfp_host: str, namespace: str, experiment: str, service_account: str,
+                   summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics]):
+    """Iterations until the run has ``iterations`` in all (or ``more`` than it had, when
+    ``more`` > 0), the mean reward of the last five reaches ``stop_at_reward`` (< 0: never)
+    or ``budget_s`` (<= 0: none) is spent. Ends with a report and the last metrics."""
+    import signal
+    from importlib import resources
+
+    import kfp
+
+    from components.driver import Plan, drive, report_markdown
+    from rlhf_core.trainer.report import run_history
+
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # run terminated: submit no more
+    client = kfp.Client(host=kfp_host or None, namespace=namespace or None)  # in-cluster: the SA token
+    try:
+        experiment_id = client.get_experiment(experiment_name=experiment, namespace=namespace or None).experiment_id
+    except ValueError:
+        experiment_id = client.create_experiment(experiment, namespace=namespace or None).experiment_id
+    package = str(resources.files("pipelines") / "ppo_iteration_kuberay.yaml")
+    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": list(config_overrides),
+                                "kube_spec": dict(kube_spec), "cluster_policy": cluster_policy},
+                iterations=iterations if more <= 0 else None, more=more if more > 0 else None,
+                stop_at_reward=stop_at_reward if stop_at_reward >= 0 else None,
+                budget_s=budget_s if budget_s > 0 else None, max_retries=max_retries, poll_s=15.0)
+    outcome = drive(client, plan, package, experiment_id, stopping=lambda: bool(stop),
+                    service_account=service_account or None)
+    host = (kfp_host or "").rstrip("/")
+    with open(summary.path, "w", encoding="utf-8") as f:
+        f.write(report_markdown(plan, outcome, lambda rid: f"{host}/#/runs/details/{rid}" if host else ""))
+    rows = run_history(store, run_id)
+    if rows:
+        for key, value in rows[-1].items():
+            if isinstance(value, (int, float)):
+                metrics.log_metric(key.replace("/", "."), float(value))

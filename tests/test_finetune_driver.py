@@ -1,0 +1,96 @@
+"""The fine-tune driver, end to end without a Kubeflow server (none can run here): it
+drives iterations through `pipelines.local.LocalKfpStandIn`, an honestly named stand-in of
+the KFP API that executes each submitted run with the KFP local runner, so the iterations
+really train (on this project's own local Ray head)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from components.driver import Plan, drive, report_markdown
+from pipelines.local import LocalKfpStandIn
+from rlhf_core import ray_head
+from rlhf_core.trainer.iteration_store import IterationStore
+
+SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def place(tmp_path_factory):
+    root = tmp_path_factory.mktemp("finetune")
+    os.environ.setdefault("RLHF_CACHE", str(root / "cache"))
+    yield root
+    ray_head.stop_head(ray_head.read_head(root / "head"), root / "head")
+
+
+def stop_session(place, run_id):
+    """Each run's session holds the local head's CPUs: end it before the next run needs them."""
+    subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stop-session", "--run-id", run_id, "--head-root",
+                    str(place / "head")], capture_output=True, timeout=120, cwd=ROOT)
+
+
+def plan_for(place, run_id, **kw):
+    overrides = [*SMALL, f"trainer.output_dir={place / 'out'}"]
+    store = f"file://{place / 'store'}"
+    return Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": overrides}, poll_s=0.5, **kw)
+
+
+def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
+    plan = plan_for(place, "drive3", iterations=3)
+    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"), fail={2: "stage:reward"})
+    os.makedirs(place / "kfp", exist_ok=True)
+    outcome = drive(standin, plan, "", "local", log=lambda *a: None)
+    assert outcome.committed == [0, 1, 2] and outcome.reason == "3 of 3 iterations committed"
+    assert [(r["iteration"], r["attempt"], r["state"], r["committed"]) for r in outcome.runs] == [
+        (0, 0, "SUCCEEDED", True), (1, 0, "FAILED", False), (1, 1, "SUCCEEDED", True), (2, 0, "SUCCEEDED", True)]
+    assert [s["name"] for s in standin.submitted] == ["drive3 iteration 000000", "drive3 iteration 000001",
+                                                       "drive3 iteration 000001 retry 1", "drive3 iteration 000002"]
+    # the retry resumed: iteration 1's rollout was committed by the killed controller, not redone
+    it1 = place / "store" / "drive3" / "iter-000001"
+    writer = lambda stage: json.loads((it1 / stage / "SNAPSHOT.json").read_text())["writer"]["pid"]
+    assert writer("rollout") != writer("update_actor")
+    report = report_markdown(plan, outcome)
+    assert "| 1 | 0 |" in report and "FAILED" in report and "reward curve" in report
+    # driving it again to the same total does nothing
+    again = drive(standin, plan, "", "local", log=lambda *a: None)
+    assert again.runs == [] and again.committed == [0, 1, 2]
+    stop_session(place, "drive3")
+
+
+def test_budget_and_reward_target_end_the_loop(place):
+    os.makedirs(place / "kfp", exist_ok=True)
+    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"))
+    spent = drive(standin, plan_for(place, "budget", iterations=50, budget_s=1.0), "", "local", log=lambda *a: None)
+    assert spent.committed == [0] and "budget" in spent.reason
+    met = drive(standin, plan_for(place, "budget", iterations=50, stop_at_reward=0.0), "", "local",
+                log=lambda *a: None)
+    assert met.runs == [] and "reached 0.0" in met.reason
+    stop_session(place, "budget")
+
+
+def test_a_killed_driver_started_again_continues_from_the_committed_iteration(place):
+    store = f"file://{place / 'store'}"
+    argv = [sys.executable, "-m", "components.driver", "--run-id", "killed", "--store", store,
+            "--head-root", str(place / "head"), "--root", str(place / "kfp-killed"), "--iterations", "2",
+            *SMALL, f"trainer.output_dir={place / 'out'}"]
+    first = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    istore = IterationStore(store, "killed")
+    deadline = time.monotonic() + 600
+    while not istore.committed_iterations():
+        assert time.monotonic() < deadline and first.poll() is None
+        time.sleep(0.5)
+    os.killpg(first.pid, signal.SIGKILL)  # the driver's pod is gone, with what it was running
+    first.wait()
+    second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+    assert istore.committed_iterations() == [0, 1]
+    assert "2 of 2 iterations committed" in second.stdout
+    stop_session(place, "killed")
