@@ -66,6 +66,13 @@ def _remote(args):
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     remote, _, target, arguments = _remote(args)
+    if args.iterations is not None:
+        params = remote.finetune_arguments(arguments, target, iterations=args.iterations,
+                                           stop_at_reward=args.stop_at_reward, budget_s=args.budget_s)
+        out = remote.submit_finetune(target, params)
+        print(f"submitted: fine-tune run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: "
+              f"{args.run_id} up to {args.iterations} iterations in all, continuing from its last committed one")
+        return 0
     out = remote.submit(target, arguments)
     print(f"submitted: run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: one iteration "
           f"of {args.run_id}, continuing from its last committed iteration in {args.store}")
@@ -75,6 +82,16 @@ def _cmd_submit(args: argparse.Namespace) -> int:
 def _cmd_schedule(args: argparse.Namespace) -> int:
     remote, _, target, arguments = _remote(args)
     try:
+        if args.iterations_per_trigger is not None:
+            if args.iterations_per_trigger < 1:
+                raise remote.ScheduleError(f"--iterations-per-trigger: expected a whole number >= 1, found "
+                                           f"{args.iterations_per_trigger}")
+            out = remote.schedule_finetune(target, remote.finetune_arguments(
+                arguments, target, more=args.iterations_per_trigger), args.cron)
+            print(f"scheduled: recurring run {out['recurring_run_id']} (experiment {out['experiment_id']}) on "
+                  f"{args.host}, cron '{out['cron']}': each trigger trains {args.iterations_per_trigger} more "
+                  f"iteration(s) of {args.run_id}")
+            return 0
         out = remote.schedule(target, arguments, args.cron)
     except remote.ScheduleError as exc:
         raise SystemExit(f"rlhf: {exc}") from None
@@ -102,6 +119,16 @@ def register(sub, api) -> None:
         if name == "schedule":
             remote.add_argument("--cron", required=True, help="cron expression, 5 fields (or KFP's 6, seconds "
                                 "first), e.g. '0 */2 * * *'")
+            remote.add_argument("--iterations-per-trigger", type=int, default=None, help="each trigger runs the "
+                                "fine-tune driver for this many more iterations (default: one iteration, the "
+                                "per-iteration pipeline)")
+        else:
+            remote.add_argument("--iterations", type=int, default=None, help="drive a whole fine-tune: the run's "
+                                "total iterations (default: one iteration, the per-iteration pipeline)")
+            remote.add_argument("--stop-at-reward", type=float, default=None, help="with --iterations: stop "
+                                "when the mean reward of the last 5 iterations reaches this")
+            remote.add_argument("--budget-s", type=float, default=None, help="with --iterations: wall-clock "
+                                "budget of the fine-tune in seconds")
         remote.add_argument("--run-id", required=True, help="the run the iterations belong to")
         remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
         remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")

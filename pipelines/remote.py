@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pipelines.ppo_iteration import COMPILED_KUBERAY
+from pipelines.ppo_iteration import COMPILED_FINETUNE, COMPILED_KUBERAY
 
 EXPERIMENT = "rlhf"
 _CRON_FIELD = re.compile(r"^[\d*/,\-?LW#A-Za-z]+$")
@@ -90,4 +90,43 @@ def schedule(target: Target, arguments: dict, cron: str, name: str | None = None
                                       cron_expression=cron, max_concurrency=1, no_catchup=True,
                                       params=arguments, pipeline_package_path=str(COMPILED_KUBERAY),
                                       enable_caching=False, service_account=target.service_account)
+    return {"recurring_run_id": job.recurring_run_id, "experiment_id": experiment_id, "cron": cron}
+
+
+def finetune_arguments(arguments: dict, target: Target, iterations: int | None = None, more: int | None = None,
+                       stop_at_reward: float | None = None, budget_s: float | None = None,
+                       max_retries: int = 2) -> dict:
+    """Parameters of the driver pipeline (``pipelines/finetune.yaml``): the per-iteration
+    pipeline's, plus when to stop. ``iterations`` is the run's total; ``more`` adds to
+    what is committed when the driver starts (a schedule's trigger)."""
+    return {**{k: v for k, v in arguments.items()}, "iterations": int(iterations or 0), "more": int(more or 0),
+            "stop_at_reward": -1.0 if stop_at_reward is None else float(stop_at_reward),
+            "budget_s": float(budget_s or 0.0), "max_retries": max_retries, "kfp_host": target.host,
+            "namespace": target.namespace or "", "experiment": target.experiment,
+            "service_account": target.service_account}
+
+
+def submit_finetune(target: Target, arguments: dict) -> dict:
+    """One run of the driver pipeline: the whole fine-tune."""
+    client = target.client()
+    experiment_id = target.experiment_id(client)
+    run = client.run_pipeline(experiment_id=experiment_id, job_name=f"{arguments['run_id']} fine-tune",
+                              pipeline_package_path=str(COMPILED_FINETUNE), params=arguments, enable_caching=False,
+                              service_account=target.service_account)
+    return {"run_id": run.run_id, "experiment_id": experiment_id}
+
+
+def schedule_finetune(target: Target, arguments: dict, cron: str) -> dict:
+    """A recurring run of the driver: each trigger trains ``more`` iterations of the run,
+    continuing from its last committed one; a trigger that finds a driver of the run
+    still at work exits (the run's driver lease)."""
+    cron = kfp_cron(cron)
+    client = target.client()
+    experiment_id = target.experiment_id(client)
+    job = client.create_recurring_run(experiment_id=experiment_id, job_name=f"{arguments['run_id']}-recurring",
+                                      description=f"{arguments['more']} more iteration(s) of run "
+                                                  f"{arguments['run_id']} per trigger",
+                                      cron_expression=cron, max_concurrency=1, no_catchup=True, params=arguments,
+                                      pipeline_package_path=str(COMPILED_FINETUNE), enable_caching=False,
+                                      service_account=target.service_account)
     return {"recurring_run_id": job.recurring_run_id, "experiment_id": experiment_id, "cron": cron}

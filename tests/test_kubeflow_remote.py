@@ -85,3 +85,33 @@ def test_bad_run_id_and_pool_shape_are_refused_before_any_request(tmp_path):
             bad.write_text("kubernetes: {node_gpu: 8}\n")
             main(["submit", "--host", rec.url, "--run-id", "r", "--store", "s3://b/r", "--deployment", str(bad)])
         assert not rec.requests
+
+
+def test_submit_with_iterations_starts_the_fine_tune_driver(capsys):
+    with Recorder() as rec:
+        assert main(["submit", "--host", rec.url, "--run-id", "qwen", "--store", "s3://models/runs",
+                     "--iterations", "300", "--stop-at-reward", "0.9", "actor.lr=1e-5"]) == 0
+        run = posted(rec, "/apis/v2beta1/runs")
+    assert run["display_name"] == "qwen fine-tune"
+    assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-finetune"
+    params = run["runtime_config"]["parameters"]
+    assert params["iterations"] == 300 and params["more"] == 0 and params["stop_at_reward"] == 0.9
+    assert params["config_overrides"] == ["actor.lr=1e-5"] and params["kfp_host"] == rec.url
+    assert "up to 300 iterations in all" in capsys.readouterr().out
+
+
+def test_schedule_with_iterations_per_trigger_runs_the_driver_for_n_more(capsys):
+    with Recorder() as rec:
+        assert main(["schedule", "--host", rec.url, "--cron", "0 2 * * *", "--run-id", "nightly",
+                     "--store", "s3://models/runs", "--iterations-per-trigger", "20"]) == 0
+        job = posted(rec, "/apis/v2beta1/recurringruns")
+    params = job["runtime_config"]["parameters"]
+    assert params["more"] == 20 and params["iterations"] == 0
+    assert job["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-finetune"
+    assert job["max_concurrency"] in (1, "1") and job["no_catchup"] is True
+    assert "each trigger trains 20 more iteration(s)" in capsys.readouterr().out
+    with Recorder() as rec:
+        with pytest.raises(SystemExit, match="--iterations-per-trigger: expected a whole number >= 1"):
+            main(["schedule", "--host", rec.url, "--cron", "0 2 * * *", "--run-id", "n", "--store", "s3://b/r",
+                  "--iterations-per-trigger", "0"])
+        assert not rec.requests

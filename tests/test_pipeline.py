@@ -13,9 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from pipelines.ppo_iteration import COMPILED, COMPILED_KUBERAY, compile_all
+    from pipelines.ppo_iteration import COMPILED, COMPILED_FINETUNE, COMPILED_KUBERAY, compile_all
 
     compile_all(tmp_path)
+    assert (tmp_path / COMPILED_FINETUNE.name).read_text() == COMPILED_FINETUNE.read_text(), \
+        "pipelines/finetune.yaml is stale: run `rlhf compile`"
+    driver = list(yaml.safe_load_all(COMPILED_FINETUNE.read_text()))[0]
+    assert set(driver["root"]["dag"]["tasks"]) == {"drive-finetune"}
+    assert {"iterations", "more", "stop_at_reward", "budget_s", "kube_spec"} <= set(
+        driver["root"]["inputDefinitions"]["parameters"])
     for checked_in in (COMPILED, COMPILED_KUBERAY):
         fresh = (tmp_path / checked_in.name).read_text()
         assert checked_in.read_text() == fresh, f"pipelines/{checked_in.name} is stale: run `rlhf compile`"
