@@ -86,6 +86,11 @@ class FakeKubeAPI:
                     return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{name}" already exists')
                 self.clusters[(namespace, name)] = dict(body)
                 return 201, body
+            if method == "PATCH" and name:  # a JSON merge patch (lists are replaced whole)
+                if key not in self.clusters:
+                    return 404, _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
+                _merge(self.clusters[key], body)
+                return 200, self.clusters[key]
             if method == "DELETE" and name:
                 if self.clusters.pop(key, None) is None:
                     return 404, _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
@@ -98,6 +103,16 @@ class FakeKubeAPI:
             return 200, {"kind": "EventList", "apiVersion": "v1", "metadata": {},
                          "items": self._events(namespace, params.get("fieldSelector", "x="))}
         return 404, _status(404, "NotFound", f"no route {method} {route}")
+
+
+def _merge(target: dict, patch: dict) -> None:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge(target[key], value)
+        elif value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
 
 
 def _status(code: int, reason: str, message: str) -> dict:

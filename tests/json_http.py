@@ -33,6 +33,9 @@ class JSONServer:
             def do_POST(self):
                 self._serve("POST")
 
+            def do_PATCH(self):
+                self._serve("PATCH")
+
             def do_DELETE(self):
                 self._serve("DELETE")
 

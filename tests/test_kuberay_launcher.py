@@ -98,3 +98,23 @@ def test_unknown_policy_is_refused():
     with FakeKubeAPI() as fake:
         with pytest.raises(ValueError, match="cluster policy: expected one of .* found 'remove'"):
             launcher(fake).teardown("rlhf-nightly", "remove", True)
+
+
+def test_gpu_workers_scaled_to_zero_while_idle_come_back_at_the_next_launch():
+    """The rendered cluster lets KubeRay's autoscaler remove idle worker pods (minReplicas
+    0, an idle timeout): once the session ends no GPU pod stays up. The next iteration's
+    launch finds the group at zero and gives it its pool's size back."""
+    spec = body()["spec"]
+    assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"]["idleTimeoutSeconds"] == 300
+    assert [(g["minReplicas"], g["replicas"], g["maxReplicas"]) for g in spec["workerGroupSpecs"]] == [(0, 1, 1)]
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        launcher(fake).ensure(body(), timeout_s=30)
+        # the session idled out; the autoscaler scaled the workers down (what KubeRay does)
+        fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["replicas"] = 0
+        logs = []
+        address = launcher(fake, logs).ensure(body(), timeout_s=30)
+        assert address.reused and fake.verbs("PATCH") == [f"{PATH}/rlhf-nightly"]
+        assert fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["replicas"] == 1
+        assert "RayCluster rlhf-nightly: worker group(s) ['train'] scaled back up" in logs
+        launcher(fake).ensure(body(), timeout_s=30)  # at size: nothing to patch
+        assert len(fake.verbs("PATCH")) == 1

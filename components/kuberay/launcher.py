@@ -88,6 +88,7 @@ class Launcher:
                 raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} exists but belongs to run {found!r}, "
                                          f"not {want!r}; delete it or choose another run id")
             self.log(f"reusing RayCluster {self.namespace}/{name}")
+            self.restore_workers(existing, body)
         else:
             try:
                 self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
@@ -97,6 +98,25 @@ class Launcher:
                     raise ClusterLaunchError(f"creating RayCluster {self.namespace}/{name} failed: "
                                              f"{exc.status} {exc.reason}: {exc.body}") from None
         return self.wait_ready(name, timeout_s, reused=existing is not None)
+
+    def restore_workers(self, existing: dict, body: dict) -> list[str]:
+        """Worker groups the autoscaler scaled down while the run had no session (its GPU
+        pods released) get their pool's size back, so the session about to start does not
+        wait for a scale-up one node at a time. Returns the groups changed."""
+        wanted = {g["groupName"]: g["replicas"] for g in body["spec"]["workerGroupSpecs"]}
+        groups = [dict(g) for g in existing["spec"].get("workerGroupSpecs", [])]
+        changed = []
+        for group in groups:
+            want = wanted.get(group["groupName"])
+            if want is not None and int(group.get("replicas", 0)) < want:
+                group["replicas"] = want
+                changed.append(group["groupName"])
+        if changed:
+            self.custom.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                       existing["metadata"]["name"],
+                                                       {"spec": {"workerGroupSpecs": groups}})
+            self.log(f"RayCluster {existing['metadata']['name']}: worker group(s) {changed} scaled back up")
+        return changed
 
     def wait_ready(self, name: str, timeout_s: float, reused: bool = False) -> ClusterAddress:
         deadline = time.monotonic() + timeout_s

@@ -75,8 +75,10 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
     }
 
 
-def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool) -> dict:
-    pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": False,
+def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool,
+                  api_token: bool = False) -> dict:
+    # only the head's autoscaler sidecar talks to the Kubernetes API (to scale worker groups)
+    pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": api_token,
            "containers": [container],
            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                "seccompProfile": {"type": "RuntimeDefault"}},
@@ -112,7 +114,10 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
     for pool in pools(cfg):
         worker = _container("ray-worker", spec, pool["cpus"], pool["memory_gib"], pool["gpus"])
         groups.append({
-            "groupName": pool["name"], "replicas": pool["replicas"], "minReplicas": pool["replicas"],
+            # minReplicas 0: once the session ends (idle timeout, stop-session) its workers are
+            # idle and KubeRay's autoscaler removes their pods; the next session's placement
+            # group brings them back (and the launcher restores the count when it reuses the cluster)
+            "groupName": pool["name"], "replicas": pool["replicas"], "minReplicas": 0,
             "maxReplicas": pool["replicas"],
             "rayStartParams": {"num-cpus": str(int(pool["cpus"])), "num-gpus": str(pool["gpus"]),
                                "object-store-memory": str(int(pool["object_store_gib"] * GIB))},
@@ -121,10 +126,16 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
     return {
         "rayVersion": spec.ray_version,
         "authOptions": {"mode": "token", "secretName": spec.ray_token_secret},
+        "enableInTreeAutoscaling": True,
+        "autoscalerOptions": {"idleTimeoutSeconds": spec.worker_idle_timeout_s,
+                              "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                                                  "allowPrivilegeEscalation": False,
+                                                  "capabilities": {"drop": ["ALL"]},
+                                                  "seccompProfile": {"type": "RuntimeDefault"}}},
         "headGroupSpec": {
             # no training on the head: num-cpus 0 keeps worker actors off it
             "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-            "template": _pod_template(head, spec, labels, 1.0, workers=False),
+            "template": _pod_template(head, spec, labels, 1.0, workers=False, api_token=True),
         },
         "workerGroupSpecs": groups,
     }

@@ -49,6 +49,7 @@ class KubeSpec:
     ray_version: str = "2.60.0"
     session_max_lifetime_s: int = 7 * 24 * 3600   # RayJob activeDeadlineSeconds
     ttl_after_finished_s: int = 600               # RayJob: keep the finished cluster for its logs
+    worker_idle_timeout_s: int = 300              # GPU worker pods idle this long (no session) are scaled to zero
 
     def validate(self) -> "KubeSpec":
         for name in ("image", "namespace", "service_account", "object_store_secret", "ray_token_secret"):
@@ -61,7 +62,7 @@ class KubeSpec:
         if not isinstance(self.tolerations, list) or not all(isinstance(t, dict) for t in self.tolerations):
             raise DeploySpecError(f"kubernetes.tolerations: expected a list of toleration maps, "
                                   f"found {self.tolerations!r}")
-        for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s"):
+        for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s", "worker_idle_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
         return self
