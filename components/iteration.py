@@ -15,24 +15,6 @@ IMAGE = os.environ.get("RLHF_IMAGE", DEFAULT_IMAGE)
 
 
 @dsl.component(base_image=IMAGE)
-def ensure_session(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str = "",
-                   dashboard_url: str = "") -> str:
-    """Make sure the run's long-lived session (a Ray job running `rlhf serve`) is up and
-    ready on the cluster (``ray_address`` + ``dashboard_url``; empty: this machine's own
-    head under ``head_root``); returns the Ray address. Talks to the Jobs API only."""
-    from rlhf_core import ray_head, session
-    from rlhf_core.config import RunConfig, apply_overrides
-
-    cfg = apply_overrides(RunConfig(), list(config_overrides))  # validated by the controller
-    info = ray_head.resolve_head(head_root, ray_address, dashboard_url)
-    client = ray_head.jobs_client(info)
-    job = session.submit_job(client, cfg, run_id, store, info)
-    session.wait_job_ready(client, job)
-    print(f"session job {job} ready on {info.address}")
-    return info.address
-
-
-@dsl.component(base_image=IMAGE)
 def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "", kfp_run_id: str = "",

@@ -14,7 +14,7 @@ from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
 from components.finetune import drive_finetune
-from components.iteration import ensure_session, report, run_iteration
+from components.iteration import report, run_iteration
 from components.kuberay.spec import (
     OBJECT_STORE_SECRET, POLICY_ACCOUNTS_ENV, POLICY_CONFIG_MAP, POLICY_IMAGES_ENV, RAY_TOKEN_SECRET,
 )
@@ -47,17 +47,18 @@ def _pod_settings(task, small: bool) -> None:
 
 
 def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder=""):
-    session = ensure_session(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
-                             ray_address=ray_address, dashboard_url=dashboard_url)
+    # Two pods per iteration (three with the cluster's launch): the controller makes sure
+    # the session is up itself (it submits the session job when there is none and waits
+    # for it), so a separate session-check pod would only add a pod start to every run.
     step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
-                         ray_address=session.output, dashboard_url=dashboard_url,
+                         ray_address=ray_address, dashboard_url=dashboard_url,
                          kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
                          lease_holder=lease_holder)
     step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
     summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
-    for task, small in ((session, True), (step, False), (summary, True)):
+    for task, small in ((step, False), (summary, True)):
         _pod_settings(task, small)
-    return session, step
+    return step
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration",
@@ -82,11 +83,10 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         # which images and accounts kube_spec may choose: the deployment's, not the run's
         kubernetes.use_config_map_as_env(cluster, config_map_name=POLICY_CONFIG_MAP, config_map_key_to_env={
             "allowed_images": POLICY_IMAGES_ENV, "allowed_service_accounts": POLICY_ACCOUNTS_ENV})
-        session, step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
-                                   cluster.outputs["dashboard_url"], lease_holder)
-        for task in (session, step):  # they talk to the token-authenticated Ray cluster
-            kubernetes.use_secret_as_env(task, secret_name=RAY_TOKEN_SECRET,
-                                         secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
+        step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
+                          cluster.outputs["dashboard_url"], lease_holder)
+        # it talks to the token-authenticated Ray cluster
+        kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET, secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
 
 
 @dsl.pipeline(name="rlhf-finetune",

@@ -30,7 +30,7 @@ def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
         assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
         assert "resourceMemoryLimit: 16G" in fresh  # the controller's limit
     local = yaml.safe_load_all(COMPILED.read_text()).__next__()
-    assert set(local["root"]["dag"]["tasks"]) == {"ensure-session", "run-iteration", "report"}
+    assert set(local["root"]["dag"]["tasks"]) == {"run-iteration", "report"}
 
 
 def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
@@ -43,7 +43,7 @@ def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
     assert set(root) == {"exit-handler-1", "teardown-cluster"}
     assert root["teardown-cluster"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"launch-cluster", "ensure-session", "run-iteration", "report"}
+    assert set(inner) == {"launch-cluster", "run-iteration", "report"}
     # the cluster name is computed from the run-time run_id inside the components, never
     # fixed at compile time (two runs of this YAML with different run ids get two clusters)
     launch = inner["launch-cluster"]["inputs"]["parameters"]
