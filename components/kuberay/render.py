@@ -158,7 +158,7 @@ def render_rayjob(cfg, spec: KubeSpec, run_id: str, store: str) -> dict:
         "spec": {
             "entrypoint": shlex.join(["rlhf", "serve", "--foreground", "--run-id", run_id, "--store", store]),
             "runtimeEnvYAML": json.dumps(runtime_env),  # JSON is YAML
-            # what `ensure_session` looks for through the Jobs API
+            # what the controller (session.find_job) looks for through the Jobs API
             "metadata": {"rlhf_run_id": run_id, "kind": "session", "config_hash": cfg.config_hash()},
             # K8sJobMode: a Kubernetes Job submits and follows the session, retried by
             # Kubernetes, with its logs in a pod of its own (KubeRay's default, widely supported)
