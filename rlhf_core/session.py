@@ -92,7 +92,8 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
     record = ray.remote(SessionRecord).options(name=SESSION_ACTOR, namespace=namespace_of(run_id),
                                                lifetime="detached", num_cpus=0).remote(
         {"run_id": run_id, "config_hash": cfg.config_hash(), "status": "starting", "job_id": job_id,
-         "generation": 0, "step": None, "worker_names": []})
+         "generation": 0, "step": None, "worker_names": [],
+         "idle_timeout_s": cfg.trainer.session_idle_timeout_s})
     generation, workers, reason = 0, None, None
     try:
         while reason is None:

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -228,6 +229,19 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     info, record = attached.info, attached.record
     log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
     record.update.remote(step=None)  # dirty until this iteration commits
+    # the session counts as in use while this controller runs, however long a stage takes
+    # (an idle timeout shorter than a stage must not end the session under it)
+    stop_beat = threading.Event()
+
+    def heartbeat() -> None:
+        timeout = info.get("idle_timeout_s") or cfg.trainer.session_idle_timeout_s  # the session's own
+        while not stop_beat.wait(max(0.2, min(30.0, timeout / 4))):
+            try:
+                record.update.remote()
+            except Exception:  # the session is gone: the next worker call says so
+                return
+
+    threading.Thread(target=heartbeat, name="session-heartbeat", daemon=True).start()
     try:
         rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
                                        workers_at_step=info.get("step"), on_stage=stage_started,
@@ -237,6 +251,8 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {held}; leaving it alone")
         return {"run_id": run_id, "rows": [], "lease_held_by": str(held), "snapshots": istore.run_uri,
                 "metrics": str(run_dir / "metrics.jsonl"), "session": None}
+    finally:
+        stop_beat.set()
     result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),
               "session": {k: info[k] for k in ("generation", "job_id")}}
     if rows:
