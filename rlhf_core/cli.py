@@ -148,6 +148,8 @@ def _cmd_iterate(args: argparse.Namespace) -> int:
         print(f"lease held by {result['lease_held_by']}: another trigger is running this iteration")
     else:
         print(f"session: generation {result['session']['generation']}, job {result['session']['job_id']}")
+    for note in result.get("prefetch", []):
+        print(note)
     for row in result["rows"]:
         print(f"iteration {row['iteration']}: reward {row['critic/score/mean']:.3f}, "
               f"{row['timing_s/iteration']:.2f}s")

@@ -134,6 +134,9 @@ class TrainerConfig:
     progress: bool = _f(True, "show a progress bar per stage")
     session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
                                        "long without a controller using it", **POSITIVE)
+    prefetch: bool = _f(True, "a session computes the next iteration's inference stages (rollout through "
+                        "values) right after an iteration commits, while the next controller starts; "
+                        "results are identical either way")
 
 
 @dataclass
@@ -233,6 +236,7 @@ class RunConfig:
 #: Fields that change how a run is shown or where local logs go, never what it trains.
 NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
                        ("trainer", "total_iterations"),  # how long a run goes on, not what an iteration does
+                       ("trainer", "prefetch"),  # when the inference stages run, not what they compute
                        ("resources", None))  # where it runs, not what it trains
 
 

@@ -14,6 +14,9 @@ generation counter that grows on every rebuild); controllers read it and mark th
 weights dirty while they change them. A controller that finds a worker dead asks the
 serve loop to rebuild; one that finds no session at all submits a new serve job. Either
 way the workers come back from the last committed checkpoint.
+
+A second detached actor, ``prefetch``, computes the next iteration's inference stages on
+the workers between two controllers (``rlhf_core.trainer.prefetch``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from rlhf_core.config import RunConfig
+from rlhf_core.trainer.prefetch import PREFETCH_ACTOR, Prefetcher
 from rlhf_core.workers.worker_set import WorkerSet, checkpoint_exists
 
 SESSION_ACTOR = "session"
@@ -45,6 +49,7 @@ class AttachedSession:
     workers: WorkerSet
     record: object        # the SessionRecord actor handle
     info: dict            # the record's published state when attached
+    prefetcher: object = None  # the Prefetcher actor handle (rlhf_core.trainer.prefetch)
 
 
 class SessionRecord:
@@ -62,6 +67,12 @@ class SessionRecord:
     def update(self, **changes) -> None:
         self.info.update(changes)
         self.last_used = time.time()
+
+    def weights_at(self, step: int | None, generation: int) -> bool:
+        """Whether the workers are ready with weights at ``step`` (no controller marked
+        them dirty since): the prefetcher asks before it starts computing ahead."""
+        return (step is not None and self.info.get("status") == "ready" and self.info.get("step") == step
+                and self.info.get("generation") == generation)
 
     def request_rebuild(self) -> None:
         self.rebuild_requested = True
@@ -94,6 +105,9 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
         {"run_id": run_id, "config_hash": cfg.config_hash(), "status": "starting", "job_id": job_id,
          "generation": 0, "step": None, "worker_names": [],
          "idle_timeout_s": cfg.trainer.session_idle_timeout_s})
+    prefetcher = ray.remote(Prefetcher).options(name=PREFETCH_ACTOR, namespace=namespace_of(run_id),
+                                                lifetime="detached", num_cpus=0, max_concurrency=4).remote(
+        cfg, namespace_of(run_id), WORKER_PREFIX, SESSION_ACTOR)
     generation, workers, reason = 0, None, None
     try:
         while reason is None:
@@ -101,6 +115,7 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
             t0 = time.perf_counter()
             workers = _place(cfg, run_id)
             step = _restore(cfg, store, run_id, workers, log)
+            ray.get(prefetcher.reset.remote(workers.worker_names, generation))
             ray.get(record.rebuilt.remote(status="ready", generation=generation, step=step,
                                           worker_names=workers.worker_names, started_at=time.time()))
             log(f"{READY_LINE}: run {run_id}, generation {generation}, weights at step {step}, "
@@ -121,6 +136,7 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
         try:
             if workers is not None:
                 workers.kill()
+            ray.kill(prefetcher, no_restart=True)
             ray.kill(record, no_restart=True)
         except Exception:  # already gone: `rlhf stop-session` kills them too
             pass
@@ -254,8 +270,16 @@ def _attach(cfg: RunConfig, run_id: str, record, info: dict) -> AttachedSession 
     if info["config_hash"] != cfg.config_hash():
         raise RuntimeError(f"session of run {run_id} runs another config (hash {info['config_hash'][:12]}, "
                            f"now {cfg.config_hash()[:12]}); stop it first (rlhf stop-session)")
+    import ray
+
     workers = WorkerSet.attach(cfg, info["worker_names"], namespace=namespace_of(run_id), role=WORKER_PREFIX)
-    return None if workers is None else AttachedSession(workers, record, info)
+    if workers is None:
+        return None
+    try:
+        prefetcher = ray.get_actor(PREFETCH_ACTOR, namespace=namespace_of(run_id))
+    except ValueError:  # a session of an older version: no computing ahead
+        prefetcher = None
+    return AttachedSession(workers, record, info, prefetcher)
 
 
 def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900.0) -> AttachedSession:
@@ -326,6 +350,10 @@ def stop(run_id: str, head=None) -> bool:
             ray.kill(ray.get_actor(name, namespace=namespace_of(run_id)), no_restart=True)
         except Exception:
             pass
+    try:
+        ray.kill(ray.get_actor(PREFETCH_ACTOR, namespace=namespace_of(run_id)), no_restart=True)
+    except Exception:
+        pass
     ray.kill(record, no_restart=True)
     try:
         ray.util.remove_placement_group(ray.util.get_placement_group(f"{run_id}_pool_pg0"))

@@ -249,3 +249,33 @@ def test_secrets_stay_out_of_logs_and_ray_listens_on_loopback_with_a_token(tmp_p
     probe = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address={info.address!r}); print('IN')"],
                            capture_output=True, text=True, timeout=120, env=env)
     assert probe.returncode != 0 and "IN" not in probe.stdout
+
+
+def test_next_iteration_computed_ahead_is_adopted_and_bit_identical(tmp_path, head_root, ray_local):
+    """After each commit the session computes the next iteration's inference stages; the
+    next controller adopts them (same snapshots, same weights as a direct run). A result
+    computed ahead for another state is dropped, never adopted."""
+    os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
+    out = iterate(tmp_path, head_root, overrides=PPO).stdout
+    assert "computing iteration 1 ahead: started" in out
+    out = iterate(tmp_path, head_root, overrides=PPO).stdout
+    assert "iteration 1: adopting the stages computed ahead (rollout, reward, old_log_prob, ref_log_prob, " \
+           "values)" in out, out
+    # trainer.prefetch=false: this controller still adopts what was computed for it, but
+    # leaves nothing computed ahead for the next one
+    out = iterate(tmp_path, head_root, overrides=[*PPO, "trainer.prefetch=false"]).stdout
+    assert "iteration 2: adopting" in out and "ahead:" not in out
+    out = iterate(tmp_path, head_root, overrides=PPO).stdout
+    assert "iteration 3: computing every stage (nothing was prefetched)" in out
+
+    # iteration 4 is computed ahead; then the run is rolled back to before iteration 3
+    # (its manifest removed): the controller redoes iteration 3, and the result computed
+    # for iteration 4 must not be taken for it
+    store = tmp_path / "store" / "run"
+    (store / "iter-000003" / "MANIFEST.json").unlink()
+    out = iterate(tmp_path, head_root, overrides=PPO).stdout
+    assert "iteration 3: computing every stage (prefetched for another state (iteration: 4 != 3" in out, out
+    ahead = [json.loads((store / f"iter-{n:06d}" / "MANIFEST.json").read_text())["computed_ahead"] for n in range(4)]
+    inference = ["rollout", "reward", "old_log_prob", "ref_log_prob", "values"]
+    assert ahead == [[], inference, inference, []]
+    assert_same_as_direct(tmp_path, 4, PPO)

@@ -54,10 +54,11 @@ def code_version() -> dict:
 
 
 def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str, checkpoint_sha256: dict,
-                       snapshots: dict) -> dict:
+                       snapshots: dict, computed_ahead: list[str] = ()) -> dict:
     """The body of an iteration's MANIFEST.json (``commit_iteration`` adds the format,
     run id, iteration number, parent and commit time): what produced the iteration and
-    everything needed to continue after it."""
+    everything needed to continue after it. ``computed_ahead``: the stages the session
+    computed before this iteration's controller started (``rlhf_core.trainer.prefetch``)."""
     return {"config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
             "checkpoint": checkpoint, "checkpoint_sha256": checkpoint_sha256, "data_cursor": state.cursor, "kl_coef": state.kl_coef,
             "global_step": state.global_step,
@@ -65,7 +66,7 @@ def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str
                     "note": "every random draw is seeded from these and the global step"},
             "stage_timings_s": {k[len("timing_s/"):]: v for k, v in metrics.items() if k.startswith("timing_s/")},
             "metrics": {k: v for k, v in metrics.items() if not k.startswith(("timing", "perf"))},
-            "snapshots": snapshots}
+            "snapshots": snapshots, "computed_ahead": list(computed_ahead)}
 
 
 class IterationStore:

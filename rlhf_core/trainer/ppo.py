@@ -48,11 +48,21 @@ class StageStore(Protocol):
     def save(self, iteration: int, stage: str, batch: DataProto) -> None: ...
 
 
+class PrefetchSource(Protocol):
+    """The session's computed-ahead inference stages (see ``rlhf_core.trainer.prefetch``)."""
+
+    def take(self, state: TrainerState):
+        """The prefetched result for this state, or None; either way nothing is still
+        running on the workers when it returns."""
+        ...
+
+
 class PPOTrainer:
     """Drives PPO/GRPO iterations over worker groups placed on a local or remote Ray."""
 
     def __init__(self, config: RunConfig, workers, loader, state: TrainerState | None = None,
-                 on_stage: Callable[[str], None] | None = None, stage_store: StageStore | None = None) -> None:
+                 on_stage: Callable[[str], None] | None = None, stage_store: StageStore | None = None,
+                 prefetch: "PrefetchSource | None" = None) -> None:
         self.config = config
         self.actor, self.reward = workers["actor"], workers["reward"]
         self.critic = workers.get("critic")
@@ -63,6 +73,8 @@ class PPOTrainer:
                         if kl.type == "adaptive" else FixedKLController(self.state.kl_coef))
         self.on_stage = on_stage or (lambda name: None)
         self.stage_store = stage_store
+        self.prefetch = prefetch
+        self.adopted: list[str] = []
         self.worker_time: dict[str, float] = {}
 
     def stages(self) -> list[tuple[stage_table.Stage, Callable[[DataProto], DataProto]]]:
@@ -78,14 +90,20 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         self.worker_time = {}
         t_start = time.perf_counter()
-        batch = self.loader.next_batch()
-        batch.meta_info.update(global_step=iteration, temperature=self.config.rollout.temperature)
+        batch = self.first_batch()
         plan = self.stages()
         done = self._committed_prefix(iteration, [stage for stage, _ in plan])
+        # taken even when resuming: no computed-ahead stage may still run into the updates
+        ahead = self.prefetch.take(self.state) if self.prefetch is not None else None
+        self.adopted = []  # the stages computed ahead and adopted
         if done:
             batch = self.stage_store.load(iteration, done[-1].name)  # each snapshot is the whole batch
             if "kl_coef" in batch.meta_info:
                 self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
+        elif ahead is not None:
+            batch = self._adopt(iteration, ahead, timing)
+            done = [stage for stage, _ in plan[:len(ahead.stages)]]
+            self.adopted = [stage.name for stage in done]
         for stage, run_stage in plan[len(done):]:
             self.on_stage(stage.name)
             t0 = time.perf_counter()
@@ -112,6 +130,23 @@ class PPOTrainer:
                 break
             done.append(stage)
         return done
+
+    def first_batch(self) -> DataProto:
+        """The iteration's prompts (advances the data cursor)."""
+        batch = self.loader.next_batch()
+        batch.meta_info.update(global_step=self.state.global_step, temperature=self.config.rollout.temperature)
+        return batch
+
+    def _adopt(self, iteration: int, ahead, timing: dict) -> DataProto:
+        """Take the session's computed-ahead stages as this iteration's: their snapshots are
+        committed here (under the caller's lease), exactly as if the stages had run now."""
+        for name, snapshot in ahead.snapshots():
+            faults.reached(f"stage:{name}")  # the same crash points as a stage run here
+            if self.stage_store is not None and stage_table.BY_NAME[name].persisted:
+                self.stage_store.save(iteration, name, snapshot)
+        timing.update(ahead.timing)
+        self.worker_time.update(ahead.worker_time)
+        return ahead.batch
 
     # ---------------------------------------------------------------- the stages
 
@@ -224,6 +259,8 @@ class PPOTrainer:
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update({f"timing_worker_s/{k}": v for k, v in self.worker_time.items()})
         metrics["timing_s/iteration"] = total
+        if self.prefetch is not None:
+            metrics["perf/prefetch_adopted"] = float(bool(self.adopted))
         inside = sum(self.worker_time.values())
         metrics["perf/worker_time_s"] = inside
         metrics["perf/outside_workers_share"] = max(0.0, 1 - inside / total) if inside else 0.0

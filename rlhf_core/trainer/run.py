@@ -64,7 +64,8 @@ class LeaseHeld(Exception):
 
 def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_dir: Path,
                    workers_at_step: int | None = None, on_stage=None, time_budget_s: float | None = None,
-                   stop_at_reward: float | None = None, on_committed=None, take_lease=None) -> tuple[list[dict], object]:
+                   stop_at_reward: float | None = None, on_committed=None, take_lease=None,
+                   prefetch=None) -> tuple[list[dict], object]:
     """The iteration loop shared by direct runs and session-attached controllers:
     restore (or initialize) the workers, then per iteration the stages (resuming at the
     first uncommitted one) and the commit (checkpoint, then MANIFEST.json).
@@ -72,7 +73,8 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     ``workers_at_step``: the step the workers' state is known to be at (a live session
     that committed it); otherwise the starting checkpoint is loaded. ``take_lease``:
     ``iteration -> LeaseKeeper`` (raises ``LeaseHeld``); each iteration then runs under
-    its lease, checked right before the checkpoint and the commit.
+    its lease, checked right before the checkpoint and the commit. ``prefetch``: the
+    session's computed-ahead stages (``rlhf_core.trainer.prefetch.SessionPrefetch``).
     """
     from tqdm import tqdm
 
@@ -86,7 +88,8 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
         if on_stage is not None:
             on_stage(trainer.state.global_step, name)
 
-    trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), state, on_stage=stage_hook, stage_store=istore)
+    trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), state, on_stage=stage_hook, stage_store=istore,
+                         prefetch=prefetch)
     restore_or_init(workers, istore, state, cfg, workers_at_step)
     version = code_version()
     rows = []
@@ -137,7 +140,8 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
     faults.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
-                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)})
+                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)},
+                                  computed_ahead=trainer.adopted)
     if keeper is not None:
         manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
     check()
@@ -186,17 +190,22 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
 
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
-            lease_ttl_s: float = 900.0) -> dict:
+            lease_ttl_s: float = 900.0, prefetch_next: bool | None = None) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
 
     Overlapping triggers (a recurring run firing while the last one still runs) must not
     drive the same workers at once: the iteration is taken with a create-only lease in
-    the store; a second trigger finding a fresh lease returns without doing anything."""
+    the store; a second trigger finding a fresh lease returns without doing anything.
+
+    After its last commit the controller has the session compute the next iteration's
+    inference stages ahead (``prefetch_next``, default ``trainer.prefetch``; the driver
+    says False for a fine-tune's last iteration), for the next controller to adopt."""
     from rlhf_core import session
 
     from rlhf_core.trainer.lease import LeaseKeeper, holder_id
+    from rlhf_core.trainer.prefetch import SessionPrefetch
 
     istore, state = open_run(cfg, store, run_id, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
@@ -228,7 +237,13 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     attached = session.ensure(cfg, run_id, store, head)
     info, record = attached.info, attached.record
     log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
-    record.update.remote(step=None)  # dirty until this iteration commits
+    import ray
+
+    # dirty until this iteration commits; confirmed before anything else, so no computing
+    # ahead can start on the workers once this controller is on them
+    ray.get(record.update.remote(step=None))
+    ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, info.get("step"), info["generation"], log)
+             if attached.prefetcher is not None else None)
     # the session counts as in use while this controller runs, however long a stage takes
     # (an idle timeout shorter than a stage must not end the session under it)
     stop_beat = threading.Event()
@@ -245,8 +260,10 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     try:
         rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
                                        workers_at_step=info.get("step"), on_stage=stage_started,
-                                       on_committed=lambda step: record.update.remote(step=step),
-                                       take_lease=take_lease)
+                                       on_committed=lambda step: ray.get(record.update.remote(step=step)),
+                                       take_lease=take_lease, prefetch=ahead)
+        if rows and ahead is not None and (cfg.trainer.prefetch if prefetch_next is None else prefetch_next):
+            ahead.start_next(trainer.state)
     except LeaseHeld as held:
         log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {held}; leaving it alone")
         return {"run_id": run_id, "rows": [], "lease_held_by": str(held), "snapshots": istore.run_uri,
@@ -254,7 +271,8 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     finally:
         stop_beat.set()
     result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),
-              "session": {k: info[k] for k in ("generation", "job_id")}}
+              "session": {k: info[k] for k in ("generation", "job_id")},
+              "prefetch": ahead.notes if ahead is not None else []}
     if rows:
         last = istore.read_manifest(rows[-1]["iteration"])
         result["lineage"] = {"run_id": run_id, "iteration": last["iteration"],

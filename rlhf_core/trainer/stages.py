@@ -8,7 +8,8 @@ stages. A stage's ``method`` is the ``PPOTrainer`` method that runs it.
     stateful   it changes worker state (weights, optimizer, engine): on resume it re-runs
                from the restored checkpoint instead of being loaded from its snapshot
     persisted  its output batch is committed as a snapshot (and can be replayed)
-    inference  it only reads worker state (a candidate for prefetching the next iteration)
+    inference  it only reads worker state: the leading run of inference stages can be
+               computed ahead (``prefetchable``) while no controller is attached
 """
 
 from __future__ import annotations
@@ -65,3 +66,15 @@ def plan(cfg: RunConfig) -> list[Stage]:
 
 def persisted_names(cfg: RunConfig) -> list[str]:
     return [stage.name for stage in plan(cfg) if stage.persisted]
+
+
+def prefetchable(cfg: RunConfig) -> list[Stage]:
+    """The leading inference stages (rollout through values): they depend only on the
+    weights and the prompts, so the session can compute them for the next iteration
+    right after this one's weight sync (``rlhf_core.trainer.prefetch``)."""
+    stages = []
+    for stage in plan(cfg):
+        if not stage.inference:
+            break
+        stages.append(stage)
+    return stages
