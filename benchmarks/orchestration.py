@@ -1,11 +1,18 @@
-"""K iterations as Kubeflow pipeline runs (KFP local runner, long-lived session) vs the
-same K iterations run directly by one controller process. Same run config, same machine.
+"""What running each iteration as its own Kubeflow pipeline run costs. Two measurements:
 
-    .venv/bin/python benchmarks/orchestration.py [--iterations 5]
+    .venv/bin/python benchmarks/orchestration.py overhead [--iterations 5]
+    .venv/bin/python benchmarks/orchestration.py idle [--runs 10] [--latencies 5,20]
 
-Both are timed end to end as a user runs them (`rlhf run` vs `rlhf run --direct`),
-start-up included; the difference divided by K is the per-iteration overhead of running
-each iteration as its own pipeline run.
+``overhead``: K iterations as KFP local pipeline runs (long-lived session) vs the same K
+iterations run directly by one controller process, same config, start-up included; the
+difference divided by K is the per-iteration overhead.
+
+``idle``: the session workers' idle share between iterations, 1 - worker busy time / wall
+time over ``--runs`` pipeline runs, with each component's start delayed by a simulated
+pod start (``RLHF_SIMULATED_POD_START_S``: pod scheduling and image start, which the
+local runner does not have), with and without the session computing the next
+iteration's inference stages ahead (``trainer.prefetch``). The config is sized so an
+iteration takes >= 30 s of worker time, most of it in the inference stages.
 """
 
 from __future__ import annotations
@@ -48,10 +55,7 @@ def steady_state(out: Path) -> tuple[float, float]:
     return per_run, sum(r["timing_s/iteration"] for r in rows[1:-1]) / (len(rows) - 2)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=5)
-    args = parser.parse_args()
+def overhead(args, parser) -> None:
     k = args.iterations
     if k < 3:
         parser.error("--iterations: at least 3 (steady state is measured between runs 2 and K)")
@@ -67,6 +71,90 @@ def main() -> None:
     per_run, training = steady_state(work / "pipeline")
     print(f"steady state (runs 2..{k}): {per_run:.1f} s per pipeline run for {training:.1f} s of training "
           f"({per_run - training:.1f} s of orchestration per iteration)")
+
+
+#: An iteration of >= 30 s of worker time on this machine's 2 cores, over half of it in
+#: the inference stages (rollout of 2048 responses, reward, old and reference log-probs).
+HEAVY = ["data.train_batch_size=128", "rollout.n=16", "actor.ppo_mini_batch_size=128", "actor.use_kl_loss=true"]
+INFERENCE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values")
+
+
+def pipeline_runs(run_id: str, work: Path, head_root: Path, overrides: list[str], runs: int, latency_s: float,
+                  last_prefetches: bool = True) -> float:
+    """``runs`` per-iteration pipeline runs one after another, each a process of its own (as
+    the fine-tune driver's stand-in starts them); returns the wall time."""
+    env = {**os.environ, "RLHF_SIMULATED_POD_START_S": str(latency_s)}
+    env.pop("RAY_ADDRESS", None)
+    t0 = time.perf_counter()
+    for k in range(runs):
+        argv = [sys.executable, "-m", "pipelines.local", "--run-id", run_id, "--store", f"file://{work / 'store'}",
+                "--head-root", str(head_root), "--root", str(work / "kfp" / run_id / str(k))]
+        if not last_prefetches and k == runs - 1:
+            argv.append("--no-prefetch-next")
+        proc = subprocess.run([*argv, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{run_id} run {k}:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+def idle(args, parser) -> None:
+    import json
+
+    from rlhf_core import ray_head
+
+    latencies = [float(x) for x in args.latencies.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="rlhf-idle-"))
+    head_root = work / "head"
+    ray_head.start_head(head_root)
+    results = []
+    try:
+        for latency in latencies:
+            for prefetch in (False, True):
+                run_id = f"lat{int(latency)}-{'prefetch' if prefetch else 'plain'}"
+                overrides = [*HEAVY, *args.overrides, f"trainer.prefetch={str(prefetch).lower()}",
+                             "trainer.progress=false", f"trainer.output_dir={work / 'out'}"]
+                # the session starts and the models load in a first run, not timed
+                pipeline_runs(run_id, work, head_root, overrides, 1, 0.0)
+                wall = pipeline_runs(run_id, work, head_root, overrides, args.runs, latency, last_prefetches=False)
+                subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stop-session", "--run-id", run_id,
+                                "--head-root", str(head_root)], cwd=ROOT, capture_output=True)
+                rows = [json.loads(line) for line in
+                        (work / "out" / run_id / "metrics.jsonl").read_text().splitlines()][1:]
+                busy = sum(r["perf/worker_time_s"] for r in rows)
+                inference = sum(r.get(f"timing_worker_s/{s}", 0.0) for r in rows for s in INFERENCE)
+                results.append({"latency": latency, "prefetch": prefetch, "runs": len(rows), "wall": wall,
+                                "busy": busy, "inference_share": inference / busy,
+                                "adopted": sum(r.get("perf/prefetch_adopted", 0) for r in rows)})
+                r = results[-1]
+                print(f"[idle] {run_id}: {r['runs']} runs, {wall:.0f} s wall, {busy:.0f} s worker busy, "
+                      f"idle {1 - busy / wall:.1%}", flush=True)
+    finally:
+        ray_head.stop_head(ray_head.read_head(head_root), head_root)
+    print(f"\nworkers' idle share over {args.runs} pipeline runs (config: {' '.join(HEAVY + args.overrides)})")
+    print(f"{'pod start s':>11}{'prefetch':>10}{'s/run':>8}{'worker s/it':>12}{'inference':>10}{'adopted':>9}"
+          f"{'idle share':>12}")
+    for r in results:
+        print(f"{r['latency']:>11.0f}{'on' if r['prefetch'] else 'off':>10}{r['wall'] / r['runs']:>8.1f}"
+              f"{r['busy'] / r['runs']:>12.1f}{r['inference_share']:>10.0%}{r['adopted']:>6.0f}/{r['runs']:<2}"
+              f"{1 - r['busy'] / r['wall']:>12.1%}")
+    for latency in latencies:
+        off, on = (next(r for r in results if r["latency"] == latency and r["prefetch"] == p) for p in (False, True))
+        print(f"pod start {latency:.0f} s: idle share {1 - off['busy'] / off['wall']:.1%} -> "
+              f"{1 - on['busy'] / on['wall']:.1%} with prefetch; s/run {off['wall'] / off['runs']:.1f} -> "
+              f"{on['wall'] / on['runs']:.1f} (goal at 5 s: <= 15%)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    o = sub.add_parser("overhead", help="pipeline runs vs one direct controller")
+    o.add_argument("--iterations", type=int, default=5)
+    i = sub.add_parser("idle", help="workers' idle share between pipeline runs, with and without prefetch")
+    i.add_argument("--runs", type=int, default=10, help="timed pipeline runs per setting (after one untimed)")
+    i.add_argument("--latencies", default="5,20", help="simulated pod start seconds, comma-separated")
+    i.add_argument("overrides", nargs="*", help="extra config overrides (e.g. to size the iteration)")
+    args = parser.parse_args()
+    (overhead if args.mode == "overhead" else idle)(args, parser)
 
 
 if __name__ == "__main__":

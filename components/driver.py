@@ -98,7 +98,10 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             kwargs = {"service_account": service_account} if service_account else {}
             # one lease holder per iteration across the driver's attempts: the driver knows an
             # attempt that failed is over, so the next takes its lease over at once
-            params = {**plan.arguments, "lease_holder": f"driver:{plan.run_id}/iteration-{n}"}
+            # the checkpoint it starts from, imported by the run (KFP lineage links the runs);
+            # the session computes the next iteration ahead unless this is the last one
+            params = {**plan.arguments, "lease_holder": f"driver:{plan.run_id}/iteration-{n}",
+                      "parent_model": istore.checkpoint_uri(n), "prefetch_next": n + 1 < target}
             run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
                                       params=params, enable_caching=False, **kwargs)
             log(f"[driver] submitted {name}: {run.run_id}")

@@ -18,18 +18,33 @@ IMAGE = os.environ.get("RLHF_IMAGE", DEFAULT_IMAGE)
 def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], dashboard_url: str = "", kfp_run_id: str = "",
-                  kfp_task: str = "", lease_holder: str = "") -> int:
+                  kfp_task: str = "", lease_holder: str = "", prefetch_next: bool = True,
+                  parent: dsl.Input[dsl.Model] = None) -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
     holds the iteration's lease). The lease holder is ``lease_holder`` when given (the
     fine-tune driver names one per iteration, so its resubmission after a failed run
     takes over at once), else the KFP run and task (a KFP retry of this task, another
-    pod, takes the lease over at once)."""
+    pod, takes the lease over at once). ``parent``: the checkpoint this iteration starts
+    from (imported, so KFP's lineage links the runs); a run that has moved on since the
+    submitter looked is refused. ``prefetch_next``: have the session compute the next
+    iteration's inference stages ahead (the driver says False for a fine-tune's last)."""
     import os
 
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.testing import faults
+    from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.run import iterate
+
+    faults.pod_started()  # no-op unless a benchmark simulates pod scheduling
+
+    if parent is not None:
+        istore = IterationStore(store, run_id)
+        starts_from = istore.checkpoint_uri(len(istore.committed_iterations()))
+        if parent.uri.rstrip("/") != starts_from:
+            raise ValueError(f"parent_model: expected the checkpoint run {run_id} continues from, {starts_from}; "
+                             f"found {parent.uri}")
 
     if lease_holder:
         os.environ["RLHF_LEASE_HOLDER"] = lease_holder
@@ -40,7 +55,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head
     info = ray_head.resolve_head(head_root, ray_address if dashboard_url else "", dashboard_url)
     ray_head.connect(info, session.namespace_of(run_id))
-    result = iterate(cfg, run_id, store, info, 1, log=print)
+    result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next)
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     if result.get("lease_held_by"):
         print(f"iteration is being run by {result['lease_held_by']}; this trigger does nothing")
@@ -62,7 +77,10 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
 def report(run_id: str, store: str, iteration: int, summary: dsl.Output[dsl.Markdown]):
     """A Markdown report with the reward curve so far (shown in the Kubeflow UI), built
     from the committed iteration manifests in the store."""
+    from rlhf_core.testing import faults
     from rlhf_core.trainer.report import markdown_report
+
+    faults.pod_started()
 
     with open(summary.path, "w", encoding="utf-8") as f:
         f.write(markdown_report(store, run_id))

@@ -26,7 +26,9 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     # that died, is stopped at the end
     head, ours = ray_head.adopt_or_start(head_root, owner_pid=os.getpid())
     try:
-        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root)
+        # the session computes ahead after the last run too only when it outlives this command
+        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
+                             prefetch_next=not ours or bool(args.keep_session))
     finally:
         if ours and not args.keep_session:
             ray_head.stop_head(head, head_root)

@@ -23,7 +23,14 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
 
 
 def run_local_iterations(run_id: str, store: str, overrides: list, head_root: str, iterations: int,
-                         pipeline_root: str, lease_holder: str = "") -> list[dict]:
+                         pipeline_root: str, lease_holder: str = "", parent_model: str = "",
+                         prefetch_next: bool = True) -> list[dict]:
+    """``iterations`` runs of the per-iteration pipeline, one after the other, each given
+    the checkpoint it continues from (``parent_model`` for the first when the caller
+    knows it, else read from the store, as the fine-tune driver does). The session
+    computes ahead after every run but the last, and after the last if ``prefetch_next``."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+
     from kfp import local
 
     from pipelines.ppo_iteration import ppo_iteration
@@ -31,13 +38,19 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     Path(pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root,
                raise_on_error=True)
-    runs = []
-    for _ in range(iterations):
+    runs, istore = [], IterationStore(store, run_id)
+    for k in range(iterations):
         task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
-                             head_root=os.path.abspath(head_root), lease_holder=lease_holder)
+                             head_root=os.path.abspath(head_root), lease_holder=lease_holder,
+                             parent_model=parent_model if k == 0 and parent_model else _next_parent(istore),
+                             prefetch_next=prefetch_next or k + 1 < iterations)
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
     return runs
+
+
+def _next_parent(istore) -> str:
+    return istore.checkpoint_uri(len(istore.committed_iterations()))
 
 
 class LocalKfpStandIn:
@@ -72,7 +85,9 @@ class LocalKfpStandIn:
             env["RLHF_KILL_AT"] = fault
         argv = [sys.executable, "-m", "pipelines.local", "--run-id", params["run_id"], "--store", params["store"],
                 "--head-root", self.head_root, "--root", os.path.join(self.pipeline_root, kfp_run_id),
-                "--lease-holder", params.get("lease_holder", ""), *params.get("config_overrides", [])]
+                "--lease-holder", params.get("lease_holder", ""), "--parent-model", params.get("parent_model", ""),
+                *([] if params.get("prefetch_next", True) else ["--no-prefetch-next"]),
+                *params.get("config_overrides", [])]
         log = open(os.path.join(self.pipeline_root, f"{kfp_run_id}.log"), "wb")
         self.runs[kfp_run_id] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.submitted.append({"name": job_name, "experiment_id": experiment_id, "params": params,
@@ -96,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-root", required=True)
     parser.add_argument("--root", required=True)
     parser.add_argument("--lease-holder", default="")
+    parser.add_argument("--parent-model", default="")
+    parser.add_argument("--no-prefetch-next", dest="prefetch_next", action="store_false")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    run_local_iterations(args.run_id, args.store, args.overrides, args.head_root, 1, args.root, args.lease_holder)
+    run_local_iterations(args.run_id, args.store, args.overrides, args.head_root, 1, args.root, args.lease_holder,
+                         args.parent_model, args.prefetch_next)
     return 0
 
 

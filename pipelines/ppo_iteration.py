@@ -46,26 +46,44 @@ def _pod_settings(task, small: bool) -> None:
     kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
 
 
-def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder=""):
-    # Two pods per iteration (three with the cluster's launch): the controller makes sure
-    # the session is up itself (it submits the session job when there is none and waits
-    # for it), so a separate session-check pod would only add a pod start to every run.
-    step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
-                         ray_address=ray_address, dashboard_url=dashboard_url,
-                         kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
-                         lease_holder=lease_holder)
-    step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
-    summary = report(run_id=run_id, store=store, iteration=step.outputs["Output"])
-    for task, small in ((step, False), (summary, True)):
-        _pod_settings(task, small)
-    return step
+def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder="",
+               parent_model="", prefetch_next=True):
+    # Two pods per iteration (three with the cluster's launch, one more for the parent's
+    # import): the controller makes sure the session is up itself (it submits the session
+    # job when there is none and waits for it), so a separate session-check pod would only
+    # add a pod start to every run.
+    def controller(**parent):
+        step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
+                             ray_address=ray_address, dashboard_url=dashboard_url,
+                             kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+                             kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, lease_holder=lease_holder,
+                             prefetch_next=prefetch_next, **parent)
+        step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
+        step.set_display_name("run-iteration")  # one of the two branches runs: the same name in the UI
+        _pod_settings(step, small=False)
+        return step
+
+    # the parent checkpoint as an input artifact: KFP's lineage view links iteration runs
+    # (the importer finds the Model the previous run output under the same URI); a run
+    # started by hand without one just has no link
+    with dsl.If(parent_model != "", name="continues-a-checkpoint"):
+        imported = dsl.importer(artifact_uri=parent_model, artifact_class=dsl.Model, reimport=False)
+        linked = controller(parent=imported.output)
+    with dsl.Else(name="no-parent-given"):
+        unlinked = controller()
+    summary = report(run_id=run_id, store=store, iteration=dsl.OneOf(linked.outputs["Output"],
+                                                                    unlinked.outputs["Output"]))
+    _pod_settings(summary, small=True)
+    return linked, unlinked
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration",
               description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it stopped.")
 def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
-                  head_root: str = "/var/run/rlhf", lease_holder: str = ""):
-    _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder)
+                  head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
+                  prefetch_next: bool = True):
+    _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder, parent_model=parent_model,
+               prefetch_next=prefetch_next)
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
@@ -73,7 +91,7 @@ def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_ov
                           "resumable at the stage where it stopped.")
 def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
                           kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
-                          lease_holder: str = ""):
+                          lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
     with dsl.ExitHandler(teardown, name="iteration"):
@@ -83,10 +101,11 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         # which images and accounts kube_spec may choose: the deployment's, not the run's
         kubernetes.use_config_map_as_env(cluster, config_map_name=POLICY_CONFIG_MAP, config_map_key_to_env={
             "allowed_images": POLICY_IMAGES_ENV, "allowed_service_accounts": POLICY_ACCOUNTS_ENV})
-        step = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
-                          cluster.outputs["dashboard_url"], lease_holder)
-        # it talks to the token-authenticated Ray cluster
-        kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET, secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
+        controllers = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
+                                 cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next)
+        for step in controllers:  # they talk to the token-authenticated Ray cluster
+            kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET,
+                                         secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
 
 
 @dsl.pipeline(name="rlhf-finetune",

@@ -69,7 +69,9 @@ def pipeline_arguments(run_id: str, store: str, overrides: list, kube_spec, clus
 
 
 def submit(target: Target, arguments: dict, run_name: str | None = None) -> dict:
-    """One run of the per-iteration pipeline; returns its id."""
+    """One run of the per-iteration pipeline; returns its id. (It gets no parent_model:
+    this machine may not reach the store; the fine-tune driver, inside the cluster, gives
+    every run it submits the checkpoint it continues from.)"""
     client = target.client()
     experiment_id = target.experiment_id(client)
     run = client.run_pipeline(experiment_id=experiment_id,

@@ -52,6 +52,12 @@ def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
         (0, 0, "SUCCEEDED", True), (1, 0, "FAILED", False), (1, 1, "SUCCEEDED", True), (2, 0, "SUCCEEDED", True)]
     assert [s["name"] for s in standin.submitted] == ["drive3 iteration 000000", "drive3 iteration 000001",
                                                        "drive3 iteration 000001 retry 1", "drive3 iteration 000002"]
+    # each run imports the checkpoint it continues from (the run's component refuses any
+    # other), and the session computes ahead after every iteration but the last
+    store = place / "store" / "drive3"
+    assert [s["params"]["parent_model"] for s in standin.submitted] == [
+        f"file://{store}/checkpoints/step-{n:06d}" for n in (0, 1, 1, 2)]
+    assert [s["params"]["prefetch_next"] for s in standin.submitted] == [True, True, True, False]
     # the retry resumed: iteration 1's rollout was committed by the killed controller, not redone
     it1 = place / "store" / "drive3" / "iter-000001"
     writer = lambda stage: json.loads((it1 / stage / "SNAPSHOT.json").read_text())["writer"]["pid"]

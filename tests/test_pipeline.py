@@ -30,7 +30,31 @@ def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
         assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
         assert "resourceMemoryLimit: 16G" in fresh  # the controller's limit
     local = yaml.safe_load_all(COMPILED.read_text()).__next__()
-    assert set(local["root"]["dag"]["tasks"]) == {"run-iteration", "report"}
+    assert set(local["root"]["dag"]["tasks"]) == {"condition-branches-1", "report"}
+    branches = {name: set(c["dag"]["tasks"]) for name, c in local["components"].items() if "dag" in c}
+    # with a parent checkpoint the run imports it (KFP lineage links it to the run that
+    # wrote it); without one (a run started by hand) the controller runs alone
+    assert branches["comp-condition-2"] == {"importer", "run-iteration"}
+    assert branches["comp-condition-3"] == {"run-iteration-2"}
+    importer = local["deploymentSpec"]["executors"]["exec-importer"]["importer"]
+    assert importer["typeSchema"]["schemaTitle"] == "system.Model" and not importer.get("reimport")
+    assert importer["artifactUri"] == {"runtimeParameter": "uri"}
+    assert {"parent_model", "prefetch_next"} <= set(local["root"]["inputDefinitions"]["parameters"])
+
+
+def test_a_parent_model_the_run_has_moved_past_is_refused(tmp_path):
+    """The iteration run's parent checkpoint must be the one the run continues from: a
+    submitter that looked at the store before another iteration committed gets a one-line
+    error naming the field, and nothing is trained."""
+    proc = subprocess.run([sys.executable, "-m", "pipelines.local", "--run-id", "r", "--store",
+                           f"file://{tmp_path / 'store'}", "--head-root", str(tmp_path / "no-head"), "--root",
+                           str(tmp_path / "kfp"), "--parent-model", f"file://{tmp_path}/store/r/checkpoints/step-000007"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    expected = f"parent_model: expected the checkpoint run r continues from, file://{tmp_path}/store/r/checkpoints/" \
+               f"step-000000; found file://{tmp_path}/store/r/checkpoints/step-000007"
+    assert expected in proc.stdout + proc.stderr
+    assert not (tmp_path / "store" / "r" / "iter-000000").exists()
 
 
 def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
@@ -43,7 +67,8 @@ def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
     assert set(root) == {"exit-handler-1", "teardown-cluster"}
     assert root["teardown-cluster"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"launch-cluster", "run-iteration", "report"}
+    assert set(inner) == {"launch-cluster", "condition-branches-2", "report"}
+    assert set(spec["components"]["comp-condition-3"]["dag"]["tasks"]) == {"importer", "run-iteration"}
     # the cluster name is computed from the run-time run_id inside the components, never
     # fixed at compile time (two runs of this YAML with different run ids get two clusters)
     launch = inner["launch-cluster"]["inputs"]["parameters"]

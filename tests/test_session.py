@@ -279,3 +279,33 @@ def test_next_iteration_computed_ahead_is_adopted_and_bit_identical(tmp_path, he
     inference = ["rollout", "reward", "old_log_prob", "ref_log_prob", "values"]
     assert ahead == [[], inference, inference, []]
     assert_same_as_direct(tmp_path, 4, PPO)
+
+
+def test_two_controllers_started_together_commit_the_iteration_once(tmp_path, head_root, ray_local):
+    """Two triggers of one iteration at the same moment (a KFP retry racing a pod that is
+    not dead, two schedules): one takes the lease and trains, the other leaves before it
+    touches the workers; the committed checkpoint is the one the manifest names, and the
+    weights are those of a run nobody raced."""
+    os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
+    iterate(tmp_path, head_root)  # iteration 0, and a live session
+    env = {**os.environ}
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", *ray_head.LOOPBACK_ENV):
+        env.pop(name, None)
+    argv = [sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet", "--store",
+            f"file://{tmp_path / 'store'}", "--head-root", str(head_root), *OVERRIDES,
+            f"trainer.output_dir={tmp_path / 'out'}"]
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    trained = [o for o, _ in outs if "iteration 1:" in o]
+    left = [o for o, _ in outs if "lease held by" in o]
+    assert len(trained) == 1 and len(left) == 1, outs
+    manifest = json.loads((tmp_path / "store" / "run" / "iter-000001" / "MANIFEST.json").read_text())
+    checkpoint = Path(manifest["checkpoint"].removeprefix("file://"))
+    import hashlib
+
+    assert manifest["checkpoint_sha256"]
+    for name, digest in manifest["checkpoint_sha256"].items():
+        assert hashlib.sha256((checkpoint / name).read_bytes()).hexdigest() == digest, name
+    assert_same_as_direct(tmp_path, 2)

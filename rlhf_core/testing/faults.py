@@ -1,4 +1,5 @@
-"""Crash points for the reliability tests.
+"""Crash points for the reliability tests, and the simulated pod start of the
+orchestration benchmark.
 
 ``RLHF_KILL_AT=<pattern>`` makes this process SIGKILL itself (no cleanup, no finally
 blocks: what a node failure or an OOM kill does) the first time it reaches a point whose
@@ -8,7 +9,11 @@ name matches the fnmatch ``<pattern>``. Points:
     snapshot:<uri>      a snapshot's data is written, its manifest (the commit) is not
     commit:<iteration>  the checkpoint is written, the iteration manifest is not
 
-Unset in production; reading one environment variable is all it costs.
+``RLHF_SIMULATED_POD_START_S=<seconds>`` makes every Kubeflow component wait that long
+before it does anything (``pod_started``): it stands for the pod being scheduled and its
+image started, which the KFP local runner does not have (benchmarks/orchestration.py).
+
+Unset in production; reading one environment variable is all each costs.
 """
 
 from __future__ import annotations
@@ -16,9 +21,16 @@ from __future__ import annotations
 import fnmatch
 import os
 import signal
+import time
 
 
 def reached(point: str) -> None:
     pattern = os.environ.get("RLHF_KILL_AT")
     if pattern and fnmatch.fnmatchcase(point, pattern):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def pod_started() -> None:
+    delay = float(os.environ.get("RLHF_SIMULATED_POD_START_S") or 0)
+    if delay > 0:
+        time.sleep(delay)

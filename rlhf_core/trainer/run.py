@@ -227,14 +227,26 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         if on_stage is not None:
             on_stage(step, name)
 
-    current = istore.lease_log(state.global_step, lease_ttl_s)
-    first = current.latest()
-    if first is not None and not current.is_free(first[1], me):
-        holder = first[1].get("holder")  # checked again, atomically, when the iteration starts
+    # the first iteration's lease before anything touches the workers: a controller that
+    # lost the race must not restore (reload) weights under the winner's running stages
+    def held_by(holder: str) -> dict:
         log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
         return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
                 "metrics": str(run_dir / "metrics.jsonl"), "session": None}
-    attached = session.ensure(cfg, run_id, store, head)
+
+    try:
+        pending = [take_lease(state.global_step)]
+    except LeaseHeld as held:
+        return held_by(str(held))
+
+    def lease_for(iteration: int):
+        return pending.pop() if pending else take_lease(iteration)
+
+    try:
+        attached = session.ensure(cfg, run_id, store, head)
+    except BaseException:
+        pending.pop().close()
+        raise
     info, record = attached.info, attached.record
     log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
     import ray
@@ -261,15 +273,15 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
                                        workers_at_step=info.get("step"), on_stage=stage_started,
                                        on_committed=lambda step: ray.get(record.update.remote(step=step)),
-                                       take_lease=take_lease, prefetch=ahead)
+                                       take_lease=lease_for, prefetch=ahead)
         if rows and ahead is not None and (cfg.trainer.prefetch if prefetch_next is None else prefetch_next):
             ahead.start_next(trainer.state)
-    except LeaseHeld as held:
-        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {held}; leaving it alone")
-        return {"run_id": run_id, "rows": [], "lease_held_by": str(held), "snapshots": istore.run_uri,
-                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
+    except LeaseHeld as held:  # a later iteration's (this controller committed the ones before)
+        return held_by(str(held))
     finally:
         stop_beat.set()
+        for keeper in pending:  # the loop never started (restoring the workers failed)
+            keeper.close()
     result = {**_finish(cfg, run_dir, rows, istore, trainer, plot=False),
               "session": {k: info[k] for k in ("generation", "job_id")},
               "prefetch": ahead.notes if ahead is not None else []}

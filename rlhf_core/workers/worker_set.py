@@ -100,9 +100,12 @@ class WorkerSet:
         return workers
 
     @classmethod
-    def attach(cls, cfg: RunConfig, worker_names: list[str], namespace: str, role: str) -> "WorkerSet | None":
+    def attach(cls, cfg: RunConfig, worker_names: list[str], namespace: str, role: str,
+               busy_wait_s: float = 30.0) -> "WorkerSet | None":
         """The detached workers named ``worker_names`` (a session's), or None when any is
-        gone or does not answer."""
+        gone or dead. A worker still busy after ``busy_wait_s`` counts as alive: it is in
+        the middle of a call (the session computing the next iteration ahead, or a stage
+        of a controller that died), and what we send next queues behind it."""
         import ray
 
         from rlhf_core.controller import RayWorkerGroup
@@ -111,8 +114,10 @@ class WorkerSet:
             group = RayWorkerGroup.from_detached(worker_names, colocated_class(cfg), namespace=namespace, role=role)
         except ValueError:
             return None
+        pings = [w.__ray_ready__.remote() for w in group.workers]
+        answered, _ = ray.wait(pings, num_returns=len(pings), timeout=busy_wait_s)
         try:
-            ray.get([w.__ray_ready__.remote() for w in group.workers], timeout=30)
+            ray.get(answered)  # a dead worker answers at once, with its death
         except Exception:
             return None
         return cls._from_group(cfg, group, None)
