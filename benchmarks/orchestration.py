@@ -74,8 +74,8 @@ def overhead(args, parser) -> None:
 
 
 #: An iteration of >= 30 s of worker time on this machine's 2 cores, over half of it in
-#: the inference stages (rollout of 2048 responses, reward, old and reference log-probs).
-HEAVY = ["data.train_batch_size=128", "rollout.n=16", "actor.ppo_mini_batch_size=128", "actor.use_kl_loss=true"]
+#: the inference stages (rollout of 6144 responses, reward, old and reference log-probs).
+HEAVY = ["data.train_batch_size=384", "rollout.n=16", "actor.ppo_mini_batch_size=384", "actor.use_kl_loss=true"]
 INFERENCE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values")
 
 

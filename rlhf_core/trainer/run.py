@@ -200,8 +200,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     the store; a second trigger finding a fresh lease returns without doing anything.
 
     After its last commit the controller has the session compute the next iteration's
-    inference stages ahead (``prefetch_next``, default ``trainer.prefetch``; the driver
-    says False for a fine-tune's last iteration), for the next controller to adopt."""
+    inference stages ahead for the next controller to adopt, when ``trainer.prefetch`` is
+    on and ``prefetch_next`` is not False (the driver says False for a fine-tune's last
+    iteration)."""
     from rlhf_core import session
 
     from rlhf_core.trainer.lease import LeaseKeeper, holder_id
@@ -274,7 +275,7 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
                                        workers_at_step=info.get("step"), on_stage=stage_started,
                                        on_committed=lambda step: ray.get(record.update.remote(step=step)),
                                        take_lease=lease_for, prefetch=ahead)
-        if rows and ahead is not None and (cfg.trainer.prefetch if prefetch_next is None else prefetch_next):
+        if rows and ahead is not None and cfg.trainer.prefetch and prefetch_next is not False:
             ahead.start_next(trainer.state)
     except LeaseHeld as held:  # a later iteration's (this controller committed the ones before)
         return held_by(str(held))

@@ -56,9 +56,15 @@ class VLLMRollout:
         from vllm import LLM
 
         self.config = config
+        on_gpu = torch.cuda.is_available()
+        # On CPU, no chunked prefill: a prompt split across engine steps makes vLLM rewind
+        # that request's seeded generator, which CPU generators cannot do ("CPU Generator
+        # does not use offset"), so batches of more prompt tokens than one step takes
+        # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
                        seed=seed, max_num_seqs=1024, enable_prefix_caching=False,
-                       gpu_memory_utilization=0.3 if torch.cuda.is_available() else 0.9)
+                       gpu_memory_utilization=0.3 if on_gpu else 0.9,
+                       **({} if on_gpu else {"enable_chunked_prefill": False}))
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id or 0
         self.eos_id = tokenizer.eos_token_id
