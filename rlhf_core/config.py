@@ -39,15 +39,36 @@ class ModelConfig:
                    "task's small model (built locally, warm-started by a short SFT, cached)")
     dtype: str = _f("float32", "parameter dtype for training: float32 | bfloat16 | float16",
                     choices=("float32", "bfloat16", "float16"))
+    enable_gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass (actor and "
+                                             "critic): less memory for longer sequences, ~30% more compute")
 
 
 @dataclass
 class DataConfig:
-    train_files: str = _f("builtin:digits", "parquet/jsonl with prompt, ground_truth, "
-                          "data_source columns, or builtin:<task>")
+    train_files: str = _f("builtin:digits", "parquet/jsonl in verl's format (prompt as chat messages, "
+                          "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
+                          "ground_truth, data_source), or builtin:<task>")
     train_batch_size: int = _f(32, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
-    max_prompt_length: int = _f(16, "prompt tokens; longer prompts are an error", **POSITIVE)
+    max_prompt_length: int = _f(16, "prompt tokens (after the chat template); longer prompts are "
+                                "handled by data.truncation", **POSITIVE)
+    truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
+                         "left (keep its end), right (keep its start)", choices=("error", "left", "right"))
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
+
+
+@dataclass
+class FSDPConfig:
+    """FSDP2 settings (``actor.strategy=fsdp``), shared by actor, reference and critic."""
+
+    param_offload: bool = _f(False, "keep parameters, gradients and optimizer state on the CPU (the "
+                             "optimizer steps there): fits bigger models, trains slower")
+    optimizer_offload: bool = _f(False, "move AdamW's state to the CPU between updates (GPU memory for "
+                                 "rollout); no effect on CPU machines")
+    ref_param_offload: bool = _f(True, "keep the frozen reference model's shards on the CPU")
+    reshard_after_forward: bool = _f(True, "free gathered layers after forward (ZeRO-3); False keeps them "
+                                     "for backward (ZeRO-2: faster, more memory)")
+    mixed_precision: str = _f("auto", "auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU) "
+                              "| bf16 | fp32", choices=("auto", "bf16", "fp32"))
 
 
 @dataclass
@@ -68,9 +89,12 @@ class ActorConfig:
     kl_loss_coef: float = _f(0.001, "weight of the KL loss", **NON_NEGATIVE)
     kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: k1 | k2 | k3/low_var_kl | abs")
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
-    strategy: str = _f("ddp", "how actor ranks share the model: ddp (every rank holds the whole model, "
-                       "gradients are all-reduced); the only strategy this build trains with", choices=("ddp",))
+    strategy: str = _f("fsdp", "how the ranks of actor, reference and critic share a model: fsdp (FSDP2: "
+                       "parameters, gradients and optimizer state sharded per decoder layer) or ddp (every "
+                       "rank holds the whole model); one rank trains the plain model either way",
+                       choices=("fsdp", "ddp"))
     world_size: int = _f(1, "actor/rollout/reference ranks (processes)", **POSITIVE)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -82,6 +106,14 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     response_length: int = _f(8, "max new tokens per response", **POSITIVE)
     seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset", **NON_NEGATIVE)
+    tensor_model_parallel_size: int = _f(1, "vLLM tensor parallel size: ranks that serve one engine "
+                                         "together (GPU only; divides actor.world_size, at most "
+                                         "resources.gpus_per_node)", **POSITIVE)
+    gpu_memory_utilization: float = _f(0.5, "share of each GPU vLLM may take for weights and KV cache "
+                                       "(the trained model, its gradients and optimizer need the rest)",
+                                       gt=0, le=1)
+    free_cache_engine: bool = _f(True, "free vLLM's KV cache and weights while the actor trains (sleep / "
+                                 "wake up around training; no-op on CPU)")
 
 
 @dataclass
@@ -100,7 +132,8 @@ class CriticConfig:
 class RewardConfig:
     function: str = _f("builtin", "module:function with verl's signature (data_source, "
                        "solution_str, ground_truth, extra_info) -> float | dict; builtin = the "
-                       "built-in task's scorer")
+                       "built-in task's scorer; gsm8k = 1 when the number after the last '####' "
+                       "equals the ground truth")
 
 
 @dataclass
@@ -153,6 +186,12 @@ class ResourcesConfig:
 
     def ranks_per_node(self, cpus_per_worker: float) -> int:
         return self.gpus_per_node if self.gpus_per_node else int(self.cpus_per_node // cpus_per_worker)
+
+    def process_on_nodes(self, world_size: int) -> list[int]:
+        """Ranks per node of a pool of ``world_size`` ranks (verl's ``process_on_nodes``):
+        spread evenly over ``nnodes`` (validate checks it divides)."""
+        nodes = min(self.nnodes, world_size)
+        return [world_size // nodes] * nodes
 
 
 @dataclass
@@ -224,6 +263,19 @@ class RunConfig:
             raise ConfigError(f"actor.world_size={self.actor.world_size} ranks do not fit the pool: "
                               f"resources.nnodes={res.nnodes} x {res.ranks_per_node(self.trainer.cpus_per_worker)} "
                               f"ranks per node (one per GPU, or cpus_per_node / trainer.cpus_per_worker on CPU)")
+        if res.nnodes > 1 and self.actor.world_size % res.nnodes:
+            raise ConfigError(f"actor.world_size={self.actor.world_size} must split evenly over resources.nnodes="
+                              f"{res.nnodes} (the same number of ranks on every node)")
+        tp = self.rollout.tensor_model_parallel_size
+        if tp > 1 and not res.gpus_per_node:
+            raise ConfigError(f"rollout.tensor_model_parallel_size: expected 1 on CPU nodes "
+                              f"(resources.gpus_per_node=0); found {tp}")
+        if self.actor.world_size % tp:
+            raise ConfigError(f"rollout.tensor_model_parallel_size: expected a divisor of actor.world_size="
+                              f"{self.actor.world_size}; found {tp}")
+        if res.gpus_per_node and tp > res.gpus_per_node:
+            raise ConfigError(f"rollout.tensor_model_parallel_size: expected at most resources.gpus_per_node="
+                              f"{res.gpus_per_node} (a tensor-parallel group stays on one node); found {tp}")
         if self.estimator.needs_critic and self.critic.enable is False:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
                               f"found critic.enable=False")

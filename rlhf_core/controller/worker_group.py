@@ -335,6 +335,16 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
             super().__init__()
             self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in roles.items()}
 
+        def _mesh_holder(self, mesh_name: str) -> Worker:
+            # a role registers its mesh on itself (e.g. the actor's rollout mesh in init_model)
+            return next((r for r in self.roles.values() if mesh_name in getattr(r, "_dispatch_info", {})), self)
+
+        def _query_dispatch_info(self, mesh_name: str) -> int:
+            return Worker._query_dispatch_info(self._mesh_holder(mesh_name), mesh_name)
+
+        def _query_collect_info(self, mesh_name: str) -> bool:
+            return Worker._query_collect_info(self._mesh_holder(mesh_name), mesh_name)
+
     def delegate(role: str, name: str, attrs: dict):
         def method(self, *args, **kwargs):
             return getattr(self.roles[role], name)(*args, **kwargs)

@@ -230,8 +230,10 @@ class PPOTrainer:
         return self._stage_metrics(batch, "update_actor", reduce_metrics(out.meta_info["metrics"]))
 
     def weight_sync(self, batch: DataProto) -> DataProto:
-        self.worker_time["weight_sync"] = max(self.actor.sync_weights())
-        return batch
+        synced = self.actor.sync_weights()
+        self.worker_time["weight_sync"] = max(s["seconds"] for s in synced)
+        return self._stage_metrics(batch, "weight_sync", {
+            "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20})
 
     # ---------------------------------------------------------------- helpers
 

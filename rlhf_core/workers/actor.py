@@ -1,8 +1,9 @@
 """The actor + rollout + reference worker (HybridFlow's colocated policy roles).
 
-State it owns: the policy (trained with DDP across the group's ranks), its AdamW and LR
-schedule, a frozen reference copy, and the generation engine, whose weights are replaced
-with the policy's after every update.
+State it owns: the policy (sharded with FSDP2, or replicated with DDP, across the group's
+ranks), its AdamW and LR schedule, a frozen reference copy (sharded the same way, on the
+CPU by default), and the generation engine, whose weights are replaced with the policy's
+after every update, one gathered tensor at a time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import modeling
+from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
+from rlhf_core.workers import modeling, sharding
 from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 from rlhf_core.workers.trainable import TrainableWorker
 
@@ -36,27 +38,34 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
+        reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.use_reference else None
+        self.policy = modeling.init_distributed_model(self, policy, sharding.ShardingSpec.from_config(cfg))
         self.reference = None
-        if cfg.use_reference:
-            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.policy = modeling.init_distributed_model(self, policy, cfg.actor.strategy)
+        if reference is not None:
+            ref_spec = sharding.ShardingSpec.from_config(cfg, param_offload=cfg.actor.fsdp_config.ref_param_offload)
+            self.reference = sharding.wrap(reference, ref_spec, trainable=False)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         warmup = max(1, cfg.actor.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        # ranks of one tensor-parallel engine get the same prompts; one of them answers
+        tp = cfg.rollout.tensor_model_parallel_size
+        self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
         max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
         if cfg.rollout.name == "vllm":
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
                                        max_model_len=max(64, max_len), dtype=cfg.model.dtype)
         else:
-            self.rollout = HFRollout(modeling.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed)
-        return {"rank": self.rank, "model_path": self.model_path,
-                "parameters": sum(p.numel() for p in self.policy.parameters())}
+            self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
+                                     synced=sharding.is_sharded(self.policy))
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
+        return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
+                "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
 
     # ---------------------------------------------------------------- stages
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("rollout"))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         return self.rollout.generate(prompts)
 
@@ -68,7 +77,7 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         with torch.no_grad():
-            log_probs, entropy = self._log_probs(modeling.unwrap(self.policy), data, with_entropy=True)
+            log_probs, entropy = self._log_probs(sharding.unwrap(self.policy), data, with_entropy=True)
         return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -87,6 +96,8 @@ class ActorRolloutRefWorker(TrainableWorker):
         mini = modeling.mini_batch_rows(cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = self.config.trainer.seed + int(data.meta_info.get("global_step", 0))
+        if self.config.actor.fsdp_config.optimizer_offload:
+            sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.policy.train()
         for batch in data.make_iterator(mini, cfg.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
             mask = batch.batch["response_mask"].float()
@@ -106,7 +117,7 @@ class ActorRolloutRefWorker(TrainableWorker):
                 metrics.setdefault("actor/kl_loss", []).append(kl_loss.item())
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = modeling.grad_norm_and_clip(self.policy, cfg.grad_clip)
+            grad_norm = sharding.grad_norm_and_clip(self.policy, cfg.grad_clip)
             if torch.isfinite(torch.tensor(grad_norm)):
                 self.optimizer.step()
             self.scheduler.step()
@@ -114,15 +125,18 @@ class ActorRolloutRefWorker(TrainableWorker):
                 metrics.setdefault(f"actor/{key}", []).append(float(out[key]))
             metrics.setdefault("actor/grad_norm", []).append(grad_norm)
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
+        if self.config.actor.fsdp_config.optimizer_offload:
+            sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
         return _metrics_proto(metrics)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def sync_weights(self) -> float:
-        """Push the policy's weights into the generation engine; returns seconds taken."""
+    def sync_weights(self) -> dict:
+        """Stream the policy's weights into the generation engine, one whole tensor at a
+        time; returns seconds taken and the peak bytes of gathered tensors alive at once."""
         t0 = time.perf_counter()
-        state = modeling.unwrap(self.policy).state_dict()
-        self.rollout.update_weights((k, v.detach()) for k, v in state.items())
-        return time.perf_counter() - t0
+        meter = sharding.GatherMeter()
+        self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter))
+        return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count}
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -7,7 +7,7 @@ import torch
 from rlhf_core.algorithms import compute_value_loss, masked_mean
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import modeling
+from rlhf_core.workers import modeling, sharding
 from rlhf_core.workers.trainable import TrainableWorker
 
 
@@ -20,7 +20,7 @@ class CriticWorker(TrainableWorker):
         torch.manual_seed(cfg.trainer.seed + 1000 + self.rank)
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
-                                                    cfg.actor.strategy)
+                                                      sharding.ShardingSpec.from_config(cfg))
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
@@ -32,7 +32,7 @@ class CriticWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         with torch.no_grad():
-            values = self._values(modeling.unwrap(self.critic), data) * data.batch["response_mask"]
+            values = self._values(sharding.unwrap(self.critic), data) * data.batch["response_mask"]
         return DataProto.from_dict({"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -41,6 +41,8 @@ class CriticWorker(TrainableWorker):
         mini = modeling.mini_batch_rows(cfg.critic.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
+        if cfg.actor.fsdp_config.optimizer_offload:
+            sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.critic.train()
         for batch in data.make_iterator(mini, cfg.critic.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
             mask = batch.batch["response_mask"].float()
@@ -49,13 +51,15 @@ class CriticWorker(TrainableWorker):
                                                       mask, cfg.critic.cliprange_value, cfg.critic.loss_agg_mode)
             self.optimizer.zero_grad(set_to_none=True)
             vf_loss.backward()
-            grad_norm = modeling.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)
+            grad_norm = sharding.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
             metrics.setdefault("critic/vf_loss", []).append(vf_loss.item())
             metrics.setdefault("critic/vf_clipfrac", []).append(vf_clipfrac.item())
             metrics.setdefault("critic/vpred_mean", []).append(masked_mean(vpreds, mask).item())
             metrics.setdefault("critic/grad_norm", []).append(grad_norm)
+        if cfg.actor.fsdp_config.optimizer_offload:
+            sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
         return DataProto(meta_info={"metrics": metrics})
 
     def _trained_model(self):

@@ -1,8 +1,6 @@
-"""Model-side helpers shared by the role workers: loading, log-probs, values, DDP."""
+"""Model-side helpers shared by the role workers: loading, log-probs, values."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -70,34 +68,13 @@ def response_values(model, input_ids, attention_mask, position_ids, response_len
     return values[:, -response_length - 1:-1]
 
 
-#: How ranks share a trained model (``actor.strategy``): name -> wrapper.
-STRATEGIES = ("ddp",)
+def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool = True) -> torch.nn.Module:
+    """Join the worker group's process group (gloo on CPU, NCCL on GPU) and prepare
+    ``model`` for it under ``spec`` (``sharding.ShardingSpec``: FSDP2 or DDP)."""
+    from rlhf_core.workers import sharding
 
-
-def init_distributed_model(worker, model: torch.nn.Module, strategy: str = "ddp") -> torch.nn.Module:
-    """Join the group's process group and wrap ``model`` for ``strategy``: ``ddp``
-    (every rank holds the whole model; gradients all-reduced; gloo on CPU, NCCL on GPU)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if strategy not in STRATEGIES:
-        raise ValueError(f"actor.strategy: expected one of {', '.join(STRATEGIES)}; found {strategy!r}")
     worker.init_process_group()
-    if worker.world_size == 1:
-        return model  # DDP on one rank only adds a bucket all-reduce per step
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        model = model.to(device)
-        return DistributedDataParallel(model, device_ids=[device.index])
-    return DistributedDataParallel(model)
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
-
-
-def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm)
+    return sharding.wrap(model, spec, trainable=trainable)
 
 
 def mini_batch_rows(ppo_mini_batch_size: int, n: int, world_size: int, rows: int) -> int:

@@ -57,17 +57,38 @@ class VLLMRollout:
 
         self.config = config
         on_gpu = torch.cuda.is_available()
-        # On CPU, no chunked prefill: a prompt split across engine steps makes vLLM rewind
-        # that request's seeded generator, which CPU generators cannot do ("CPU Generator
-        # does not use offset"), so batches of more prompt tokens than one step takes
-        # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
+        tp = config.tensor_model_parallel_size
+        # Sleep mode frees the engine's weights and KV cache while the actor trains; CPU
+        # engines have no sleep mode (and nothing to gain: training uses the same RAM).
+        self.sleeps = on_gpu and config.free_cache_engine
+        engine = {"gpu_memory_utilization": config.gpu_memory_utilization, "enable_sleep_mode": self.sleeps}
+        if tp > 1:
+            # the training ranks are the engine's ranks: vLLM joins the torch.distributed
+            # world they already formed (consecutive ranks share one engine)
+            engine.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
+        if not on_gpu:
+            # On CPU, no chunked prefill: a prompt split across engine steps makes vLLM rewind
+            # that request's seeded generator, which CPU generators cannot do ("CPU Generator
+            # does not use offset"), so batches of more prompt tokens than one step takes
+            # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
+            engine = {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False}
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                       seed=seed, max_num_seqs=1024, enable_prefix_caching=False,
-                       gpu_memory_utilization=0.3 if on_gpu else 0.9,
-                       **({} if on_gpu else {"enable_chunked_prefill": False}))
+                       seed=seed, max_num_seqs=1024, enable_prefix_caching=False, **engine)
+        self.asleep = False
         tokenizer = self.llm.get_tokenizer()
-        self.pad_id = tokenizer.pad_token_id or 0
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.eos_id = tokenizer.eos_token_id
+        self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)  # weights to CPU, KV cache dropped
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def generate(self, prompts: DataProto) -> DataProto:
         from vllm import SamplingParams
@@ -79,7 +100,11 @@ class VLLMRollout:
                                  max_tokens=self.config.response_length, seed=int(s), logprobs=0,
                                  detokenize=False) for s in seeds]
         requests = [{"prompt_token_ids": ids} for ids in _prompt_token_lists(prompts)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._wake()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            self._sleep()  # the memory goes to log-prob, value and update stages
         tokens, lps = [], []
         for out in outputs:
             completion = out.outputs[0]
@@ -88,16 +113,23 @@ class VLLMRollout:
         return _finish(prompts, tokens, lps, self.config.response_length, self.pad_id, self.eos_id)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load weights as they stream in (the engine copies each into its own tensor, so the
+        caller's gathered tensor can be freed before the next one is gathered)."""
+        self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.llm.reset_prefix_cache()
+        self._sleep()
 
 
 class HFRollout:
     """``transformers`` generate on the training model itself (no separate engine)."""
 
-    def __init__(self, model, tokenizer, config, seed: int) -> None:
+    def __init__(self, model, tokenizer, config, seed: int, synced: bool = False) -> None:
         self.model, self.config, self.seed = model, config, seed
-        self.pad_id = tokenizer.pad_token_id or 0
+        # a sharded model gathers layers collectively: every rank must run as many decoding
+        # steps as the longest, so ranks that finish early keep stepping (synced_gpus)
+        self.synced = synced
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.eos_id = tokenizer.eos_token_id
 
     @torch.no_grad()
@@ -112,7 +144,8 @@ class HFRollout:
                              **(dict(do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p)
                                 if prompts.meta_info.get("do_sample", True) else dict(do_sample=False)),
                              max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
-                             eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True)
+                             eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True,
+                             synced_gpus=self.synced)
         model.config.use_cache = False
         model.train(was_training)
         new = out.sequences[:, prompts.batch["input_ids"].shape[1]:]

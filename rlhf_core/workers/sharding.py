@@ -1,0 +1,226 @@
+"""How the ranks of a role share a trained model: FSDP2 or DDP, on gloo or NCCL alike.
+
+``fsdp`` shards parameters, gradients and optimizer state across the role's ranks
+(``fully_shard`` on every decoder layer, then on the root), so a rank holds about 1/N of
+them and gathers one layer at a time to compute. ``ddp`` keeps everything on every rank
+and all-reduces gradients. On one rank both train the plain module.
+
+Everything that has to see the whole model goes through this module: full state dicts
+for checkpoints (gathered to rank 0, loaded by broadcast from it) and the stream of full
+parameters for weight sync (one tensor gathered at a time, never a model copy).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+#: ``actor.strategy`` values: how ranks share a trained model.
+STRATEGIES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """What ``wrap`` needs from the run config (``actor.strategy`` + ``actor.fsdp_config``)."""
+
+    strategy: str = "fsdp"
+    param_offload: bool = False        # FSDP: parameters, gradients and optimizer step on the CPU
+    reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3) or keep (ZeRO-2)
+    mixed_precision: str = "auto"      # auto: bf16 compute + fp32 reduction on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def from_config(cls, cfg, param_offload: bool | None = None) -> "ShardingSpec":
+        fsdp = cfg.actor.fsdp_config
+        return cls(strategy=cfg.actor.strategy,
+                   param_offload=fsdp.param_offload if param_offload is None else param_offload,
+                   reshard_after_forward=fsdp.reshard_after_forward, mixed_precision=fsdp.mixed_precision,
+                   activation_checkpointing=cfg.model.enable_gradient_checkpointing)
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks (the classes HF lists in ``_no_split_modules``:
+    ``Qwen2DecoderLayer``, ``LlamaDecoderLayer``, ...), in module order."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "gradient_checkpointing_enable"):
+            # non-reentrant: works under FSDP2 and with inputs that need no grad
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return
+    raise ValueError(f"model.enable_gradient_checkpointing: {type(model).__name__} has no HF backbone "
+                     f"to checkpoint")
+
+
+def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> torch.nn.Module:
+    """``model`` prepared for this process group under ``spec`` (the process group must
+    be initialised). ``trainable=False`` (the reference model) shards without gradients."""
+    import torch.distributed as dist
+
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"actor.strategy: expected one of {', '.join(STRATEGIES)}; found {spec.strategy!r}")
+    if spec.activation_checkpointing and trainable:
+        _enable_activation_checkpointing(model)
+    ranks = world_size()
+    on_gpu = torch.cuda.is_available()
+    if ranks == 1 or (spec.strategy == "ddp" and not trainable):
+        # one rank: nothing to share; a frozen model under DDP is a plain replica
+        return model.to(device()) if on_gpu else model
+    if spec.strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        if on_gpu:
+            model = model.to(device())
+            return DistributedDataParallel(model, device_ids=[device().index])
+        return DistributedDataParallel(model)
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda" if on_gpu else "cpu", (dist.get_world_size(),))
+    bf16 = spec.mixed_precision == "bf16" or (spec.mixed_precision == "auto" and on_gpu)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
+              else MixedPrecisionPolicy())
+    offload = CPUOffloadPolicy() if spec.param_offload else OffloadPolicy()
+    if on_gpu and not spec.param_offload:
+        model = model.to(device())
+    options = dict(mesh=mesh, mp_policy=policy, offload_policy=offload,
+                   reshard_after_forward=spec.reshard_after_forward)
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"actor.strategy=fsdp: found no decoder layers in {type(model).__name__} (no "
+                         f"_no_split_modules); use actor.strategy=ddp for this model")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward to call outside training (DDP's inner module; an FSDP2
+    module is itself)."""
+    return model.module if hasattr(model, "module") and not is_sharded(model) else model
+
+
+def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the global gradient norm (across every rank's shards) and return it."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ------------------------------------------------------------------ whole-model views
+
+def _full_options(broadcast: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=broadcast)
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
+    """(model state, optimizer state) as whole tensors on rank 0's CPU, keyed by parameter
+    name (so a checkpoint loads at any world size and under either strategy). Every rank
+    must call it; ranks other than 0 get empty dicts."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if world_size() == 1:
+        model = unwrap(model)
+    options = _full_options()
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load whole tensors (read on rank 0 only; the others pass empty dicts) into this
+    rank's shards. Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    if world_size() == 1:
+        model = unwrap(model)
+    options = _full_options(broadcast=world_size() > 1)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+
+
+def broadcast_from_rank0(obj):
+    """Rank 0's ``obj`` on every rank (a small picklable object; identity on one rank)."""
+    import torch.distributed as dist
+
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class GatherMeter:
+    """Peak bytes of gathered (whole) tensors alive at once while streaming weights."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = self.count = 0
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        size = tensor.numel() * tensor.element_size()
+        self.live += size
+        self.count += 1
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._freed, size)
+        return tensor
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+
+def stream_full_parameters(model: torch.nn.Module, meter: GatherMeter | None = None
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for every parameter and buffer, one at a time: a sharded
+    tensor is all-gathered when its turn comes and dropped by the consumer before the
+    next, so the extra memory is one tensor, not a model copy. Under FSDP every rank must
+    consume the whole stream in the same order (each gather is a collective)."""
+    for name, tensor in unwrap(model).state_dict().items():
+        tensor = tensor.detach()
+        if hasattr(tensor, "full_tensor"):
+            if torch.cuda.is_available() and tensor.device.type == "cpu":  # offloaded shard: gather on GPU
+                tensor = tensor.to(device())
+            tensor = tensor.full_tensor()
+            if meter is not None:
+                meter.track(tensor)
+        yield name, tensor
+
+
+def move_optimizer_state(optimizer, to: torch.device) -> None:
+    """Optimizer offload: AdamW's moments live on the CPU between updates and come back to
+    the accelerator for the step (a no-op on CPU machines)."""
+    if to.type == "cpu" and not torch.cuda.is_available():
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                state[key] = value.to(to, non_blocking=True)
