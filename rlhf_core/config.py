@@ -183,6 +183,10 @@ class ResourcesConfig:
     cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE)
     memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE)
     object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE)
+    accelerator_resource: str = _f("GPU", "the Ray resource one rank reserves when gpus_per_node > 0 (GPU, "
+                                   "or a custom resource name: other accelerators, simulated clusters)")
+    placement_timeout_s: float = _f(300.0, "how long placing the pool may wait for free resources (nodes "
+                                    "that can never hold it fail at once)", **POSITIVE)
 
     def ranks_per_node(self, cpus_per_worker: float) -> int:
         return self.gpus_per_node if self.gpus_per_node else int(self.cpus_per_node // cpus_per_worker)

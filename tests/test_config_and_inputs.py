@@ -83,7 +83,7 @@ def test_reward_dict_extras_and_loader_errors():
     scores, extras = score_rows(lambda *a: {"score": 0.5, "acc": 1.0}, "m:f", ["d", "d"], ["a", "b"],
                                 ["a", "b"], [{}, {}], ["u0", "u1"])
     assert scores == [0.5, 0.5] and extras == {"acc": [1.0, 1.0]}
-    with pytest.raises(ValueError, match="must look like 'module:function'"):
+    with pytest.raises(ValueError, match="reward.function: expected module:function or one of \\['builtin', 'gsm8k'\\]; found 'not_a_spec'"):
         load_reward_fn("not_a_spec")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
         load_reward_fn("json:nope")

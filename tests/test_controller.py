@@ -233,7 +233,8 @@ def test_fake_gpu_pool_places_and_oversized_pool_fails_fast(ray_local):
     finally:
         wg.kill()
         pool.release()
-    with pytest.raises(ResourcePoolError, match=r"needs 8 GPUs \(\[4, 4\] per node\) but the cluster has 4 in total"):
+    with pytest.raises(ResourcePoolError, match=r"needs 2 node\(s\) holding \[4, 4\] slots of .*'GPU': 1.*; "
+                                                r"the cluster's 1 node\(s\) hold \[4\] such slots"):
         RayResourcePool([4, 4], use_gpu=True, name_prefix="too_big").get_placement_groups()
     # Enough GPUs in total, but another pool holds them: placement times out with numbers.
     holder = RayResourcePool([3], use_gpu=True, name_prefix="holder", cpus_per_process=0.5)

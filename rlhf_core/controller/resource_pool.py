@@ -55,30 +55,32 @@ class RayResourcePool(ResourcePool):
     ready_timeout_s: float = 60.0
     _pgs: list | None = field(default=None, init=False, repr=False)
 
+    def bundle(self) -> dict:
+        """What one process slot reserves."""
+        bundle = {"CPU": self.cpus_per_process}
+        if self.use_gpu:
+            bundle[self.accelerator_resource] = 1
+        return bundle
+
     def _check_capacity(self) -> None:
+        """Fail at once, with the numbers, when the cluster's nodes can never hold the pool
+        (each node's group of slots must fit on one node); otherwise placement would wait
+        for ``ready_timeout_s`` and fail without saying why."""
         import ray
 
-        totals = ray.cluster_resources()
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        if self.use_gpu:
-            need = self.world_size
-            have = totals.get(self.accelerator_resource, 0)
-            if need > have:
+        bundle = self.bundle()
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        slots_per_node = sorted((min(int(res.get(k, 0) // v) for k, v in bundle.items()) for res in nodes),
+                                reverse=True)
+        free = list(slots_per_node)
+        for count in sorted(self.process_on_nodes, reverse=True):  # first fit, largest group first
+            fit = next((i for i, have in enumerate(free) if have >= count), None)
+            if fit is None:
                 raise ResourcePoolError(
-                    f"resource pool {self.name_prefix!r} needs {need} {self.accelerator_resource}s "
-                    f"({self.process_on_nodes} per node) but the cluster has {have:g} in total")
-            per_node = max((n["Resources"].get(self.accelerator_resource, 0) for n in nodes), default=0)
-            for i, count in enumerate(self.process_on_nodes):
-                if count > per_node:
-                    raise ResourcePoolError(
-                        f"resource pool {self.name_prefix!r} asks for {count} {self.accelerator_resource}s "
-                        f"on node slot {i}, but the largest node has {per_node:g}")
-        need_cpu = self.world_size * self.cpus_per_process
-        have_cpu = totals.get("CPU", 0)
-        if need_cpu > have_cpu:
-            raise ResourcePoolError(
-                f"resource pool {self.name_prefix!r} needs {need_cpu:g} CPUs ({self.world_size} "
-                f"processes x {self.cpus_per_process:g}) but the cluster has {have_cpu:g}")
+                    f"resource pool {self.name_prefix!r} needs {len(self.process_on_nodes)} node(s) holding "
+                    f"{self.process_on_nodes} slots of {bundle}; the cluster's {len(nodes)} node(s) hold "
+                    f"{slots_per_node} such slots")
+            free[fit] -= count
 
     def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list:
         """Create (once) and return the placement groups, sorted into stable rank order."""
@@ -88,9 +90,7 @@ class RayResourcePool(ResourcePool):
         if self._pgs is not None:
             return self._pgs
         self._check_capacity()
-        bundle = {"CPU": self.cpus_per_process}
-        if self.use_gpu:
-            bundle[self.accelerator_resource] = 1
+        bundle = self.bundle()
         pgs = [placement_group([dict(bundle) for _ in range(count)], strategy=strategy,
                                name=f"{self.name_prefix}_pg{i}" if self.detached else "",
                                lifetime="detached" if self.detached else None)

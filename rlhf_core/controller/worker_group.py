@@ -168,8 +168,10 @@ class RayWorkerGroup:
                     placement_group=pg, placement_group_bundle_index=bundle),
                 "runtime_env": {"env_vars": env},
             }
-            if pool.use_gpu:
+            if pool.use_gpu and pool.accelerator_resource == "GPU":
                 options["num_gpus"] = 1 / pool.max_colocate_count
+            elif pool.use_gpu:  # a custom accelerator resource (other hardware, or a simulated cluster)
+                options["resources"] = {pool.accelerator_resource: 1 / pool.max_colocate_count}
             if detached:
                 name = f"{self.name_prefix}_{rank}"
                 options.update(name=name, lifetime="detached")

@@ -1,8 +1,14 @@
 """Prompt datasets: rows of (prompt, ground_truth, data_source), batched as DataProtos.
 
-Sources: a parquet or jsonl file (columns ``prompt``, ``ground_truth``, ``data_source``,
-optional ``extra_info``), or ``builtin:digits``. The loader keeps an explicit cursor
-(epoch, position) so a resumed run continues with exactly the prompts it would have seen.
+Sources: a parquet or jsonl file, or ``builtin:digits``. Two row formats load:
+
+- verl's, as its data preprocessing writes it (e.g. GSM8K): ``prompt`` a list of chat
+  messages (``{"role", "content"}``), ``data_source``, ``reward_model: {"style",
+  "ground_truth"}``, ``extra_info``; the prompt goes through the model's chat template;
+- ours: ``prompt`` text, ``ground_truth``, ``data_source``, optional ``extra_info``.
+
+The loader keeps an explicit cursor (epoch, position) so a resumed run continues with
+exactly the prompts it would have seen.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import torch
 
 from rlhf_core.protocol import DataProto, object_column
 
-REQUIRED = ("prompt", "ground_truth", "data_source")
+REQUIRED = ("prompt", "data_source")
+TRUNCATION = ("error", "left", "right")
 
 
 class DatasetError(ValueError):
@@ -23,6 +30,8 @@ class DatasetError(ValueError):
 
 
 def load_rows(source: str, seed: int = 0) -> list[dict]:
+    """Rows as ``{prompt, ground_truth, data_source, extra_info}``; ``prompt`` is text or a
+    list of chat messages."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name != "digits":
@@ -41,11 +50,34 @@ def load_rows(source: str, seed: int = 0) -> list[dict]:
         raise DatasetError(f"data.train_files must be .parquet, .jsonl or builtin:<name>; found {source!r}")
     if not rows:
         raise DatasetError(f"{source}: the dataset is empty (no prompt rows)")
-    for i, row in enumerate(rows):
-        missing = [c for c in REQUIRED if c not in row]
-        if missing:
-            raise DatasetError(f"{source}: row {i} lacks column(s) {missing}; required: {list(REQUIRED)}")
-    return rows
+    return [_normalize(source, i, row) for i, row in enumerate(rows)]
+
+
+def _normalize(source: str, index: int, row: dict) -> dict:
+    missing = [c for c in REQUIRED if c not in row]
+    if missing:
+        raise DatasetError(f"{source}: row {index} lacks column(s) {missing}; required: {list(REQUIRED)} and "
+                           f"ground_truth (or verl's reward_model.ground_truth)")
+    prompt = row["prompt"]
+    if isinstance(prompt, list):
+        for message in prompt:
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)):
+                raise DatasetError(f"{source}: row {index} prompt: expected chat messages "
+                                   f"{{'role': str, 'content': str}}; found {message!r}")
+        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    elif not isinstance(prompt, str):
+        raise DatasetError(f"{source}: row {index} prompt: expected text or a list of chat messages; found "
+                           f"{type(prompt).__name__}")
+    if "ground_truth" in row:
+        truth = row["ground_truth"]
+    elif isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
+        truth = row["reward_model"]["ground_truth"]
+    else:
+        raise DatasetError(f"{source}: row {index} lacks ground_truth (ours) or reward_model.ground_truth "
+                           f"(verl's format)")
+    return {"prompt": prompt, "ground_truth": truth, "data_source": row["data_source"],
+            "extra_info": row.get("extra_info") or {}}
 
 
 @dataclass
@@ -64,7 +96,7 @@ class PromptLoader:
     prompt (``{epoch}-{row index}``: stable across restarts, shared by its n responses)."""
 
     def __init__(self, rows: list[dict], tokenizer, batch_size: int, max_prompt_length: int,
-                 seed: int, shuffle: bool = True, cursor: Cursor | None = None) -> None:
+                 seed: int, shuffle: bool = True, cursor: Cursor | None = None, truncation: str = "error") -> None:
         if not rows:
             raise DatasetError("the prompt dataset is empty")
         if batch_size > len(rows):
@@ -72,19 +104,37 @@ class PromptLoader:
         self.rows, self.tokenizer = rows, tokenizer
         self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
         self.seed, self.shuffle = seed, shuffle
+        if truncation not in TRUNCATION:
+            raise DatasetError(f"data.truncation: expected one of {', '.join(TRUNCATION)}; found {truncation!r}")
+        self.truncation = truncation
         self.cursor = cursor or Cursor()
-        self._encoded = [self._encode(i, r) for i, r in enumerate(rows)]
+        self._texts = [self._text(i, r) for i, r in enumerate(rows)]
+        self._encoded = [self._encode(i, text) for i, text in enumerate(self._texts)]
 
-    def _encode(self, index: int, row: dict) -> list[int]:
-        ids = self.tokenizer.encode(row["prompt"])
-        if self.tokenizer.bos_token_id is not None:
+    def _text(self, index: int, row: dict) -> str:
+        """The prompt as the model reads it: chat messages through the model's template."""
+        if isinstance(row["prompt"], str):
+            return row["prompt"]
+        try:
+            return self.tokenizer.apply_chat_template(row["prompt"])
+        except ValueError as exc:
+            raise DatasetError(f"row {index}: {exc}") from None
+
+    def _encode(self, index: int, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        chat = not isinstance(self.rows[index]["prompt"], str)
+        if self.tokenizer.bos_token_id is not None and not chat:  # a chat template writes its own BOS
             ids = [self.tokenizer.bos_token_id] + ids
-        if len(ids) > self.max_prompt_length:
-            raise DatasetError(
-                f"prompt of row {index} has {len(ids)} tokens, more than data.max_prompt_length="
-                f"{self.max_prompt_length}; raise the limit or shorten the prompt "
-                f"({row['prompt'][:60]!r}...)")
-        return ids
+        if len(ids) <= self.max_prompt_length:
+            return ids
+        if self.truncation == "left":  # keep the end: the question and the assistant turn's start
+            return ids[-self.max_prompt_length:]
+        if self.truncation == "right":
+            return ids[:self.max_prompt_length]
+        raise DatasetError(
+            f"prompt of row {index} has {len(ids)} tokens, more than data.max_prompt_length="
+            f"{self.max_prompt_length}; raise the limit, shorten the prompt or set data.truncation=left|right "
+            f"({text[:60]!r}...)")
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -120,7 +170,7 @@ class PromptLoader:
             tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids},
             non_tensors={
                 "uid": object_column([f"{epoch}-{i}" for epoch, i in picked]),
-                "raw_prompt": object_column([r["prompt"] for r in rows]),
+                "raw_prompt": object_column([self._texts[i] for _, i in picked]),
                 "ground_truth": object_column([str(r["ground_truth"]) for r in rows]),
                 "data_source": object_column([r["data_source"] for r in rows]),
                 "extra_info": object_column([r.get("extra_info") or {} for r in rows]),

@@ -1,5 +1,6 @@
 """The controller's prompt tokenizer: the model's ``tokenizer.json``, read with the
-``tokenizers`` library alone.
+``tokenizers`` library alone, and its chat template, rendered with jinja2 as
+``transformers`` renders it.
 
 Each Kubeflow iteration is a fresh controller process, and importing ``transformers``
 costs it about two seconds on every iteration; encoding prompts needs only the
@@ -19,7 +20,9 @@ class PromptTokenizer:
 
     def __init__(self, path: str) -> None:
         root = Path(path)
+        self.path = path
         self._hf = None
+        self._template = None
         if not (root / "tokenizer.json").exists():
             from transformers import AutoTokenizer
 
@@ -29,20 +32,64 @@ class PromptTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(str(root / "tokenizer.json"))
-        special = {}
+        config: dict = {}
         for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins, as in HF
             if (root / name).exists():
-                special.update({k: v for k, v in json.loads((root / name).read_text()).items()
-                                if k in ("bos_token", "pad_token") and v is not None})
-        self.bos_token_id = self._token_id(special.get("bos_token"))
-        self.pad_token_id = self._token_id(special.get("pad_token"))
+                config.update(json.loads((root / name).read_text()))
+        self._special = {k: self._content(v) for k, v in config.items()
+                         if k in SPECIAL_TOKENS and v is not None}
+        self.bos_token_id = self._token_id(self._special.get("bos_token"))
+        self.pad_token_id = self._token_id(self._special.get("pad_token"))
+        # transformers 5 writes the template to chat_template.jinja, earlier versions into the config
+        if (root / "chat_template.jinja").exists():
+            self._template = (root / "chat_template.jinja").read_text()
+        elif isinstance(config.get("chat_template"), str):
+            self._template = config["chat_template"]
+
+    @staticmethod
+    def _content(token):
+        return token.get("content") if isinstance(token, dict) else token
 
     def _token_id(self, token) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
         if self._hf is not None:
             return self._hf(text, add_special_tokens=False)["input_ids"]
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None or (self._hf is not None and self._hf.chat_template is not None)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text for chat ``messages``, ending where the assistant's turn starts."""
+        if self._hf is not None:
+            return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self._template is None:
+            raise ValueError(f"model {self.path}: no chat template (chat_template.jinja or tokenizer_config.json "
+                             f"chat_template), but the prompts are chat messages")
+        return _render(self._template, messages, self._special)
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _render(template: str, messages: list[dict], special: dict) -> str:
+    """Render like ``transformers``: a sandboxed jinja2 environment with trimmed blocks,
+    loop controls, ``tojson`` and ``raise_exception``, the special tokens as variables."""
+    from jinja2 import ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **special)

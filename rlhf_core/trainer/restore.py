@@ -115,4 +115,4 @@ def make_loader(cfg: RunConfig, state):
     model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
     return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                        cfg.data.shuffle, cursor=Cursor(**state.cursor))
+                        cfg.data.shuffle, cursor=Cursor(**state.cursor), truncation=cfg.data.truncation)

@@ -7,12 +7,28 @@ import torch
 from rlhf_core.algorithms import entropy_from_logits
 
 
+class ModelPathError(ValueError):
+    """``model.path`` is not a model folder this machine has."""
+
+
 def resolve_model_path(path: str, seed: int, progress: bool = False) -> str:
+    """The local folder of ``model.path``: a Hugging Face model folder (``config.json``,
+    weights, tokenizer), or the built-in model (built and cached here). Hub ids are not
+    downloaded: training nodes often have no network, and a run must name exact bytes."""
     if path.startswith("builtin:"):
         from rlhf_core.data.builtin import builtin_model_path
 
         return builtin_model_path(seed=seed, progress=progress)
-    return path
+    import os
+
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if not os.path.isfile(os.path.join(local, "config.json")):
+        hint = (" (it looks like a Hugging Face hub id: download it first, e.g. `huggingface-cli download "
+                f"{path} --local-dir DIR`, and set model.path=DIR)" if not os.path.exists(local)
+                and path.count("/") == 1 and not path.startswith((".", "/")) else "")
+        raise ModelPathError(f"model.path: expected a local Hugging Face model folder with config.json; found "
+                             f"{path!r}{hint}")
+    return local
 
 
 def load_causal_lm(path: str, dtype: str = "float32"):

@@ -24,13 +24,16 @@ class RewardFunctionError(RuntimeError):
     """The reward function raised or returned something that is not a score."""
 
 
-def load_reward_fn(spec: str):
-    if spec == "builtin":
-        from rlhf_core.data.builtin import reward_score
+#: Reward functions named by a word in ``reward.function``.
+NAMED_REWARDS = {"builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
+                 "gsm8k": "rlhf_core.data.gsm8k:compute_score"}      # the number after '####'
 
-        return reward_score, "rlhf_core.data.builtin:reward_score"
+
+def load_reward_fn(spec: str):
+    spec = NAMED_REWARDS.get(spec, spec)
     if ":" not in spec:
-        raise ValueError(f"reward.function must look like 'module:function'; found {spec!r}")
+        raise ValueError(f"reward.function: expected module:function or one of {sorted(NAMED_REWARDS)}; "
+                         f"found {spec!r}")
     module_name, fn_name = spec.split(":", 1)
     try:
         module = importlib.import_module(module_name)

@@ -108,7 +108,8 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
     bf16 = spec.mixed_precision == "bf16" or (spec.mixed_precision == "auto" and on_gpu)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
-    offload = CPUOffloadPolicy() if spec.param_offload else OffloadPolicy()
+    # on a CPU machine the parameters are already in host memory: offloading is a no-op
+    offload = CPUOffloadPolicy() if spec.param_offload and on_gpu else OffloadPolicy()
     if on_gpu and not spec.param_offload:
         model = model.to(device())
     options = dict(mesh=mesh, mp_policy=policy, offload_policy=offload,

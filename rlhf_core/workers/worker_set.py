@@ -8,7 +8,8 @@ through this module, so it sits below both. Adding a role is a worker class, one
     Role("reward_model", "my_pkg.workers:RewardModelWorker", trainable=False,
          enabled=lambda cfg: cfg.reward.function == "model")
 
-Every role of a run is colocated in one process per rank (one pool); the role's handle
+Every role of a run is colocated in one process per rank; the ranks form one pool of one
+placement group per node (``resources.nnodes``), numbered node by node. The role's handle
 is a ``RayWorkerGroup`` whose methods are the role's ``@register``-ed methods.
 """
 
@@ -86,13 +87,15 @@ class WorkerSet:
               detached: bool = False) -> "WorkerSet":
         """One process per actor rank hosting every role; ``detached`` ones outlive this
         driver (the long-lived session's). Models are initialized before returning."""
-        import torch
-
         from rlhf_core.controller import RayResourcePool, RayWorkerGroup
 
-        pool = RayResourcePool([cfg.actor.world_size], use_gpu=torch.cuda.is_available(),
+        # the pool's shape comes from the config, not from this process's hardware: on a
+        # cluster the driver runs on a head node without GPUs
+        res = cfg.resources
+        pool = RayResourcePool(res.process_on_nodes(cfg.actor.world_size), use_gpu=res.gpus_per_node > 0,
+                               accelerator_resource=res.accelerator_resource,
                                cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name,
-                               max_colocate_count=1, detached=detached)
+                               max_colocate_count=1, detached=detached, ready_timeout_s=res.placement_timeout_s)
         group = RayWorkerGroup(pool, colocated_class(cfg), name_prefix=name_prefix, detached=detached)
         workers = cls._from_group(cfg, group, pool)
         for role in roles_of(cfg):

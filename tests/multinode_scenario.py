@@ -1,0 +1,115 @@
+"""Train on a multi-node Ray cluster simulated on this machine (run by tests/test_multinode.py
+in its own process: a test session's Ray is already connected to another head).
+
+Nodes are real raylets (``ray.cluster_utils.Cluster``); ``sim_gpu`` stands for each node's
+accelerators, so the pool's per-node placement groups must land on different nodes. The
+scenario trains two GRPO iterations with FSDP on 2 nodes x 1 rank, checkpoints after the
+first, resumes on freshly placed workers, and checks the resumed iteration equals the
+unbroken one bit for bit; then asks for a pool the cluster cannot hold. Prints one JSON
+line of what it saw.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from rlhf_core.ray_head import local_ray_env
+
+local_ray_env()
+
+
+def main(nodes: int, ranks_per_node: int) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.controller.resource_pool import ResourcePoolError
+    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
+    from rlhf_core.data.tokenizer import PromptTokenizer
+    from rlhf_core.trainer.ppo import SEQUENCE_KEYS, PPOTrainer
+    from rlhf_core.workers import modeling
+    from rlhf_core.workers.worker_set import WorkerSet
+
+    world = nodes * ranks_per_node
+    head = {"num_cpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False,
+            "temp_dir": tempfile.mkdtemp(prefix="rlhf-mn-")}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=ranks_per_node, resources={"sim_gpu": ranks_per_node},
+                         object_store_memory=100 * 2**20)
+    ray.init(address=cluster.address, log_to_driver=False)
+    seen: dict = {}
+    try:
+        cfg = apply_overrides(RunConfig(), [
+            "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
+            "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp",
+            f"resources.nnodes={nodes}", f"resources.gpus_per_node={ranks_per_node}",
+            "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1"]).validate()
+        path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
+
+        def loader(cursor=None):
+            return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(path),
+                                cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
+                                cursor=cursor)
+
+        def where(workers) -> list[str]:
+            return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                            for w in workers.group.workers])
+
+        ckpt = "file://" + tempfile.mkdtemp(prefix="rlhf-mn-ckpt-")
+        workers = WorkerSet.build(cfg)
+        try:
+            seen["nodes_of_ranks"] = where(workers)
+            seen["process_on_nodes"] = workers.pool.process_on_nodes
+            trainer = PPOTrainer(cfg, workers, loader())
+            trainer.run_iteration()
+            workers.save_checkpoint(ckpt)
+            saved_state, saved_cursor = copy.deepcopy(trainer.state), Cursor(**trainer.loader.cursor.to_dict())
+            saved_state.cursor = saved_cursor.to_dict()
+            trainer.run_iteration()
+            straight = trainer.last_batch
+            probe = straight.select(SEQUENCE_KEYS, [])
+            straight_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
+        finally:
+            workers.kill()
+
+        workers = WorkerSet.build(cfg)  # fresh processes, placed again
+        try:
+            workers.load_checkpoint(ckpt)
+            trainer = PPOTrainer(cfg, workers, loader(saved_cursor), state=saved_state)
+            trainer.run_iteration()
+            resumed = trainer.last_batch
+            resumed_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
+        finally:
+            workers.kill()
+        for key in ("responses", "advantages", "old_log_probs", "ref_log_prob"):
+            assert torch.equal(straight.batch[key], resumed.batch[key]), key
+        seen["resumed_bit_identical"] = bool(torch.equal(straight_lp, resumed_lp))
+
+        too_big = apply_overrides(copy.deepcopy(cfg), [f"actor.world_size={2 * world}",
+                                                       f"resources.gpus_per_node={2 * ranks_per_node}"]).validate()
+        t0 = time.monotonic()
+        try:
+            WorkerSet.build(too_big)
+            seen["too_big_error"] = None
+        except ResourcePoolError as error:
+            seen["too_big_error"] = str(error)
+        seen["too_big_seconds"] = time.monotonic() - t0
+        return seen
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    result = main(int(sys.argv[1]), int(sys.argv[2]))
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,36 @@
+"""Resource pools spanning nodes, on a multi-node Ray cluster simulated on this machine
+(several raylets; ``sim_gpu`` stands for accelerators). The scenario runs in its own
+process (tests/multinode_scenario.py): this test session's Ray is another cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 1), (2, 2)])
+def test_fsdp_pool_over_nodes_trains_resumes_and_refuses_what_cannot_fit(tmp_path, nodes, ranks_per_node):
+    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache")),
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(HERE / "multinode_scenario.py"), str(nodes), str(ranks_per_node)],
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    # one placement group per node, each on a different raylet, ranks numbered node by node
+    assert seen["process_on_nodes"] == [ranks_per_node] * nodes
+    ranks = seen["nodes_of_ranks"]
+    assert len(set(ranks)) == nodes
+    assert all(ranks[i] == ranks[i - i % ranks_per_node] for i in range(len(ranks)))
+    # the resumed iteration (fresh workers, loaded checkpoint) equals the unbroken one
+    assert seen["resumed_bit_identical"] is True
+    # twice the accelerators per node: refused at once with the numbers, not after a timeout
+    assert seen["too_big_error"] is not None and seen["too_big_seconds"] < 10
+    assert (f"needs {nodes} node(s) holding {[2 * ranks_per_node] * nodes} slots" in seen["too_big_error"]
+            and f"hold {sorted([ranks_per_node] * nodes + [0], reverse=True)} such slots" in seen["too_big_error"])
