@@ -240,6 +240,20 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from rlhf_core.export import ExportError, export_checkpoint
+    from rlhf_core.snapshot import SnapshotError
+    from rlhf_core.workers.modeling import ModelPathError
+
+    try:
+        record = export_checkpoint(args.uri, args.out)
+    except (ExportError, ModelPathError, SnapshotError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    print(f"exported step {record['global_step']} of {args.uri} to {args.out} "
+          f"(weights sha256 {record['checkpoint_sha256'][:16]}...)")
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe
 
@@ -325,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     snaps.add_argument("--uid", default=None, help="show: the prompt uid (default: the first row's)")
     snaps.add_argument("--fields", nargs="*", default=None, help="show: only these fields")
     snaps.set_defaults(func=_cmd_snapshots)
+
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model folder")
+    export.add_argument("uri", help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
+    export.add_argument("--out", required=True, help="a new or empty folder")
+    export.set_defaults(func=_cmd_export)
 
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("overrides", nargs="*")

@@ -245,7 +245,7 @@ class RunConfig:
         field, what was expected and what was found."""
         for path, f in _leaf_paths(self).items():
             check_field(path, f, _get(self, path))
-        for section in ("actor", "critic"):
+        for section in ("actor", "critic") if self.use_critic else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             if self.data.train_batch_size % mini:
                 raise ConfigError(f"{section}.ppo_mini_batch_size ({mini}) must divide data.train_batch_size "

@@ -72,7 +72,13 @@ def save_training_state(uri: str, model_state: dict, optim_state: dict, schedule
 
     from rlhf_core.snapshot import fs as sfs
 
-    weights = {k: v.detach().contiguous().cpu() for k, v in model_state.items()}
+    weights, seen = {}, set()
+    for key, value in model_state.items():
+        value = value.detach().contiguous().cpu()
+        if value.untyped_storage().data_ptr() in seen:  # tied weights (e.g. embeddings and LM head)
+            value = value.clone()  # safetensors stores each name's own bytes
+        seen.add(value.untyped_storage().data_ptr())
+        weights[key] = value
     buffer = io.BytesIO()
     torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state()}, buffer)
