@@ -78,6 +78,11 @@ class ActorConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
     ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
+    ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank; the mini-batch's "
+                                           "gradient accumulates over them (0: the whole mini-batch at once)",
+                                           **NON_NEGATIVE)
+    log_prob_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing old and reference "
+                                                "log-probs on one rank (0: all at once)", **NON_NEGATIVE)
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)", ge=0, lt=1)
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
@@ -112,6 +117,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.5, "share of each GPU vLLM may take for weights and KV cache "
                                        "(the trained model, its gradients and optimizer need the rest)",
                                        gt=0, le=1)
+    dtype: str = _f("auto", "the engine's weights: auto (bfloat16 on GPU, model.dtype on CPU) | float32 | "
+                    "bfloat16 | float16", choices=("auto", "float32", "bfloat16", "float16"))
     free_cache_engine: bool = _f(True, "free vLLM's KV cache and weights while the actor trains (sleep / "
                                  "wake up around training; no-op on CPU)")
 
@@ -123,6 +130,10 @@ class CriticConfig:
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
     ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank (0: the whole "
+                                           "mini-batch)", **NON_NEGATIVE)
+    forward_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing values on one rank "
+                                               "(0: all at once)", **NON_NEGATIVE)
     loss_agg_mode: str = _f("token-mean", "value loss reduction: token-mean | seq-mean-token-sum | "
                             "seq-mean-token-mean", choices=LOSS_AGG_MODES)
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
@@ -245,11 +256,6 @@ class RunConfig:
         field, what was expected and what was found."""
         for path, f in _leaf_paths(self).items():
             check_field(path, f, _get(self, path))
-        for section in ("actor", "critic") if self.use_critic else ("actor",):
-            mini = getattr(self, section).ppo_mini_batch_size
-            if self.data.train_batch_size % mini:
-                raise ConfigError(f"{section}.ppo_mini_batch_size ({mini}) must divide data.train_batch_size "
-                                  f"({self.data.train_batch_size})")
         from rlhf_core.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 
         for name, table, key in [(self.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator"),
@@ -258,6 +264,11 @@ class RunConfig:
                                  (self.algorithm.kl_penalty, KL_ESTIMATORS, "algorithm.kl_penalty")]:
             if name not in table:
                 raise ConfigError(f"{key}: {name!r} is not registered; choose from {sorted(table)}")
+        for section in ("actor", "critic") if self.use_critic else ("actor",):
+            mini = getattr(self, section).ppo_mini_batch_size
+            if self.data.train_batch_size % mini:
+                raise ConfigError(f"{section}.ppo_mini_batch_size ({mini}) must divide data.train_batch_size "
+                                  f"({self.data.train_batch_size})")
         res = self.resources
         if res.object_store_gib_per_node >= res.memory_gib_per_node:
             raise ConfigError(f"resources.object_store_gib_per_node ({res.object_store_gib_per_node}) must be "

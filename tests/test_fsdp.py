@@ -115,3 +115,28 @@ def test_fsdp_resume_is_bit_identical(tmp_path, resume_world):
             assert torch.equal(tensor, resumed["state"][key]), key
     else:  # one rank sums gradients in another order: equal within float rounding
         assert _max_diff(straight["state"], resumed["state"]) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_accumulate_the_mini_batch_gradient(mode):
+    """Gradient accumulation over micro-batches (actor.ppo_micro_batch_size_per_gpu) gives
+    the gradient of the whole mini-batch's loss, responses of different lengths included."""
+    from rlhf_core.algorithms import agg_loss
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.workers.modeling import micro_batches
+
+    ids = _data(0)
+    mask = (torch.arange(SEQ - 1)[None, :] < torch.tensor([3, 11, 5, 7, 11, 2, 9, 4])[:, None]).long()
+    batch = DataProto.from_dict({"input_ids": ids, "response_mask": mask})
+
+    def grads(micro_rows):
+        model = _model()
+        for part, weight in micro_batches(batch, micro_rows, mode):
+            logits = model(input_ids=part.batch["input_ids"]).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), part.batch["input_ids"][:, 1:].reshape(-1),
+                                                    reduction="none").view(len(part), -1)
+            (agg_loss(nll, part.batch["response_mask"].float(), mode) * weight).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    whole, micro = grads(0), grads(3)  # 8 rows as 3 + 3 + 2
+    assert max((whole[k] - micro[k]).abs().max().item() for k in whole) < 1e-6

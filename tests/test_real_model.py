@@ -23,58 +23,7 @@ from rlhf_core.data.dataset import DatasetError, PromptLoader, load_rows
 from rlhf_core.data.gsm8k import compute_score, extract_answer
 from rlhf_core.data.tokenizer import PromptTokenizer
 
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
-
-
-def _question(i: int) -> tuple[str, str]:
-    a, b = 3 + i % 7, 11 + (i * 5) % 13
-    return f"Tom has {a} apples and buys {b} more. How many apples does he have?", str(a + b)
-
-
-def build_model_folder(path: Path) -> Path:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    corpus = [f"{q} Let's think step by step. {a} apples. #### {a}" for q, a in map(_question, range(200))]
-    tok = Tokenizer(models.BPE())
-    # Qwen2's own pre-tokenizer (its tokenizer.json has it): digits split one by one
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(path)
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         tie_word_embeddings=True, eos_token_id=tok.token_to_id("<|im_end|>"),
-                         pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None)
-    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
-    return path
-
-
-def write_verl_parquet(path: Path, count: int = 64) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    instruction = 'Let\'s think step by step and output the final answer after "####".'
-    rows = []
-    for i in range(count):
-        question, answer = _question(i)
-        rows.append({"data_source": "openai/gsm8k",
-                     "prompt": [{"role": "user", "content": f"{question} {instruction}"}],
-                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
-                     "extra_info": {"split": "train", "index": i, "question": question}})
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
+from rlhf_core.testing.model_folders import build_model_folder, question, write_verl_parquet
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +51,7 @@ def test_verl_rows_load_and_chat_prompts_match_transformers(model_dir, gsm8k_par
     from transformers import AutoTokenizer
 
     rows = load_rows(str(gsm8k_parquet))
-    assert rows[0]["ground_truth"] == _question(0)[1] and rows[0]["extra_info"]["index"] == 0
+    assert rows[0]["ground_truth"] == question(0)[1] and rows[0]["extra_info"]["index"] == 0
     assert isinstance(rows[0]["prompt"], list) and rows[0]["prompt"][0]["role"] == "user"
     ours = PromptTokenizer(str(model_dir))
     theirs = AutoTokenizer.from_pretrained(str(model_dir))
@@ -116,6 +65,7 @@ def test_verl_rows_load_and_chat_prompts_match_transformers(model_dir, gsm8k_par
         assert ids == theirs(text, add_special_tokens=False)["input_ids"]
     # left padding with the tokenizer's own pad id
     assert batch.batch["input_ids"][0, 0].item() == theirs.pad_token_id
+    assert rows[0]["extra_info"]["question"] == question(0)[0]
 
 
 def test_truncation_policy(model_dir, gsm8k_parquet):

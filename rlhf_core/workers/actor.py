@@ -54,8 +54,11 @@ class ActorRolloutRefWorker(TrainableWorker):
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
         max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
         if cfg.rollout.name == "vllm":
+            dtype = cfg.rollout.dtype
+            if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
+                dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
-                                       max_model_len=max(64, max_len), dtype=cfg.model.dtype)
+                                       max_model_len=max(64, max_len), dtype=dtype)
         else:
             self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
                                      synced=sharding.is_sharded(self.policy))
@@ -77,7 +80,9 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         with torch.no_grad():
-            log_probs, entropy = self._log_probs(sharding.unwrap(self.policy), data, with_entropy=True)
+            log_probs, entropy = modeling.forward_in_chunks(
+                lambda part: self._log_probs(sharding.unwrap(self.policy), part, with_entropy=True),
+                data, self.config.actor.log_prob_micro_batch_size_per_gpu)
         return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -85,7 +90,9 @@ class ActorRolloutRefWorker(TrainableWorker):
         if self.reference is None:
             raise RuntimeError("no reference model: enable actor.use_kl_loss or algorithm.use_kl_in_reward")
         with torch.no_grad():
-            log_probs, _ = self._log_probs(self.reference, data, with_entropy=False)
+            log_probs, _ = modeling.forward_in_chunks(
+                lambda part: self._log_probs(self.reference, part, with_entropy=False),
+                data, self.config.actor.log_prob_micro_batch_size_per_gpu)
         return DataProto.from_dict({"ref_log_prob": log_probs})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -100,34 +107,46 @@ class ActorRolloutRefWorker(TrainableWorker):
             sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.policy.train()
         for batch in data.make_iterator(mini, cfg.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
-            mask = batch.batch["response_mask"].float()
-            log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0)
-            out = policy_loss(batch.batch["old_log_probs"], log_prob, batch.batch["advantages"], mask,
-                              clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
-            loss = out["pg_loss"]
-            if entropy is not None:
-                entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-                loss = loss - cfg.entropy_coeff * entropy_loss
-                metrics.setdefault("actor/entropy", []).append(entropy_loss.item())
-            if cfg.use_kl_loss:
-                kld = kl_penalty(log_prob, batch.batch["ref_log_prob"], cfg.kl_loss_type)
-                kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                metrics.setdefault("actor/kl_loss", []).append(kl_loss.item())
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            step: dict[str, float] = {}
+            for micro, weight in modeling.micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu, cfg.loss_agg_mode):
+                loss, parts = self._policy_loss(micro, policy_loss)
+                (loss * weight if weight != 1.0 else loss).backward()
+                for key, value in parts.items():
+                    step[key] = step.get(key, 0.0) + value * weight
             grad_norm = sharding.grad_norm_and_clip(self.policy, cfg.grad_clip)
             if torch.isfinite(torch.tensor(grad_norm)):
                 self.optimizer.step()
             self.scheduler.step()
-            for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-                metrics.setdefault(f"actor/{key}", []).append(float(out[key]))
+            for key, value in step.items():
+                metrics.setdefault(f"actor/{key}", []).append(value)
             metrics.setdefault("actor/grad_norm", []).append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
         metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
         if self.config.actor.fsdp_config.optimizer_offload:
             sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
         return _metrics_proto(metrics)
+
+    def _policy_loss(self, batch: DataProto, policy_loss) -> tuple[torch.Tensor, dict[str, float]]:
+        """The actor's loss on one (micro-)batch and its parts, for the metrics."""
+        cfg = self.config.actor
+        mask = batch.batch["response_mask"].float()
+        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0)
+        out = policy_loss(batch.batch["old_log_probs"], log_prob, batch.batch["advantages"], mask,
+                          clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                          clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
+        loss = out["pg_loss"]
+        parts = {key: float(out[key]) for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+        if entropy is not None:
+            entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
+            loss = loss - cfg.entropy_coeff * entropy_loss
+            parts["entropy"] = entropy_loss.item()
+        if cfg.use_kl_loss:
+            kl_loss = agg_loss(kl_penalty(log_prob, batch.batch["ref_log_prob"], cfg.kl_loss_type), mask,
+                               cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            parts["kl_loss"] = kl_loss.item()
+        return loss, parts
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict:

@@ -32,7 +32,9 @@ class CriticWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
         with torch.no_grad():
-            values = self._values(sharding.unwrap(self.critic), data) * data.batch["response_mask"]
+            (values,) = modeling.forward_in_chunks(lambda part: (self._values(sharding.unwrap(self.critic), part),),
+                                                   data, self.config.critic.forward_micro_batch_size_per_gpu)
+            values = values * data.batch["response_mask"]
         return DataProto.from_dict({"values": values})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -45,19 +47,25 @@ class CriticWorker(TrainableWorker):
             sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.critic.train()
         for batch in data.make_iterator(mini, cfg.critic.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
-            mask = batch.batch["response_mask"].float()
-            vpreds = self._values(self.critic, batch)
-            vf_loss, vf_clipfrac = compute_value_loss(vpreds, batch.batch["returns"], batch.batch["values"],
-                                                      mask, cfg.critic.cliprange_value, cfg.critic.loss_agg_mode)
             self.optimizer.zero_grad(set_to_none=True)
-            vf_loss.backward()
+            step: dict[str, float] = {}
+            for micro, weight in modeling.micro_batches(batch, cfg.critic.ppo_micro_batch_size_per_gpu,
+                                                        cfg.critic.loss_agg_mode):
+                mask = micro.batch["response_mask"].float()
+                vpreds = self._values(self.critic, micro)
+                vf_loss, vf_clipfrac = compute_value_loss(vpreds, micro.batch["returns"], micro.batch["values"],
+                                                          mask, cfg.critic.cliprange_value, cfg.critic.loss_agg_mode)
+                (vf_loss * weight if weight != 1.0 else vf_loss).backward()
+                for key, value in (("vf_loss", vf_loss.item()), ("vf_clipfrac", vf_clipfrac.item()),
+                                   ("vpred_mean", masked_mean(vpreds, mask).item())):
+                    step[key] = step.get(key, 0.0) + value * weight
             grad_norm = sharding.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
-            metrics.setdefault("critic/vf_loss", []).append(vf_loss.item())
-            metrics.setdefault("critic/vf_clipfrac", []).append(vf_clipfrac.item())
-            metrics.setdefault("critic/vpred_mean", []).append(masked_mean(vpreds, mask).item())
+            for key, value in step.items():
+                metrics.setdefault(f"critic/{key}", []).append(value)
             metrics.setdefault("critic/grad_norm", []).append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
         if cfg.actor.fsdp_config.optimizer_offload:
             sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
         return DataProto(meta_info={"metrics": metrics})

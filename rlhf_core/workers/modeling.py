@@ -100,3 +100,27 @@ def mini_batch_rows(ppo_mini_batch_size: int, n: int, world_size: int, rows: int
     while rows % mini:
         mini -= 1
     return mini
+
+
+def micro_batches(batch, micro_rows: int, loss_agg_mode: str = "token-mean"):
+    """(micro-batch, weight) pairs for gradient accumulation: the weighted sum of the
+    micro-batches' losses is the whole batch's loss (token-mean: by response tokens; the
+    sequence means: by rows). ``micro_rows`` 0 or >= the batch: the batch itself, weight 1."""
+    rows = len(batch)
+    if micro_rows <= 0 or micro_rows >= rows:
+        yield batch, 1.0
+        return
+    tokens = batch.batch["response_mask"].sum().clamp(min=1)
+    for part in batch.split(micro_rows):
+        share = part.batch["response_mask"].sum() / tokens if loss_agg_mode == "token-mean" else len(part) / rows
+        yield part, float(share)
+
+
+def forward_in_chunks(fn, data, micro_rows: int) -> list:
+    """``fn(part)`` over row chunks of ``micro_rows`` (0: all rows at once), outputs
+    concatenated along the batch: forward passes over more rows than fit in memory."""
+    parts = [data] if micro_rows <= 0 or micro_rows >= len(data) else data.split(micro_rows)
+    outs = [fn(part) for part in parts]
+    if len(outs) == 1:
+        return list(outs[0])
+    return [None if items[0] is None else torch.cat(items) for items in zip(*outs)]

@@ -1,0 +1,72 @@
+"""Real-format model folders and verl-format datasets, built on this machine from configs.
+
+Nothing is downloaded: a byte-level BPE tokenizer (Qwen2's pre-tokenizer, ChatML specials
+and chat template) is trained here on GSM8K-style text, and a Qwen2 model of the given
+shape gets random weights. Tests use a few-layer one; ``benchmarks/gpu_smoke.py`` a
+0.5B-class one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+#: A few layers, head_dim 64 (the smallest vLLM's CPU attention takes).
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "tie_word_embeddings": True}
+#: Qwen2.5-0.5B's shape (494M parameters with its 151936-token vocabulary).
+QWEN2_0_5B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "tie_word_embeddings": True, "vocab_size": 151936}
+
+
+def question(i: int) -> tuple[str, str]:
+    a, b = 3 + i % 7, 11 + (i * 5) % 13
+    return f"Tom has {a} apples and buys {b} more. How many apples does he have?", str(a + b)
+
+
+def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> Path:
+    """A Hugging Face folder at ``path``: tokenizer (with chat template) and a Qwen2 model
+    of ``shape`` (default ``TINY``) with random weights."""
+    import torch
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(shape or TINY)
+    corpus = [f"{q} {INSTRUCTION} {a} apples. #### {a}" for q, a in map(question, range(200))]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    torch.manual_seed(seed)
+    shape.setdefault("vocab_size", tok.get_vocab_size())
+    config = Qwen2Config(max_position_embeddings=2048, eos_token_id=tok.token_to_id("<|im_end|>"),
+                         pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None, **shape)
+    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def write_verl_parquet(path: Path, count: int = 64) -> Path:
+    """GSM8K-style rows as verl's data preprocessing writes them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i in range(count):
+        text, answer = question(i)
+        rows.append({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"{text} {INSTRUCTION}"}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+                     "extra_info": {"split": "train", "index": i, "question": text}})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return Path(path)
