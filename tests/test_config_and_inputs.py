@@ -106,7 +106,11 @@ def test_empty_dataset_and_missing_columns(tmp_path):
         load_rows(str(empty))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "x"}) + "\n")
-    with pytest.raises(DatasetError, match=r"row 0 lacks column\(s\) \['ground_truth', 'data_source'\]"):
+    with pytest.raises(DatasetError, match=r"row 0 lacks column\(s\) \['data_source'\]; required: \['prompt', "
+                                           r"'data_source'\] and ground_truth \(or verl's reward_model.ground_truth\)"):
+        load_rows(str(bad))
+    bad.write_text(json.dumps({"prompt": "x", "data_source": "d"}) + "\n")
+    with pytest.raises(DatasetError, match=r"row 0 lacks ground_truth \(ours\) or reward_model.ground_truth"):
         load_rows(str(bad))
 
 
