@@ -137,6 +137,8 @@ class CriticConfig:
     loss_agg_mode: str = _f("token-mean", "value loss reduction: token-mean | seq-mean-token-sum | "
                             "seq-mean-token-mean", choices=LOSS_AGG_MODES)
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
+    world_size: int = _f(0, "critic ranks on a pool of their own (resources.critic_nnodes nodes of the same "
+                         "shape); 0: colocated with the actor, one critic per actor rank", **NON_NEGATIVE)
 
 
 @dataclass
@@ -194,6 +196,7 @@ class ResourcesConfig:
     cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE)
     memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE)
     object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE)
+    critic_nnodes: int = _f(1, "nodes of the critic's own pool when critic.world_size > 0", **POSITIVE)
     accelerator_resource: str = _f("GPU", "the Ray resource one rank reserves when gpus_per_node > 0 (GPU, "
                                    "or a custom resource name: other accelerators, simulated clusters)")
     placement_timeout_s: float = _f(300.0, "how long placing the pool may wait for free resources (nodes "
@@ -281,6 +284,12 @@ class RunConfig:
         if res.nnodes > 1 and self.actor.world_size % res.nnodes:
             raise ConfigError(f"actor.world_size={self.actor.world_size} must split evenly over resources.nnodes="
                               f"{res.nnodes} (the same number of ranks on every node)")
+        if self.use_critic and self.critic.world_size:
+            per_node = res.ranks_per_node(self.trainer.cpus_per_worker)
+            if self.critic.world_size % min(res.critic_nnodes, self.critic.world_size) or \
+                    self.critic.world_size > res.critic_nnodes * per_node:
+                raise ConfigError(f"critic.world_size={self.critic.world_size} must split evenly over "
+                                  f"resources.critic_nnodes={res.critic_nnodes} nodes of {per_node} ranks each")
         tp = self.rollout.tensor_model_parallel_size
         if tp > 1 and not res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected 1 on CPU nodes "

@@ -3,10 +3,11 @@ in its own process: a test session's Ray is already connected to another head).
 
 Nodes are real raylets (``ray.cluster_utils.Cluster``); ``sim_gpu`` stands for each node's
 accelerators, so the pool's per-node placement groups must land on different nodes. The
-scenario trains two GRPO iterations with FSDP on 2 nodes x 1 rank, checkpoints after the
-first, resumes on freshly placed workers, and checks the resumed iteration equals the
-unbroken one bit for bit; then asks for a pool the cluster cannot hold. Prints one JSON
-line of what it saw.
+scenario trains two GRPO iterations with FSDP on N nodes x M ranks (with ``critic-pool``:
+PPO with the critic on a pool of its own, on one more node), checkpoints after the first,
+resumes on freshly placed workers, and checks the resumed iteration equals the unbroken
+one bit for bit; then asks for a pool the cluster cannot hold. Prints one JSON line of
+what it saw.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rlhf_core.ray_head import local_ray_env
 local_ray_env()
 
 
-def main(nodes: int, ranks_per_node: int) -> dict:
+def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -41,7 +42,7 @@ def main(nodes: int, ranks_per_node: int) -> dict:
     head = {"num_cpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False,
             "temp_dir": tempfile.mkdtemp(prefix="rlhf-mn-")}
     cluster = Cluster(initialize_head=True, head_node_args=head)
-    for _ in range(nodes):
+    for _ in range(nodes + (1 if critic_pool else 0)):
         cluster.add_node(num_cpus=ranks_per_node, resources={"sim_gpu": ranks_per_node},
                          object_store_memory=100 * 2**20)
     ray.init(address=cluster.address, log_to_driver=False)
@@ -51,7 +52,9 @@ def main(nodes: int, ranks_per_node: int) -> dict:
             "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
             "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp",
             f"resources.nnodes={nodes}", f"resources.gpus_per_node={ranks_per_node}",
-            "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1"]).validate()
+            "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1",
+            *(["algorithm.adv_estimator=gae", "critic.world_size=1", "resources.critic_nnodes=1"]
+              if critic_pool else [])]).validate()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
 
         def loader(cursor=None):
@@ -60,14 +63,15 @@ def main(nodes: int, ranks_per_node: int) -> dict:
                                 cursor=cursor)
 
         def where(workers) -> list[str]:
-            return ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
-                            for w in workers.group.workers])
+            return [ray.get([w.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
+                             for w in group.workers]) for group in workers.groups]
 
         ckpt = "file://" + tempfile.mkdtemp(prefix="rlhf-mn-ckpt-")
         workers = WorkerSet.build(cfg)
         try:
-            seen["nodes_of_ranks"] = where(workers)
-            seen["process_on_nodes"] = workers.pool.process_on_nodes
+            seen["nodes_of_ranks"], *critic_nodes = where(workers)
+            seen["critic_nodes"] = critic_nodes[0] if critic_nodes else None
+            seen["process_on_nodes"] = workers.pools[0].process_on_nodes
             trainer = PPOTrainer(cfg, workers, loader())
             trainer.run_iteration()
             workers.save_checkpoint(ckpt)
@@ -89,7 +93,7 @@ def main(nodes: int, ranks_per_node: int) -> dict:
             resumed_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
         finally:
             workers.kill()
-        for key in ("responses", "advantages", "old_log_probs", "ref_log_prob"):
+        for key in ("responses", "advantages", "old_log_probs", "ref_log_prob") + (("values",) if critic_pool else ()):
             assert torch.equal(straight.batch[key], resumed.batch[key]), key
         seen["resumed_bit_identical"] = bool(torch.equal(straight_lp, resumed_lp))
 
@@ -109,7 +113,7 @@ def main(nodes: int, ranks_per_node: int) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(int(sys.argv[1]), int(sys.argv[2]))
+    result = main(int(sys.argv[1]), int(sys.argv[2]), critic_pool="critic-pool" in sys.argv[3:])
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)

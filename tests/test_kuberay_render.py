@@ -74,7 +74,7 @@ def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, m
     cfg = apply_overrides(RunConfig(), [f"resources.nnodes={nnodes}", f"resources.gpus_per_node={gpus}",
                                         f"resources.cpus_per_node={cpus}", f"resources.memory_gib_per_node={memory}",
                                         f"resources.object_store_gib_per_node={memory * store_fraction}",
-                                        "trainer.cpus_per_worker=1"]).validate()
+                                        "trainer.cpus_per_worker=1", f"actor.world_size={nnodes}"]).validate()
     spec = KubeSpec(node_gpus=8, node_selector={"pool": "train"},
                     tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]).validate()
     for obj in render_all(cfg, spec, run_id, "s3://b/runs").values():
@@ -186,3 +186,18 @@ def test_the_cluster_pipeline_reads_the_policy_from_the_deployment_and_sets_pod_
     for name, executor in executors.items():
         assert executor["securityContext"] == {"runAsUser": "1000", "runAsGroup": "1000", "runAsNonRoot": True} \
             or executor["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}, name
+
+
+def test_a_critic_pool_of_its_own_renders_a_worker_group_of_its_own():
+    cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
+                                        "resources.gpus_per_node=8", "critic.world_size=8",
+                                        "resources.critic_nnodes=1"]).validate()
+    spec = KubeSpec(node_gpus=8).validate()
+    objects = render_all(cfg, spec, "ppo-7b", "s3://b/runs")
+    for obj in objects.values():
+        crd.validate(obj, CRDS)
+    groups = {g["groupName"]: g for g in objects["raycluster.yaml"]["spec"]["workerGroupSpecs"]}
+    assert {name: g["replicas"] for name, g in groups.items()} == {"train": 2, "critic": 1}
+    assert groups["critic"]["rayStartParams"]["num-gpus"] == "8"
+    with pytest.raises(Exception, match=r"critic.world_size=3 must split evenly over resources.critic_nnodes=2"):
+        apply_overrides(cfg, ["critic.world_size=3", "resources.critic_nnodes=2"]).validate()

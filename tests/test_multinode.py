@@ -15,12 +15,15 @@ import pytest
 HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 1), (2, 2)])
-def test_fsdp_pool_over_nodes_trains_resumes_and_refuses_what_cannot_fit(tmp_path, nodes, ranks_per_node):
+@pytest.mark.parametrize("nodes,ranks_per_node,critic_pool", [(2, 1, False), (2, 2, False), (2, 1, True)],
+                         ids=["2x1", "2x2", "2x1+critic-pool"])
+def test_fsdp_pool_over_nodes_trains_resumes_and_refuses_what_cannot_fit(tmp_path, nodes, ranks_per_node,
+                                                                        critic_pool):
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache")),
            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, str(HERE / "multinode_scenario.py"), str(nodes), str(ranks_per_node)],
-                         env=env, capture_output=True, text=True, timeout=1200)
+    argv = [sys.executable, str(HERE / "multinode_scenario.py"), str(nodes), str(ranks_per_node)]
+    run = subprocess.run(argv + (["critic-pool"] if critic_pool else []), env=env, capture_output=True, text=True,
+                         timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     # one placement group per node, each on a different raylet, ranks numbered node by node
@@ -28,9 +31,13 @@ def test_fsdp_pool_over_nodes_trains_resumes_and_refuses_what_cannot_fit(tmp_pat
     ranks = seen["nodes_of_ranks"]
     assert len(set(ranks)) == nodes
     assert all(ranks[i] == ranks[i - i % ranks_per_node] for i in range(len(ranks)))
+    if critic_pool:  # the critic's own pool: one more node, none of the actor's
+        assert len(seen["critic_nodes"]) == 1 and seen["critic_nodes"][0] not in ranks
+    else:
+        assert seen["critic_nodes"] is None
     # the resumed iteration (fresh workers, loaded checkpoint) equals the unbroken one
     assert seen["resumed_bit_identical"] is True
     # twice the accelerators per node: refused at once with the numbers, not after a timeout
     assert seen["too_big_error"] is not None and seen["too_big_seconds"] < 10
     assert (f"needs {nodes} node(s) holding {[2 * ranks_per_node] * nodes} slots" in seen["too_big_error"]
-            and f"hold {sorted([ranks_per_node] * nodes + [0], reverse=True)} such slots" in seen["too_big_error"])
+            and f"hold {[ranks_per_node] * (nodes + critic_pool) + [0]} such slots" in seen["too_big_error"])

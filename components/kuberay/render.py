@@ -31,10 +31,14 @@ class PoolShapeError(ValueError):
 
 
 def pools(cfg) -> list[dict]:
-    """The run's resource pools as node groups (today: one pool hosting every role)."""
+    """The run's resource pools (``pool_plan``) as worker groups: one node group per pool,
+    as many nodes as the pool spans, every node of the configured shape."""
+    from rlhf_core.workers.worker_set import TRAIN_POOL, pool_plan
+
     res = cfg.resources
-    return [{"name": TRAINING_GROUP, "replicas": res.nnodes, "gpus": res.gpus_per_node, "cpus": res.cpus_per_node,
-             "memory_gib": res.memory_gib_per_node, "object_store_gib": res.object_store_gib_per_node}]
+    return [{"name": TRAINING_GROUP if plan.name == TRAIN_POOL else plan.name, "replicas": len(plan.process_on_nodes),
+             "gpus": res.gpus_per_node, "cpus": res.cpus_per_node, "memory_gib": res.memory_gib_per_node,
+             "object_store_gib": res.object_store_gib_per_node} for plan in pool_plan(cfg)]
 
 
 def check_pools(cfg, spec: KubeSpec) -> None:

@@ -8,9 +8,10 @@ through this module, so it sits below both. Adding a role is a worker class, one
     Role("reward_model", "my_pkg.workers:RewardModelWorker", trainable=False,
          enabled=lambda cfg: cfg.reward.function == "model")
 
-Every role of a run is colocated in one process per rank; the ranks form one pool of one
-placement group per node (``resources.nnodes``), numbered node by node. The role's handle
-is a ``RayWorkerGroup`` whose methods are the role's ``@register``-ed methods.
+Roles are colocated in one process per rank of their pool (``pool_plan``): the ``train``
+pool hosts every role unless the critic has a pool of its own. A pool is one placement
+group per node, ranks numbered node by node. The role's handle is a ``RayWorkerGroup``
+whose methods are the role's ``@register``-ed methods.
 """
 
 from __future__ import annotations
@@ -51,11 +52,44 @@ def roles_of(cfg: RunConfig) -> list[Role]:
     return [role for role in ROLES if role.enabled(cfg)]
 
 
-def colocated_class(cfg: RunConfig):
-    """The one worker class hosting every role of the run in a process."""
+@dataclass(frozen=True)
+class Pool:
+    """One resource pool of a run: its name, ranks per node, and the roles colocated in
+    each of its processes."""
+
+    name: str
+    process_on_nodes: tuple[int, ...]
+    roles: tuple[str, ...]
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+
+TRAIN_POOL, CRITIC_POOL = "train", "critic"
+
+
+def pool_plan(cfg: RunConfig) -> list[Pool]:
+    """Where the roles run: the ``train`` pool hosts actor/rollout/reference, the reward
+    and (by default) the critic; with ``critic.world_size > 0`` the critic gets a
+    ``critic`` pool of its own (``resources.critic_nnodes`` nodes)."""
+    res = cfg.resources
+    names = [r.name for r in roles_of(cfg)]
+    own = {"critic"} if cfg.use_critic and cfg.critic.world_size else set()
+    plan = [Pool(TRAIN_POOL, tuple(res.process_on_nodes(cfg.actor.world_size)),
+                 tuple(n for n in names if n not in own))]
+    if own:
+        nodes = min(res.critic_nnodes, cfg.critic.world_size)
+        plan.append(Pool(CRITIC_POOL, tuple([cfg.critic.world_size // nodes] * nodes), ("critic",)))
+    return plan
+
+
+def colocated_class(cfg: RunConfig, role_names: tuple[str, ...] | None = None):
+    """The worker class hosting ``role_names`` (default: every role of the run) in a process."""
     from rlhf_core.controller import RayClassWithInitArgs, create_colocated_worker_cls
 
-    return create_colocated_worker_cls({r.name: RayClassWithInitArgs(r.load_class(), cfg) for r in roles_of(cfg)})
+    roles = [r for r in roles_of(cfg) if role_names is None or r.name in role_names]
+    return create_colocated_worker_cls({r.name: RayClassWithInitArgs(r.load_class(), cfg) for r in roles})
 
 
 @dataclass
@@ -63,8 +97,8 @@ class WorkerSet:
     """The handles of a run's placed workers: ``workers["actor"].compute_log_prob(...)``."""
 
     roles: dict                       # role name -> RayWorkerGroup of that role
-    group: object                     # the colocated RayWorkerGroup (all roles, all ranks)
-    pool: object | None = None        # the RayResourcePool it owns (None when attached)
+    groups: list                      # one colocated RayWorkerGroup per pool, in pool_plan order
+    pools: list = field(default_factory=list)  # the RayResourcePools it owns (empty when attached)
     trainable: tuple[str, ...] = field(default_factory=tuple)
 
     def __getitem__(self, role: str):
@@ -77,27 +111,47 @@ class WorkerSet:
         return self.roles.get(role, default)
 
     @property
+    def group(self):
+        """The train pool's group (actor, rollout, reference, reward)."""
+        return self.groups[0]
+
+    @property
     def worker_names(self) -> list[str]:
-        return self.group.worker_names
+        """Every worker's name, pool after pool (``attach`` splits them by the plan)."""
+        return [name for group in self.groups for name in group.worker_names]
 
     # ------------------------------------------------------------------ placing
 
     @classmethod
     def build(cls, cfg: RunConfig, name_prefix: str = "rlhf_worker", pool_name: str = "global_pool",
               detached: bool = False) -> "WorkerSet":
-        """One process per actor rank hosting every role; ``detached`` ones outlive this
-        driver (the long-lived session's). Models are initialized before returning."""
+        """One process per rank of every pool (``pool_plan``), each hosting its pool's
+        roles; ``detached`` ones outlive this driver (the long-lived session's). Models
+        are initialized before returning."""
         from rlhf_core.controller import RayResourcePool, RayWorkerGroup
 
-        # the pool's shape comes from the config, not from this process's hardware: on a
+        # the pools' shape comes from the config, not from this process's hardware: on a
         # cluster the driver runs on a head node without GPUs
         res = cfg.resources
-        pool = RayResourcePool(res.process_on_nodes(cfg.actor.world_size), use_gpu=res.gpus_per_node > 0,
-                               accelerator_resource=res.accelerator_resource,
-                               cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name,
-                               max_colocate_count=1, detached=detached, ready_timeout_s=res.placement_timeout_s)
-        group = RayWorkerGroup(pool, colocated_class(cfg), name_prefix=name_prefix, detached=detached)
-        workers = cls._from_group(cfg, group, pool)
+        groups, pools = [], []
+        try:
+            for plan in pool_plan(cfg):
+                suffix = "" if plan.name == TRAIN_POOL else f"_{plan.name}"
+                pool = RayResourcePool(list(plan.process_on_nodes), use_gpu=res.gpus_per_node > 0,
+                                       accelerator_resource=res.accelerator_resource,
+                                       cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name + suffix,
+                                       max_colocate_count=1, detached=detached,
+                                       ready_timeout_s=res.placement_timeout_s)
+                pools.append(pool)
+                groups.append(RayWorkerGroup(pool, colocated_class(cfg, plan.roles), name_prefix=name_prefix + suffix,
+                                             detached=detached))
+        except BaseException:
+            for group in groups:
+                group.kill()
+            for pool in pools:
+                pool.release()
+            raise
+        workers = cls._from_groups(cfg, groups, pools)
         for role in roles_of(cfg):
             workers[role.name].init_model()
         return workers
@@ -113,29 +167,41 @@ class WorkerSet:
 
         from rlhf_core.controller import RayWorkerGroup
 
+        plan = pool_plan(cfg)
+        if len(worker_names) != sum(p.world_size for p in plan):
+            return None  # placed for another layout
+        groups, start = [], 0
         try:
-            group = RayWorkerGroup.from_detached(worker_names, colocated_class(cfg), namespace=namespace, role=role)
+            for pool in plan:
+                names = worker_names[start:start + pool.world_size]
+                start += pool.world_size
+                groups.append(RayWorkerGroup.from_detached(names, colocated_class(cfg, pool.roles),
+                                                           namespace=namespace, role=role))
         except ValueError:
             return None
-        pings = [w.__ray_ready__.remote() for w in group.workers]
+        workers = [w for group in groups for w in group.workers]
+        pings = [w.__ray_ready__.remote() for w in workers]
         answered, _ = ray.wait(pings, num_returns=len(pings), timeout=busy_wait_s)
         try:
             ray.get(answered)  # a dead worker answers at once, with its death
         except Exception:
             return None
-        return cls._from_group(cfg, group, None)
+        return cls._from_groups(cfg, groups, [])
 
     @classmethod
-    def _from_group(cls, cfg: RunConfig, group, pool) -> "WorkerSet":
-        roles = roles_of(cfg)
-        return cls(roles=group.spawn(prefix_set=[r.name for r in roles]), group=group, pool=pool,
-                   trainable=tuple(r.name for r in roles if r.trainable))
+    def _from_groups(cls, cfg: RunConfig, groups: list, pools: list) -> "WorkerSet":
+        roles = {}
+        for plan, group in zip(pool_plan(cfg), groups):
+            roles.update(group.spawn(prefix_set=list(plan.roles)))
+        return cls(roles=roles, groups=groups, pools=pools,
+                   trainable=tuple(r.name for r in roles_of(cfg) if r.trainable))
 
     def kill(self) -> None:
         """End the workers and give their resources back (idempotent)."""
-        self.group.kill()
-        if self.pool is not None:
-            self.pool.release()
+        for group in self.groups:
+            group.kill()
+        for pool in self.pools:
+            pool.release()
 
     # ------------------------------------------------------------------ checkpoints
 
