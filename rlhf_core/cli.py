@@ -58,6 +58,17 @@ def _config(overrides: list[str]):
         raise SystemExit(f"rlhf: config error: {exc}") from None
 
 
+def _check_model_path(cfg) -> None:
+    """A model folder this machine lacks fails here, in one line, before any Ray process starts."""
+    from rlhf_core.workers.modeling import ModelPathError, resolve_model_path
+
+    if not cfg.model.path.startswith("builtin:"):
+        try:
+            resolve_model_path(cfg.model.path, cfg.trainer.seed)
+        except ModelPathError as exc:
+            raise SystemExit(f"rlhf: {exc}") from None
+
+
 def _new_run_id() -> str:
     from rlhf_core.run_ids import new_run_id
 
@@ -69,6 +80,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_core.trainer.run import run_direct
 
     cfg = _config(args.overrides)
+    _check_model_path(cfg)
     args.run_id = args.run_id or _new_run_id()
     store = args.store or _default_store(cfg)
     if args.more is not None and args.iterations is not None:

@@ -100,6 +100,11 @@ def test_a_hub_id_is_refused_in_one_line():
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("model.path: expected a local Hugging Face model folder with config.json; "
                                      "found 'Qwen/Qwen2.5-0.5B-Instruct'")
+    from rlhf_core.cli import main
+
+    with pytest.raises(SystemExit, match=r"^rlhf: model.path: expected a local .* found 'Qwen/Qwen2.5-0.5B-Instruct' "
+                                         r"\(it looks like a Hugging Face hub id"):
+        main(["run", "--direct", "model.path=Qwen/Qwen2.5-0.5B-Instruct"])
 
 
 VLLM_LOAD = r"""
