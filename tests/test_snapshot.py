@@ -532,3 +532,70 @@ def test_local_commit_is_idempotent_for_the_same_bytes(tmp_path):
     sfs.put_create_only(loc, b"same")  # a retry of our own write
     with pytest.raises(SnapshotExistsError):
         sfs.put_create_only(loc, b"other")
+
+
+# ------------------------------------------------------------------ delta snapshots
+
+
+def test_a_delta_stores_only_what_changed_and_reads_as_the_whole_batch(store):
+    from rlhf_core.trainer.iteration_store import changed_fields
+
+    base_uri, opts = store
+    full = sample_batch()
+    first = save_snapshot(full.select(["input_ids", "attention_mask", "old_log_probs"], ["uid", "prompt"]),
+                          f"{base_uri}/iter/rollout", storage_options=opts)
+    later = sample_batch()
+    later.batch["old_log_probs"] = later.batch["old_log_probs"] * 2  # changed
+    later.meta_info["stage"] = "reward"
+    delta = changed_fields(later, full.select(["input_ids", "attention_mask", "old_log_probs"], ["uid", "prompt"]))
+    assert sorted(delta.batch.keys()) == ["old_log_probs", "ref_log_prob", "scores", "values"]
+    assert sorted(delta.non_tensor_batch) == ["data_source", "index", "reward_extra"]
+    info = save_snapshot(delta, f"{base_uri}/iter/reward", storage_options=opts, base=first)
+    assert info.base == "../rollout" and "input_ids" not in info.fields
+    assert_same(load_snapshot(f"{base_uri}/iter/reward", storage_options=opts), later)
+    # partial reads reach into the chain: fields from the base, rows and uids as asked
+    part = load_snapshot(f"{base_uri}/iter/reward", fields=["input_ids", "old_log_probs", "uid"], rows=[1, 4],
+                         storage_options=opts)
+    assert torch.equal(part.batch["input_ids"], full.batch["input_ids"][[1, 4]])
+    assert torch.equal(part.batch["old_log_probs"], later.batch["old_log_probs"][[1, 4]])
+    by_uid = load_snapshot(f"{base_uri}/iter/reward", uids=["p2"], fields=["scores"], storage_options=opts)
+    assert by_uid.batch["scores"].tolist() == [6.0, 7.0, 8.0]
+    assert verify_snapshot(f"{base_uri}/iter/reward", storage_options=opts).base == "../rollout"
+
+
+def test_a_delta_refuses_a_base_that_is_not_the_one_it_was_written_against(store):
+    base_uri, opts = store
+    first = save_snapshot(sample_batch().select(["input_ids"], []), f"{base_uri}/it/a", storage_options=opts)
+    save_snapshot(sample_batch().select(["scores"], []), f"{base_uri}/it/b", storage_options=opts, base=first)
+    _rewrite_manifest(base_uri, opts, "it/a", lambda m: m["annotations"].update(tampered=True))
+    with pytest.raises(CorruptSnapshotError, match=r"its base .*/it/a is not the snapshot it was written against"):
+        load_snapshot(f"{base_uri}/it/b", storage_options=opts)
+    # a base reference can only name a sibling
+    _rewrite_manifest(base_uri, opts, "it/b", lambda m: m.update(base={"path": "../../x/a", "manifest_sha256": "0"}))
+    with pytest.raises(SnapshotSchemaError, match=r"is not a sibling snapshot reference"):
+        load_snapshot(f"{base_uri}/it/b", storage_options=opts)
+
+
+def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path):
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    istore = IterationStore(f"file://{tmp_path}/store", "run-1")
+    batch = sample_batch().select(["input_ids", "attention_mask"], ["uid", "prompt"])
+    istore.save(0, "rollout", batch)
+    batch.batch["scores"] = torch.arange(len(batch), dtype=torch.float64)
+    batch.non_tensor_batch["data_source"] = np.array(["gsm8k"] * len(batch))
+    istore.save(0, "reward", batch)
+    batch.meta_info["kl_coef"] = 0.1  # a stage that adds nothing but meta
+    istore.save(0, "advantage", batch)
+    infos = {i.uri.rsplit("/", 1)[-1]: i for i in list_snapshots(istore.iteration_uri(0))}
+    assert set(infos["reward"].fields) == {"scores", "data_source"} and infos["reward"].base == "../rollout"
+    assert infos["advantage"].fields == {} and infos["advantage"].base == "../reward"
+    assert infos["advantage"].num_rows == len(batch)
+    fresh = IterationStore(f"file://{tmp_path}/store", "run-1")  # another controller process
+    assert_same(fresh.load(0, "advantage"), batch)
+    # a stage saved after a load (a resumed iteration) is a delta of the loaded one
+    loaded = fresh.load(0, "advantage")
+    loaded.batch["values"] = torch.ones(len(loaded), 5)
+    fresh.save(0, "values", loaded)
+    assert set(snapshot_info(fresh.stage_uri(0, "values")).fields) == {"values"}
+    assert_same(load_snapshot(fresh.stage_uri(0, "values")), loaded)

@@ -11,6 +11,11 @@ A snapshot at URI ``U`` is::
 The manifest lists every object under the data prefix with its size and SHA-256, the
 fields with their logical dtypes and shapes, and the schema version. A snapshot without
 a manifest does not exist as far as readers are concerned.
+
+A delta snapshot (schema 2) stores only the fields it adds or changes and names its base,
+a sibling snapshot (``"base": {"path": "../<name>", "manifest_sha256": ...}``); readers
+compose the chain, newest field wins, and refuse a base whose manifest is not the one the
+delta was written against.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from urllib.parse import quote, unquote
 from rlhf_core.snapshot.errors import SnapshotSchemaError
 
 FORMAT = "rlhf.snapshot"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: delta snapshots (a "base" reference); 1 is still read
 MANIFEST_NAME = "SNAPSHOT.json"
 DATA_PREFIX = "data-"
 
@@ -108,6 +113,14 @@ def parse_manifest(raw: bytes, uri: str) -> dict:
                                   f"'{DATA_PREFIX}<id>' folder of this snapshot")
     if not isinstance(manifest["objects"], dict):
         raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: objects must be a JSON object")
+    base = manifest.get("base")
+    if base is not None:
+        path = base.get("path") if isinstance(base, dict) else None
+        name = path[3:] if isinstance(path, str) and path.startswith("../") else ""
+        if not name or "/" in name or "\\" in name or name in (".", "..") \
+                or not isinstance(base.get("manifest_sha256"), str):
+            raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: base {base!r} is not a sibling snapshot "
+                                      f"reference ({{'path': '../<name>', 'manifest_sha256': ...}})")
     for key in manifest["objects"]:  # every object lies inside the snapshot's data prefix
         parts = key.split("/") if isinstance(key, str) else [""]
         if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from rlhf_core.protocol import DataProto
 from rlhf_core.snapshot import fs as sfs
@@ -35,6 +36,7 @@ class SnapshotInfo:
     data_prefix: str = ""
     annotations: dict = field(default_factory=dict)
     manifest_sha256: str = ""
+    base: str | None = None             # a delta's base snapshot ("../<stage>"), None for a full one
 
 
 def _info_from_manifest(uri: str, manifest: dict, manifest_sha256: str) -> SnapshotInfo:
@@ -44,7 +46,7 @@ def _info_from_manifest(uri: str, manifest: dict, manifest_sha256: str) -> Snaps
         stored_bytes=sum(int(o["size"]) for o in manifest["objects"].values()),
         created_at=manifest.get("created_at", ""), schema_version=manifest["schema_version"],
         data_prefix=manifest["data_prefix"], annotations=manifest.get("annotations") or {},
-        manifest_sha256=manifest_sha256,
+        manifest_sha256=manifest_sha256, base=(manifest.get("base") or {}).get("path"),
     )
 
 
@@ -76,11 +78,11 @@ def snapshot_info(uri: str, *, storage_options: dict | None = None) -> SnapshotI
 
 
 def verify_snapshot(uri: str, *, storage_options: dict | None = None) -> SnapshotInfo:
-    """Check every object against the manifest (exists, size, SHA-256); raise
-    CorruptSnapshotError listing each mismatch."""
+    """Check every object against the manifest (exists, size, SHA-256), and so for every
+    base of a delta; raise CorruptSnapshotError listing each mismatch."""
     loc = sfs.resolve(uri, storage_options)
     manifest, digest = _open_manifest(loc)
-    _verify_objects(loc, manifest)
+    _open_chain(loc, verify="full")
     return _info_from_manifest(loc.uri, manifest, digest)
 
 
@@ -210,6 +212,48 @@ def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor |
     raise SnapshotSchemaError(f"{uri}: field {name!r} has unknown encoding {encoding!r}")
 
 
+def _open_chain(loc: sfs.Location, verify: str) -> list[tuple[sfs.Location, dict]]:
+    """The snapshot and the bases it is a delta of, newest first; each base must be the
+    exact snapshot the delta was written against (manifest sha256) with the same rows."""
+    chain = []
+    manifest, _ = _open_manifest(loc)
+    while True:
+        if verify == "full":
+            _verify_objects(loc, manifest)
+        chain.append((loc, manifest))
+        base = manifest.get("base")
+        if base is None:
+            return chain
+        if len(chain) > 64:
+            raise CorruptSnapshotError(f"{chain[0][0].uri}: a delta chain longer than 64 snapshots (a cycle?)")
+        parent = sfs.resolve(loc.uri.rstrip("/").rsplit("/", 1)[0] + "/" + base["path"][3:], loc.storage_options)
+        base_manifest, digest = _open_manifest(parent)
+        if digest != base["manifest_sha256"]:
+            raise CorruptSnapshotError(f"{loc.uri}: its base {parent.uri} is not the snapshot it was written "
+                                       f"against (manifest sha256 {digest[:16]}... != {base['manifest_sha256'][:16]}...)")
+        if int(base_manifest["num_rows"]) != int(manifest["num_rows"]):
+            raise CorruptSnapshotError(f"{loc.uri}: {manifest['num_rows']} rows but its base {parent.uri} has "
+                                       f"{base_manifest['num_rows']}")
+        loc, manifest = parent, base_manifest
+
+
+def _read_fields(loc: sfs.Location, manifest: dict, names: list[str], selection) -> dict:
+    """Decoded fields ``names`` of one snapshot (no chain), rows ``selection``."""
+    catalog = manifest["fields"]
+    store = _manifest_checked(sfs.zarr_store(loc.child(manifest["data_prefix"]), read_only=True), manifest, loc.uri)
+    requests = []
+    for name in names:
+        info = catalog[name]
+        metadata = check_array_metadata(_checked_metadata(manifest, f"{info['array']}/zarr.json", loc.uri),
+                                        f"{loc.uri}: field {name!r}")
+        if list(metadata.get("shape", [])) != list(info["shape"]):
+            raise CorruptSnapshotError(f"{loc.uri}: field {name!r} has shape {metadata.get('shape')} "
+                                       f"but the manifest says {info['shape']}")
+        requests.append((info["array"], metadata))
+    arrays = _read_arrays(store, requests, selection)
+    return {name: _decode(catalog[name], data, name, loc.uri) for name, data in zip(names, arrays)}
+
+
 def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = None,
                   uids: Sequence[str] | None = None, verify: str = "marker",
                   storage_options: dict | None = None) -> DataProto:
@@ -221,23 +265,24 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
     rows of the chosen fields are read. ``verify="marker"`` requires the manifest and
     checks metadata checksums; ``verify="full"`` also checks every object's size and
     SHA-256 first (CorruptSnapshotError on any mismatch). meta_info is always loaded.
+    A delta snapshot reads each field from the newest snapshot of its chain that has it.
     """
     if verify not in ("marker", "full"):
         raise ValueError(f"verify must be 'marker' or 'full'; found {verify!r}")
     if rows is not None and uids is not None:
         raise ValueError("pass rows or uids, not both")
     loc = sfs.resolve(uri, storage_options)
-    manifest, _ = _open_manifest(loc)
-    if verify == "full":
-        _verify_objects(loc, manifest)
-    catalog = manifest["fields"]
+    chain = _open_chain(loc, verify)
+    source: dict[str, int] = {}  # field -> index in chain of the snapshot holding it
+    for index in range(len(chain) - 1, -1, -1):  # oldest first: columns keep the order they appeared in
+        for name in chain[index][1]["fields"]:
+            source[name] = index
+    catalog = {name: chain[i][1]["fields"][name] for name, i in source.items()}
     wanted = list(catalog) if fields is None else list(fields)
     unknown = [f for f in wanted if f not in catalog]
     if unknown:
         raise KeyError(f"{loc.uri}: no field(s) {unknown}; available: {sorted(catalog)}")
-
-    data_loc = loc.child(manifest["data_prefix"])
-    store = _manifest_checked(sfs.zarr_store(data_loc, read_only=True), manifest, loc.uri)
+    manifest = chain[0][1]
     root = _checked_metadata(manifest, "zarr.json", loc.uri)
     meta_info = dict((root.get("attributes") or {}).get("meta_info") or {})
     num_rows = int(manifest["num_rows"])
@@ -245,10 +290,7 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
     if uids is not None:
         if "uid" not in catalog:
             raise KeyError(f"{loc.uri}: selecting by uid needs a 'uid' column; fields: {sorted(catalog)}")
-        uid_meta = check_array_metadata(
-            _checked_metadata(manifest, f"{catalog['uid']['array']}/zarr.json", loc.uri),
-            f"{loc.uri}: uid")
-        uid_column = _read_arrays(store, [(catalog["uid"]["array"], uid_meta)], slice(None))[0]
+        uid_column = _read_fields(*chain[source["uid"]], ["uid"], slice(None))["uid"]
         positions: dict[str, list[int]] = {}
         for i, u in enumerate(uid_column.tolist()):
             positions.setdefault(u, []).append(i)
@@ -260,19 +302,15 @@ def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = 
     else:
         selection = _resolve_rows(rows, num_rows)
 
-    requests = []
-    for name in wanted:
-        info = catalog[name]
-        metadata = check_array_metadata(_checked_metadata(manifest, f"{info['array']}/zarr.json", loc.uri),
-                                        f"{loc.uri}: field {name!r}")
-        if list(metadata.get("shape", [])) != list(info["shape"]):
-            raise CorruptSnapshotError(f"{loc.uri}: field {name!r} has shape {metadata.get('shape')} "
-                                       f"but the manifest says {info['shape']}")
-        requests.append((info["array"], metadata))
-    arrays = _read_arrays(store, requests, selection)
-    columns = {name: _decode(catalog[name], data, name, loc.uri) for name, data in zip(wanted, arrays)}
+    columns: dict = {}
+    for index in sorted({source[name] for name in wanted}):
+        columns.update(_read_fields(*chain[index], [n for n in wanted if source[n] == index], selection))
+    columns = {name: columns[name] for name in wanted}
     tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] == "batch"}
     non_tensors = {k: v for k, v in columns.items() if catalog[k]["layer"] != "batch"}
+    if not wanted:  # a delta that added nothing, or fields=[]: still the snapshot's rows
+        size = len(range(num_rows)[selection]) if isinstance(selection, slice) else len(selection)
+        return DataProto(batch=TensorDict({}, batch_size=[size]), meta_info=meta_info)
     return DataProto.from_dict(tensors, non_tensors, meta_info)
 
 

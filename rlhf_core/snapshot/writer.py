@@ -186,7 +186,8 @@ def _write_field(parent, field: EncodedField) -> None:
 
 
 def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = None,
-                  annotations: dict | None = None, max_workers: int = 4) -> "SnapshotInfo":
+                  annotations: dict | None = None, max_workers: int = 4,
+                  base: "SnapshotInfo | None" = None) -> "SnapshotInfo":
     """Persist ``dp`` at ``uri`` and commit it; returns its :class:`SnapshotInfo`.
 
     The data goes under ``uri/data-<fresh id>/`` (a prefix no other writer uses); the
@@ -194,6 +195,10 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
     repeated commits to one URI fail with SnapshotExistsError and a crashed writer leaves
     nothing a reader would accept. ``annotations`` (JSON) are stored in the manifest,
     e.g. ``{"replay_of": ...}``. The input DataProto is not modified.
+
+    With ``base`` (a committed sibling snapshot, e.g. the previous stage's), ``dp`` holds
+    only the fields that differ from it (plus the full meta_info) and readers compose the
+    two; ``dp`` must then have the base's row count even when it has no fields.
     """
     import zarr
     from zarr.storage import MemoryStore
@@ -241,6 +246,12 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
         "annotations": annotations or {},
         "writer": {"host": socket.gethostname(), "pid": os.getpid()},
     }
+    if base is not None:
+        base_name = base.uri.rstrip("/").rsplit("/", 1)[-1]
+        if base.uri.rstrip("/").rsplit("/", 1)[0] != loc.uri.rstrip("/").rsplit("/", 1)[0]:
+            raise ValueError(f"base {base.uri} must be a sibling of {loc.uri} (same parent folder)")
+        manifest["base"] = {"path": f"../{base_name}", "manifest_sha256": base.manifest_sha256}
+        manifest["num_rows"] = base.num_rows if not fields else manifest["num_rows"]
     raw = json.dumps(manifest, indent=1, sort_keys=False).encode("utf-8")
     faults.reached(f"snapshot:{loc.uri}")
     try:

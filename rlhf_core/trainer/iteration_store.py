@@ -69,6 +69,22 @@ def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str
             "snapshots": snapshots, "computed_ahead": list(computed_ahead)}
 
 
+def changed_fields(batch: "DataProto", previous: "DataProto") -> "DataProto":
+    """The fields of ``batch`` that ``previous`` lacks or holds with other values (same
+    rows), with ``batch``'s whole meta_info."""
+    import numpy as np
+    import torch
+
+    old_tensors = dict(previous.batch.items()) if previous.batch is not None else {}
+    tensors = [k for k, v in (batch.batch.items() if batch.batch is not None else [])
+               if k not in old_tensors or old_tensors[k].shape != v.shape or old_tensors[k].dtype != v.dtype
+               or not torch.equal(old_tensors[k], v)]
+    columns = [k for k, v in batch.non_tensor_batch.items()
+               if k not in previous.non_tensor_batch or not isinstance(v, np.ndarray)
+               or v.shape != previous.non_tensor_batch[k].shape or v.tolist() != previous.non_tensor_batch[k].tolist()]
+    return batch.select(tensors, columns)
+
+
 class IterationStore:
     """Reads and writes one run's stage snapshots, checkpoints and iteration manifests."""
 
@@ -77,6 +93,9 @@ class IterationStore:
         self.storage_options = storage_options
         self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
         self.run_id = run_id
+        # the last stage saved or loaded per iteration: (its SnapshotInfo, a copy of its
+        # batch); the next stage's snapshot stores only what differs from it
+        self._previous: dict[int, tuple] = {}
 
     @property
     def run_uri(self) -> str:
@@ -100,21 +119,36 @@ class IterationStore:
         return sfs.read_bytes(loc) is not None
 
     def load(self, iteration: int, stage: str) -> "DataProto":
-        from rlhf_core.snapshot import load_snapshot
+        """The whole batch as it stood after ``stage`` (a delta composed with its chain)."""
+        from rlhf_core.snapshot import load_snapshot, snapshot_info
 
-        return load_snapshot(self.stage_uri(iteration, stage), storage_options=self.storage_options)
+        uri = self.stage_uri(iteration, stage)
+        batch = load_snapshot(uri, storage_options=self.storage_options)
+        self._remember(iteration, snapshot_info(uri, storage_options=self.storage_options), batch)
+        return batch
 
     def save(self, iteration: int, stage: str, batch: "DataProto") -> None:
-        """Commit the stage's output. A stage re-run after a restart (the stateful update
-        stages re-run from the restored checkpoint) finds its snapshot committed and keeps
-        it: snapshots are immutable."""
-        from rlhf_core.snapshot import save_snapshot
+        """Commit the stage's output as a delta of the iteration's previous stage: only the
+        columns it added or changed, plus its meta_info (readers compose the chain). A
+        stage re-run after a restart (the stateful update stages re-run from the restored
+        checkpoint) finds its snapshot committed and keeps it: snapshots are immutable."""
+        from rlhf_core.snapshot import save_snapshot, snapshot_info
 
+        uri = self.stage_uri(iteration, stage)
+        previous = self._previous.get(iteration)
+        base, delta = None, batch
+        if previous is not None and len(previous[1]) == len(batch):
+            base, delta = previous[0], changed_fields(batch, previous[1])
         try:
-            save_snapshot(batch, self.stage_uri(iteration, stage), storage_options=self.storage_options,
-                          annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})
+            info = save_snapshot(delta, uri, storage_options=self.storage_options, base=base,
+                                 annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})
         except SnapshotExistsError:
-            pass
+            info = snapshot_info(uri, storage_options=self.storage_options)
+        self._remember(iteration, info, batch)
+
+    def _remember(self, iteration: int, info, batch: "DataProto") -> None:
+        # a copy: a later stage may change a tensor in place, and the delta must see it
+        self._previous = {iteration: (info, batch.select(deepcopy=True))}
 
     # ---------------------------------------------------------------- leases
 

@@ -97,7 +97,7 @@ class PPOTrainer:
         ahead = self.prefetch.take(self.state) if self.prefetch is not None else None
         self.adopted = []  # the stages computed ahead and adopted
         if done:
-            batch = self.stage_store.load(iteration, done[-1].name)  # each snapshot is the whole batch
+            batch = self.stage_store.load(iteration, done[-1].name)  # the whole batch (deltas composed)
             if "kl_coef" in batch.meta_info:
                 self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
         elif ahead is not None:
