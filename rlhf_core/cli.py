@@ -266,6 +266,29 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_gc(args: argparse.Namespace) -> int:
+    from rlhf_core import retention
+    from rlhf_core.config import ConfigError, apply_overrides, config_from_dict
+    from rlhf_core.snapshot import SnapshotError
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    uri = args.uri.rstrip("/")
+    store, _, run_id = uri.rpartition("/")
+    try:
+        istore = IterationStore(store, run_id)
+        committed = istore.committed_iterations()
+        if not committed:
+            raise SystemExit(f"rlhf: {uri}: no committed iteration; expected a run URI ({{store}}/{{run_id}})")
+        cfg = config_from_dict(istore.read_manifest(committed[-1]).get("config") or {})
+        policy = retention.RetentionPolicy.from_config(apply_overrides(cfg, args.overrides).validate())
+        plan = retention.collect(uri, policy, grace_s=args.grace_s, dry_run=args.dry_run)
+    except (ConfigError, SnapshotError, ValueError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    print(f"policy: {policy} (grace {args.grace_s:g}s)")
+    print(retention.format_plan(plan, args.dry_run, uri))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe
 
@@ -356,6 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("uri", help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
     export.add_argument("--out", required=True, help="a new or empty folder")
     export.set_defaults(func=_cmd_export)
+
+    gc = sub.add_parser("gc", help="remove what a run's retention policy lets go, orphaned writes, dead leases")
+    gc.add_argument("uri", help="a run URI: {store}/{run_id}")
+    gc.add_argument("overrides", nargs="*", help="policy overrides, e.g. trainer.keep_checkpoints=2 "
+                                                 "(default: the run's own config)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
+    gc.add_argument("--grace-s", type=float, default=3600.0,
+                    help="orphaned writer prefixes and leases younger than this stay (a writer may be live)")
+    gc.set_defaults(func=_cmd_gc)
 
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("overrides", nargs="*")

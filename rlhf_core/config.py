@@ -180,6 +180,14 @@ class TrainerConfig:
     progress: bool = _f(True, "show a progress bar per stage")
     session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
                                        "long without a controller using it", **POSITIVE)
+    keep_checkpoints: int = _f(0, "rlhf gc keeps the checkpoints of the last K steps (0: every checkpoint); "
+                               "the newest is always kept", **NON_NEGATIVE)
+    keep_checkpoints_every: int = _f(0, "rlhf gc also keeps every M-th step's checkpoint (0: only the last "
+                                     "keep_checkpoints)", **NON_NEGATIVE)
+    keep_snapshots: int = _f(0, "rlhf gc keeps the stage snapshots of the last N committed iterations (0: "
+                             "all); manifests (config, metrics, lineage) are always kept", **NON_NEGATIVE)
+    keep_snapshots_every: int = _f(0, "rlhf gc also keeps the stage snapshots of every M-th iteration",
+                                   **NON_NEGATIVE)
     prefetch: bool = _f(True, "a session computes the next iteration's inference stages (rollout through "
                         "values) right after an iteration commits, while the next controller starts; "
                         "results are identical either way")
@@ -313,6 +321,8 @@ class RunConfig:
 NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
                        ("trainer", "total_iterations"),  # how long a run goes on, not what an iteration does
                        ("trainer", "prefetch"),  # when the inference stages run, not what they compute
+                       ("trainer", "keep_checkpoints"), ("trainer", "keep_checkpoints_every"),  # what gc keeps
+                       ("trainer", "keep_snapshots"), ("trainer", "keep_snapshots_every"),
                        ("resources", None))  # where it runs, not what it trains
 
 

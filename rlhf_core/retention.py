@@ -1,0 +1,207 @@
+"""What a run keeps in its store, and ``rlhf gc``: remove what the retention policy lets go,
+orphaned writer prefixes and dead leases, never what a kept iteration needs.
+
+The policy (``trainer.keep_checkpoints`` / ``keep_checkpoints_every`` and
+``trainer.keep_snapshots`` / ``keep_snapshots_every``; 0 keeps everything) applies only to
+committed iterations with no live lease:
+
+- checkpoints: the last K steps, every M-th step, and always the newest (resume needs it);
+- stage snapshots: every stage of the last N committed iterations and of every M-th one;
+  an iteration's stages go together (a delta's chain stays whole);
+- manifests are always kept, so lineage, metrics and config of every iteration remain.
+
+Garbage regardless of the policy, once older than the grace period: ``data-*`` prefixes
+no manifest names (a writer that crashed or lost a race), and lease logs of committed
+iterations. Nothing under an uncommitted iteration is touched while its lease is live.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rlhf_core import run_layout
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME
+
+LEASES = "leases"
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_checkpoints: int = 0        # the last K checkpoints (0: all)
+    keep_checkpoints_every: int = 0  # and every M-th step (0: none besides the last K)
+    keep_snapshots: int = 0          # stage snapshots of the last N committed iterations (0: all)
+    keep_snapshots_every: int = 0    # and of every M-th iteration
+
+    @classmethod
+    def from_config(cls, cfg) -> "RetentionPolicy":
+        t = cfg.trainer
+        return cls(t.keep_checkpoints, t.keep_checkpoints_every, t.keep_snapshots, t.keep_snapshots_every)
+
+    def keeps_checkpoint(self, step: int, newest: int) -> bool:
+        if not self.keep_checkpoints or step == newest:
+            return True
+        return step > newest - self.keep_checkpoints or bool(self.keep_checkpoints_every and
+                                                             step % self.keep_checkpoints_every == 0)
+
+    def keeps_snapshots(self, iteration: int, newest: int) -> bool:
+        if not self.keep_snapshots:
+            return True
+        return iteration > newest - self.keep_snapshots or bool(self.keep_snapshots_every and
+                                                                iteration % self.keep_snapshots_every == 0)
+
+
+@dataclass
+class GcPlan:
+    """What ``collect`` removes (or, dry, would remove), by kind, as URIs."""
+
+    checkpoints: list[str] = field(default_factory=list)
+    snapshots: list[str] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    leases: list[str] = field(default_factory=list)
+    bytes: int = 0
+
+    def all(self) -> list[str]:
+        return self.checkpoints + self.snapshots + self.orphans + self.leases
+
+
+def _age_s(loc: sfs.Location, now: float) -> float:
+    """Seconds since the newest object under ``loc`` was written (0 when unknown)."""
+    newest = 0.0
+    try:
+        infos = loc.fs.find(loc.path, detail=True) if loc.fs.isdir(loc.path) else {loc.path: loc.fs.info(loc.path)}
+    except FileNotFoundError:
+        return 0.0
+    for info in infos.values():
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
+        if hasattr(stamp, "timestamp"):
+            stamp = stamp.timestamp()
+        if stamp:
+            newest = max(newest, float(stamp))
+    return now - newest if newest else 0.0
+
+
+def _size(loc: sfs.Location) -> int:
+    try:
+        return int(loc.fs.du(loc.path, total=True))
+    except FileNotFoundError:
+        return 0
+
+
+def _children(loc: sfs.Location) -> list[str]:
+    """Names under ``loc`` that hold at least one object (a filer-backed S3 such as
+    SeaweedFS keeps an empty folder entry after its objects are deleted: that is gone)."""
+    try:
+        entries = loc.fs.ls(loc.path, detail=True)
+    except FileNotFoundError:
+        return []
+    names = []
+    for entry in entries:
+        path = entry["name"].rstrip("/")
+        if entry.get("type") == "directory" and not any(
+                info.get("type") != "directory" for info in loc.fs.find(path, detail=True).values()):
+            continue
+        names.append(path.rsplit("/", 1)[-1])
+    return sorted(names)
+
+
+def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
+            storage_options: dict | None = None, now: float | None = None, lease_ttl_s: float = 900.0) -> GcPlan:
+    """What may go from the run at ``run_uri`` (nothing is removed here). An uncommitted
+    iteration whose lease is live (younger than ``lease_ttl_s``, the controllers' TTL) is
+    left alone entirely."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.lease import LeaseLog
+
+    now = time.time() if now is None else now
+    run = sfs.resolve(run_uri, storage_options)
+    if hasattr(run.fs, "invalidate_cache"):
+        run.fs.invalidate_cache()
+    store_uri, run_id = run.uri.rsplit("/", 1)
+    istore = IterationStore(store_uri, run_id, storage_options)
+    committed = istore.committed_iterations()
+    plan = GcPlan()
+    newest = committed[-1] if committed else -1
+    kept_steps = set()
+    for name in _children(run.child("checkpoints")):
+        step = int(name.split("-", 1)[1]) if name.startswith("step-") and name[5:].isdigit() else None
+        # a checkpoint no committed iteration produced yet may be an iteration's in-flight write
+        if step is None or step > newest + 1 or policy.keeps_checkpoint(step, newest + 1):
+            kept_steps.add(step)
+            continue
+        plan.checkpoints.append(run.child("checkpoints", name).uri)
+    committed_set = set(committed)
+    for name in _children(run):
+        iteration = run_layout.iteration_of_dir(name)
+        if iteration is None:
+            continue
+        it_loc = run.child(name)
+        if iteration not in committed_set:
+            log = LeaseLog(istore.run, iteration, ttl_s=lease_ttl_s)
+            latest = log.latest()
+            if latest is not None and not log.is_free(latest[1], holder="rlhf-gc"):
+                continue  # a controller holds it: it may be writing right now
+        drop_stages = iteration in committed_set and not policy.keeps_snapshots(iteration, newest)
+        for stage in _children(it_loc):
+            if stage == run_layout.MANIFEST:
+                continue
+            stage_loc = it_loc.child(stage)
+            if drop_stages:
+                plan.snapshots.append(stage_loc.uri)
+                continue
+            plan.orphans += _orphans(stage_loc, grace_s, now)
+    for name in _children(run.child(LEASES)):
+        iteration = run_layout.iteration_of_dir(name)
+        lease_loc = run.child(LEASES, name)
+        if iteration in committed_set and _age_s(lease_loc, now) >= grace_s:
+            plan.leases.append(lease_loc.uri)
+    plan.bytes = sum(_size(sfs.resolve(uri, storage_options)) for uri in plan.all())
+    return plan
+
+
+def _orphans(stage_loc: sfs.Location, grace_s: float, now: float) -> list[str]:
+    """``data-*`` prefixes of a snapshot folder that its manifest does not name (all of
+    them when it has none), older than the grace period."""
+    import json
+
+    raw = sfs.read_bytes(stage_loc.child(MANIFEST_NAME))
+    named = json.loads(raw).get("data_prefix") if raw is not None else None
+    out = []
+    for child in _children(stage_loc):
+        if child.startswith(DATA_PREFIX) and child != named and _age_s(stage_loc.child(child), now) >= grace_s:
+            out.append(stage_loc.child(child).uri)
+    return out
+
+
+def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_run: bool = False,
+            storage_options: dict | None = None) -> GcPlan:
+    """Plan, then (unless ``dry_run``) remove. Checkpoints and stage folders are removed
+    manifest-last where they have one (a reader never sees half of a committed thing as
+    committed: without its marker it is simply gone)."""
+    plan = plan_gc(run_uri, policy, grace_s, storage_options)
+    if dry_run:
+        return plan
+    for uri in plan.all():
+        loc = sfs.resolve(uri, storage_options)
+        for marker in (MANIFEST_NAME, "trainer_state.json"):  # the commit markers go first
+            try:
+                loc.fs.rm(loc.child(marker).path)
+            except (FileNotFoundError, OSError):
+                pass
+        try:
+            loc.fs.rm(loc.path, recursive=True)
+        except FileNotFoundError:
+            pass
+    return plan
+
+
+def format_plan(plan: GcPlan, dry_run: bool, run_uri: str) -> str:
+    verb = "would remove" if dry_run else "removed"
+    lines = []
+    for kind, uris in (("checkpoint", plan.checkpoints), ("stage snapshots", plan.snapshots),
+                       ("orphaned writer prefix", plan.orphans), ("dead lease", plan.leases)):
+        for uri in uris:
+            lines.append(f"{verb} {kind}: {uri[len(run_uri):].lstrip('/') or uri}")
+    lines.append(f"{verb} {len(plan.all())} item(s), {plan.bytes / 2**20:.1f} MiB")
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""Retention and ``rlhf gc``: what goes, what stays, and a gc racing a live writer.
+
+The run store is written with the real IterationStore (delta stage snapshots, manifests,
+checkpoint folders, lease logs), on local disk and on SeaweedFS; no workers are needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core.config import RunConfig, apply_overrides
+from rlhf_core.protocol import DataProto, object_column
+from rlhf_core.retention import RetentionPolicy, collect, plan_gc
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot import load_snapshot, save_snapshot, verify_snapshot
+from rlhf_core.trainer.iteration_store import IterationStore
+from rlhf_core.trainer.lease import LeaseLog
+
+STAGES = ("rollout", "reward", "advantage")
+
+
+def _batch(seed: int, n: int = 6) -> DataProto:
+    g = torch.Generator().manual_seed(seed)
+    return DataProto.from_dict({"input_ids": torch.randint(0, 50, (n, 4), generator=g)},
+                               {"uid": object_column([f"u{i}" for i in range(n)])}, {"global_step": seed})
+
+
+def _iteration(istore: IterationStore, it: int, commit: bool = True) -> None:
+    batch = _batch(it)
+    for stage in STAGES:
+        batch.batch[f"{stage}_out"] = torch.full((len(batch), 4), float(it))
+        istore.save(it, stage, batch)
+    ckpt = sfs.resolve(istore.checkpoint_uri(it + 1), istore.storage_options)
+    sfs.write_durably(ckpt.uri, {"actor_model.safetensors": b"w" * 1000, "trainer_state.json": b"{}"},
+                      istore.storage_options)
+    if commit:
+        cfg = RunConfig()
+        istore.commit_iteration(it, {"config": cfg.to_dict(), "checkpoint": ckpt.uri, "global_step": it + 1})
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_store(request, tmp_path):
+    if request.param == "local":
+        return f"file://{tmp_path}/store", None
+    server = request.getfixturevalue("s3_server")
+    return f"s3://{server.bucket}/{uuid.uuid4().hex}", server.storage_options
+
+
+def test_policy_keeps_the_last_k_every_mth_and_always_the_newest():
+    policy = RetentionPolicy(keep_checkpoints=2, keep_checkpoints_every=5, keep_snapshots=3, keep_snapshots_every=4)
+    assert [s for s in range(13) if policy.keeps_checkpoint(s, newest=12)] == [0, 5, 10, 11, 12]
+    assert [i for i in range(12) if policy.keeps_snapshots(i, newest=11)] == [0, 4, 8, 9, 10, 11]
+    assert all(RetentionPolicy().keeps_checkpoint(s, 9) and RetentionPolicy().keeps_snapshots(s, 9) for s in range(10))
+    cfg = apply_overrides(RunConfig(), ["trainer.keep_checkpoints=2", "trainer.keep_snapshots_every=4"])
+    assert RetentionPolicy.from_config(cfg) == RetentionPolicy(2, 0, 0, 4)
+    assert cfg.config_hash() == RunConfig().config_hash(), "what gc keeps is not part of what is trained"
+
+
+def _age(istore, relpath: str, seconds: float) -> None:
+    """Make every object under a local path look ``seconds`` old (S3 objects are now)."""
+    root = istore.run.path + "/" + relpath
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            past = time.time() - seconds
+            os.utime(os.path.join(dirpath, f), (past, past))
+
+
+def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(run_store):
+    store, opts = run_store
+    istore = IterationStore(store, "run-a", opts)
+    for it in range(6):
+        _iteration(istore, it)
+    # an orphaned writer prefix in a committed iteration (a writer that lost a race)
+    orphan = sfs.resolve(f"{istore.stage_uri(1, 'reward')}/data-deadbeef", opts)
+    sfs.write_durably(orphan.uri, {"zarr.json": b"{}"}, opts)
+    # a committed iteration's lease log, and a live controller on iteration 6 writing now
+    LeaseLog(istore.run, 2, ttl_s=900).acquire("task-2")
+    assert LeaseLog(istore.run, 6, ttl_s=900).acquire("task-6").token >= 0
+    _iteration(istore, 6, commit=False)
+    live_orphan = sfs.resolve(f"{istore.stage_uri(6, 'rollout')}/data-inflight", opts)
+    sfs.write_durably(live_orphan.uri, {"zarr.json": b"{}"}, opts)
+
+    policy = RetentionPolicy(keep_checkpoints=2, keep_snapshots=2, keep_snapshots_every=3)
+    dry = collect(istore.run_uri, policy, grace_s=0, dry_run=True, storage_options=opts)
+    rel = sorted(u[len(istore.run_uri) + 1:] for u in dry.all())
+    assert rel == sorted([*(f"checkpoints/step-{s:06d}" for s in (1, 2, 3, 4)),
+                          *(f"iter-{i:06d}/{s}" for i in (1, 2) for s in STAGES),
+                          "leases/iter-000002"]), rel
+    assert dry.bytes > 0
+    assert IterationStore(store, "run-a", opts).load(1, "advantage") is not None, "a dry run removes nothing"
+
+    done = collect(istore.run_uri, policy, grace_s=0, storage_options=opts)
+    assert sorted(done.all()) == sorted(dry.all())
+    fresh = IterationStore(store, "run-a", opts)
+    assert fresh.committed_iterations() == list(range(6)), "manifests are always kept"
+    for it in (0, 3, 4, 5):  # every 3rd and the last 2: their whole chains verify and load
+        for stage in STAGES:
+            verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
+        assert fresh.load(it, "advantage").batch["rollout_out"][0, 0].item() == it
+    for it in (1, 2):
+        with pytest.raises(Exception):
+            load_snapshot(fresh.stage_uri(it, "rollout"), storage_options=opts)
+    if hasattr(fresh.run.fs, "invalidate_cache"):
+        fresh.run.fs.invalidate_cache()
+    steps = sorted({p[len(fresh.run.path):].split("/")[2] for p in fresh.run.fs.find(fresh.run.child("checkpoints").path)})
+    # the last 2 of the committed steps (the newest, 6, is what resume loads) and the live
+    # controller's step 7, which no committed iteration produced yet
+    assert steps == ["step-000005", "step-000006", "step-000007"]
+    # the live controller's iteration is untouched, its in-flight prefix included
+    assert sfs.read_bytes(live_orphan.child("zarr.json")) is not None
+    verify_snapshot(fresh.stage_uri(6, "advantage"), storage_options=opts)
+    # nothing more to do
+    assert collect(istore.run_uri, policy, grace_s=0, storage_options=opts).all() == []
+
+
+def test_orphans_younger_than_the_grace_period_stay(tmp_path):
+    istore = IterationStore(f"file://{tmp_path}/store", "run-b")
+    for it in range(2):
+        _iteration(istore, it)
+    sfs.write_durably(f"{istore.stage_uri(0, 'reward')}/data-young", {"zarr.json": b"{}"})
+    sfs.write_durably(f"{istore.stage_uri(0, 'reward')}/data-old", {"zarr.json": b"{}"})
+    _age(istore, "iter-000000/reward/data-old", 7200)
+    plan = plan_gc(istore.run_uri, RetentionPolicy(), grace_s=3600)
+    assert [u.rsplit("/", 1)[-1] for u in plan.orphans] == ["data-old"]
+    assert plan.checkpoints == [] and plan.snapshots == []
+
+
+def test_gc_racing_a_writer_never_removes_what_it_commits(run_store):
+    """A controller keeps writing and committing iterations while gc runs again and again
+    with no grace period and a tight policy: every iteration the policy keeps loads and
+    verifies at the end, and the newest checkpoint is there."""
+    store, opts = run_store
+    istore = IterationStore(store, "run-c", opts)
+    stop, errors = threading.Event(), []
+
+    def writer():
+        try:
+            for it in range(8):
+                log = LeaseLog(istore.run, it, ttl_s=900)
+                lease = log.acquire("controller")
+                _iteration(istore, it)
+                log.release(lease)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def gc_loop():
+        while not stop.is_set():
+            try:
+                collect(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=2), grace_s=0,
+                        storage_options=opts)
+            except Exception as exc:
+                errors.append(exc)
+                return
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=gc_loop)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    collect(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=2), grace_s=0, storage_options=opts)
+    fresh = IterationStore(store, "run-c", opts)
+    assert fresh.committed_iterations() == list(range(8))
+    for it in (6, 7):
+        for stage in STAGES:
+            verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
+    assert sfs.read_bytes(sfs.resolve(f"{fresh.checkpoint_uri(8)}/trainer_state.json", opts)) is not None
+
+
+def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):
+    from rlhf_core.cli import main
+
+    istore = IterationStore(f"file://{tmp_path}/store", "run-d")
+    for it in range(4):
+        _iteration(istore, it)
+    assert main(["gc", istore.run_uri, "trainer.keep_checkpoints=1", "--dry-run", "--grace-s", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "would remove checkpoint: checkpoints/step-000001" in out and "would remove 3 item(s)" in out
+    assert main(["gc", istore.run_uri, "trainer.keep_checkpoints=1", "--grace-s", "0"]) == 0
+    assert "removed 3 item(s)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"trainer.keep_checkpoints: expected a value >= 0; found -1"):
+        main(["gc", istore.run_uri, "trainer.keep_checkpoints=-1"])
