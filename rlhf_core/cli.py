@@ -262,7 +262,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except (ExportError, ModelPathError, SnapshotError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     print(f"exported step {record['global_step']} of {args.uri} to {args.out} "
-          f"(weights sha256 {record['checkpoint_sha256'][:16]}...)")
+          f"(weights sha256 {record['weights_sha256'][:16]}...)")
     return 0
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.workers.worker_set import TRAINER_STATE_FILE
 
-POLICY_WEIGHTS = "actor_model.safetensors"
+POLICY = "actor"  # the policy's folder in a checkpoint (sharded, torch.distributed.checkpoint)
 #: Files of the base folder that are weights (replaced) rather than config or tokenizer.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
@@ -36,13 +36,12 @@ def _read(uri: str, name: str, storage_options: dict | None) -> bytes:
 def export_checkpoint(uri: str, out: str, storage_options: dict | None = None) -> dict:
     """Write the policy of the checkpoint at ``uri`` as a Hugging Face folder ``out``
     (which must not exist yet, or be empty). Returns what EXPORT.json records."""
-    from safetensors.torch import load as load_safetensors
     from safetensors.torch import save as save_safetensors
 
     from rlhf_core.workers import modeling
 
     state = json.loads(_read(uri, TRAINER_STATE_FILE, storage_options))
-    raw = _read(uri, POLICY_WEIGHTS, storage_options)
+    metadata = _read(f"{uri.rstrip('/')}/{POLICY}", ".metadata", storage_options)
     config = state.get("config") or {}
     model_path = (config.get("model") or {}).get("path")
     if not model_path:
@@ -52,17 +51,35 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None) -
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
+    weights = read_policy_weights(uri, base, storage_options)
     target.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "WARM_START.json":
             shutil.copy2(item, target / item.name)
-    weights = load_safetensors(raw)
     model_config = json.loads((base / "config.json").read_text())
     if model_config.get("tie_word_embeddings") and "lm_head.weight" in weights:
         del weights["lm_head.weight"]  # tied to the input embeddings: stored once, as HF saves it
-    (target / "model.safetensors").write_bytes(save_safetensors(weights, metadata={"format": "pt"}))
-    record = {"checkpoint_uri": uri, "checkpoint_sha256": hashlib.sha256(raw).hexdigest(),
-              "global_step": state.get("global_step"), "config_hash": state.get("config_hash"),
-              "base_model": model_path}
+    raw = save_safetensors(weights, metadata={"format": "pt"})
+    (target / "model.safetensors").write_bytes(raw)
+    record = {"checkpoint_uri": uri, "checkpoint_metadata_sha256": hashlib.sha256(metadata).hexdigest(),
+              "weights_sha256": hashlib.sha256(raw).hexdigest(), "global_step": state.get("global_step"),
+              "config_hash": state.get("config_hash"), "base_model": model_path}
     (target / "EXPORT.json").write_text(json.dumps(record, indent=1))
     return record
+
+
+def read_policy_weights(uri: str, base: Path, storage_options: dict | None = None) -> dict:
+    """The policy's whole tensors from the checkpoint's shards, in this process (no
+    process group: the shards of every rank are read and joined)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in skeleton.state_dict().items()}
+    folder = sfs.resolve(f"{uri.rstrip('/')}/{POLICY}", storage_options)
+    wrapped = {"model": state}
+    dcp.load(wrapped, storage_reader=FsspecReader(folder.uri, **folder.storage_options), no_dist=True)
+    return wrapped["model"]

@@ -40,17 +40,14 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     torch.set_num_threads(1)
     from rlhf_core.controller.worker import Worker
     from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import read_training_state, save_training_state
+    from rlhf_core.workers.trainable import load_sharded, save_sharded
 
     worker = Worker()
     model = modeling.init_distributed_model(worker, _model(), sharding.ShardingSpec(strategy=strategy))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if load:
-        model_state, optim_state = {}, {}
-        if rank == 0:
-            model_state, optim_state, _ = read_training_state(load, None, "actor")
-        sharding.load_full_state(model, optimizer, model_state, optim_state)
+        load_sharded(load, "actor", model, optimizer, scheduler)
     share = ROWS // world
     for step in steps:
         ids = _data(step)[rank * share:(rank + 1) * share]
@@ -61,9 +58,7 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
         sharding.grad_norm_and_clip(model, 0.5)
         optimizer.step()
         if save_at == step:
-            model_state, optim_state = sharding.full_state(model, optimizer)
-            if rank == 0:
-                save_training_state(ckpt, model_state, optim_state, scheduler, None, "actor")
+            save_sharded(ckpt, "actor", model, optimizer, scheduler)
     model_state, _ = sharding.full_state(model, optimizer)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     if rank == 0:
@@ -103,14 +98,17 @@ def test_two_fsdp_ranks_train_what_one_rank_and_two_ddp_ranks_train(tmp_path):
     assert sum(fsdp["local_per_rank"]) == total and max(fsdp["local_per_rank"]) <= 0.55 * total
 
 
-@pytest.mark.parametrize("resume_world", [2, 1])
-def test_fsdp_resume_is_bit_identical(tmp_path, resume_world):
-    """Save after step 0 (two FSDP ranks), load in fresh processes (two ranks, or one:
-    the checkpoint holds whole tensors), train steps 1-2: the weights equal an unbroken
-    run's bit for bit when the world size is the same."""
-    straight = train(tmp_path, 2, "fsdp", range(3), save_at=0)
+@pytest.mark.parametrize("saved_world,resume_world", [(2, 2), (2, 1), (1, 2)])
+def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, saved_world, resume_world):
+    """Save after step 0 (every rank writes its shards), load in fresh processes at the
+    same or another world size (DCP reshards), train steps 1-2: the weights equal an
+    unbroken run's bit for bit at the same world size, within float rounding otherwise."""
+    straight = train(tmp_path, saved_world, "fsdp", range(3), save_at=0)
+    shards = sorted(p.name for p in (tmp_path / straight["ckpt"].rsplit("/", 1)[-1] / "actor").iterdir())
+    assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(saved_world)),
+                      *(f"rank-{r:05d}.pt" for r in range(saved_world))], shards
     resumed = train(tmp_path, resume_world, "fsdp", range(1, 3), load=straight["ckpt"])
-    if resume_world == 2:
+    if resume_world == saved_world:
         for key, tensor in straight["state"].items():
             assert torch.equal(tensor, resumed["state"][key]), key
     else:  # one rank sums gradients in another order: equal within float rounding

@@ -74,7 +74,7 @@ def test_replay_with_an_override_is_saved_apart_and_differs(run, capsys):
     rc = main(["replay", f"{run}/iter-000001/update_actor", "--override", "actor.clip_ratio_high=0.01",
                "--override", "actor.clip_ratio_low=0.01"])
     out = capsys.readouterr().out
-    assert rc == 0 and "DIFFERS" in out and "actor_model.safetensors" in out
+    assert rc == 0 and "DIFFERS" in out and "actor/__0_0.distcp" in out
     saved = out.split("saved as ")[1].split()[0]
     assert "/replays/iter-000001/update_actor-" in saved
     info = snapshot_info(saved)

@@ -42,8 +42,11 @@ def fingerprint(store: Path, run_id: str) -> dict:
     for manifest in sorted(root.glob("iter-*/*/SNAPSHOT.json")):
         rel = str(manifest.parent.relative_to(root))
         out[rel] = json.loads(manifest.read_text())["objects"]
-    for ckpt in sorted(root.glob("checkpoints/step-*/*.safetensors")):
+    # the shards and every rank's schedule + RNG file (DCP's .metadata also records where
+    # it was written, so it differs between two stores by design)
+    for ckpt in sorted([*root.glob("checkpoints/step-*/*/__*.distcp"), *root.glob("checkpoints/step-*/*/rank-*.pt")]):
         out[str(ckpt.relative_to(root))] = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    assert any(k.endswith(".distcp") for k in out), "the checkpoints hold shard files"
     return out
 
 
@@ -98,17 +101,18 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
     manifest = json.loads((store / "run/iter-000000/MANIFEST.json").read_text())
     ckpt = store / "run/checkpoints/step-000001"
-    assert set(manifest["checkpoint_sha256"]) >= {"actor_model.safetensors", "actor_optim.pt", "trainer_state.json"}
-    assert manifest["checkpoint_sha256"]["actor_model.safetensors"] == hashlib.sha256(
-        (ckpt / "actor_model.safetensors").read_bytes()).hexdigest()
+    assert set(manifest["checkpoint_sha256"]) >= {"actor/.metadata", "actor/__0_0.distcp", "actor/rank-00000.pt",
+                                                  "trainer_state.json"}
+    assert manifest["checkpoint_sha256"]["actor/__0_0.distcp"] == hashlib.sha256(
+        (ckpt / "actor/__0_0.distcp").read_bytes()).hexdigest()
     # the controller's own writes (checkpoint state, snapshot data) were fsynced here
     assert str(ckpt / "trainer_state.json") in synced
     assert any("/iter-000000/rollout/data-" in p for p in synced)
 
-    weights = bytearray((ckpt / "actor_model.safetensors").read_bytes())
+    weights = bytearray((ckpt / "actor/__0_0.distcp").read_bytes())
     weights[-1] ^= 0xFF
-    (ckpt / "actor_model.safetensors").write_bytes(bytes(weights))
-    with pytest.raises(WorkerError, match="actor_model.safetensors: sha256 .* is not the .* its iteration committed"):
+    (ckpt / "actor/__0_0.distcp").write_bytes(bytes(weights))
+    with pytest.raises(WorkerError, match=r"actor/__0_0.distcp: sha256 .* is not the .* its iteration committed"):
         run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
 
 

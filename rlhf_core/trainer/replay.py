@@ -228,10 +228,11 @@ def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage) -> dict:
     with tempfile.TemporaryDirectory(prefix="rlhf-replay-ckpt-") as tmp:
         save_checkpoint(workers, trainer.state, cfg, f"file://{tmp}")
         out = {}
-        for path in sorted(p for role in stage.roles for p in Path(tmp).glob(f"{role}_*.safetensors")):
-            recorded = sfs.read_bytes(sfs.resolve(f"{end_ckpt}/{path.name}"))
-            out[path.name] = (hashlib.sha256(recorded).hexdigest() if recorded is not None else "missing",
-                              _sha256(path))
+        # the shard files hold the tensors; DCP's .metadata also records where it was written
+        for path in sorted(p for role in stage.roles for p in Path(tmp, role).glob("__*.distcp")):
+            name = f"{path.parent.name}/{path.name}"
+            recorded = sfs.read_bytes(sfs.resolve(f"{end_ckpt}/{name}"))
+            out[name] = (hashlib.sha256(recorded).hexdigest() if recorded is not None else "missing", _sha256(path))
         return out
 
 

@@ -5,9 +5,10 @@
 them and gathers one layer at a time to compute. ``ddp`` keeps everything on every rank
 and all-reduces gradients. On one rank both train the plain module.
 
-Everything that has to see the whole model goes through this module: full state dicts
-for checkpoints (gathered to rank 0, loaded by broadcast from it) and the stream of full
-parameters for weight sync (one tensor gathered at a time, never a model copy).
+Everything that has to see the model across ranks goes through this module: the sharded
+state checkpoints save and load (``torch.distributed.checkpoint`` reshards it to any world
+size), whole state dicts, and the stream of full parameters for weight sync (one tensor
+gathered at a time, never a model copy).
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:
@@ -140,16 +147,16 @@ def grad_norm_and_clip(model: torch.nn.Module, max_norm: float) -> float:
 
 # ------------------------------------------------------------------ whole-model views
 
-def _full_options(broadcast: bool = False):
+def _full_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=broadcast)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     """(model state, optimizer state) as whole tensors on rank 0's CPU, keyed by parameter
-    name (so a checkpoint loads at any world size and under either strategy). Every rank
-    must call it; ranks other than 0 get empty dicts."""
+    name (to compare or export whole models; checkpoints use ``sharded_state``). Every
+    rank must call it; ranks other than 0 get empty dicts."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if world_size() == 1:
@@ -158,27 +165,30 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_full_state(model: torch.nn.Module, optimizer, model_state: dict, optim_state: dict) -> None:
-    """Load whole tensors (read on rank 0 only; the others pass empty dicts) into this
-    rank's shards. Every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+def sharded_state(model: torch.nn.Module, optimizer) -> dict:
+    """{"model", "optim"}: this rank's shards (FSDP) or whole tensors (DDP, one rank),
+    keyed by parameter name, as ``torch.distributed.checkpoint`` saves and reshards them."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    if world_size() == 1:
-        model = unwrap(model)
-    options = _full_options(broadcast=world_size() > 1)
-    set_model_state_dict(model, model_state, options=options)
-    set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+    return {"model": model_state, "optim": optim_state}
 
 
-def broadcast_from_rank0(obj):
-    """Rank 0's ``obj`` on every rank (a small picklable object; identity on one rank)."""
+def set_sharded_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's ``obj`` (a small picklable object), in rank order."""
     import torch.distributed as dist
 
     if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class GatherMeter:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 
 import torch
 
@@ -29,34 +28,20 @@ class TrainableWorker(Worker):
         """Hook run after a checkpoint was loaded (e.g. push weights to an engine)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict | None:
-        """Every rank helps gather the whole model and optimizer state (FSDP shards them);
-        rank 0 writes weights (safetensors), optimizer + LR schedule (torch, tensors only)
-        and RNG states under ``uri`` through fsspec and returns {file: sha256}."""
-        model_state, optim_state = sharding.full_state(self._trained_model(), self.optimizer)
-        if self.rank != 0:
-            return None
-        return save_training_state(uri, model_state, optim_state, self.scheduler, storage_options,
-                                   prefix=self.checkpoint_prefix)
+    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict:
+        """Every rank writes its own shards of the model and optimizer (``torch.distributed
+        .checkpoint`` under ``{uri}/{role}/``) and its LR schedule and RNG states, in
+        parallel; returns {file: sha256} of the files this rank wrote."""
+        return save_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
+                            storage_options)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
-        """Rank 0 reads the role's files and every rank takes its shard of them; with
-        ``expected`` ({file: sha256}, from the iteration manifest) a file whose bytes differ
-        is refused before anything is loaded. Any world size and strategy can load them."""
-        model_state, optim_state, small = {}, {}, None
-        if self.rank == 0:
-            try:
-                model_state, optim_state, small = read_training_state(uri, storage_options, self.checkpoint_prefix,
-                                                                      expected)
-            except Exception as error:  # the other ranks wait in the broadcast below
-                small = error
-        small = sharding.broadcast_from_rank0(small)  # a refused file fails every rank, not just rank 0
-        if isinstance(small, Exception):
-            raise small
-        sharding.load_full_state(self._trained_model(), self.optimizer, model_state, optim_state)
-        self.scheduler.load_state_dict(small["scheduler"])
-        torch.set_rng_state(small["torch_rng"])
+        """Load the role's shards at this world size (a checkpoint saved at another one is
+        resharded); with ``expected`` ({file: sha256}, from the iteration manifest) a file
+        whose bytes differ is refused, on every rank, before anything is loaded."""
+        load_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
+                     storage_options, expected)
         self._after_load()
 
 
@@ -64,47 +49,102 @@ class CorruptCheckpointError(RuntimeError):
     """A checkpoint file whose bytes are not the ones its iteration committed."""
 
 
-def save_training_state(uri: str, model_state: dict, optim_state: dict, scheduler, storage_options,
-                        prefix: str) -> dict:
-    """Write the role's files (each durable on local disk before this returns); returns
-    {file name: sha256} of what was written, for the iteration manifest."""
-    from safetensors.torch import save as save_safetensors
+RANK_FILE = "rank-{:05d}.pt"
+
+
+def _rng_states() -> dict:
+    import random
+
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, py_state, py_gauss = random.getstate()
+    states = {"torch": torch.get_rng_state(),
+              "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "gauss": float(gauss)},
+              "python": {"version": version, "state": list(py_state), "gauss": py_gauss}}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = states["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if torch.cuda.is_available() and "cuda" in states and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _folder(uri: str, role: str, storage_options: dict | None):
+    from rlhf_core.snapshot import fs as sfs
+
+    return sfs.resolve(f"{uri.rstrip('/')}/{role}", storage_options)
+
+
+def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None) -> dict:
+    """Write this rank's part of the role's checkpoint; returns {"{role}/{file}": sha256}
+    of what this rank wrote (its shard file, its rank file, and rank 0 the DCP metadata)."""
+    import hashlib
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from rlhf_core.snapshot import fs as sfs
 
-    weights, seen = {}, set()
-    for key, value in model_state.items():
-        value = value.detach().contiguous().cpu()
-        if value.untyped_storage().data_ptr() in seen:  # tied weights (e.g. embeddings and LM head)
-            value = value.clone()  # safetensors stores each name's own bytes
-        seen.add(value.untyped_storage().data_ptr())
-        weights[key] = value
-    buffer = io.BytesIO()
-    torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, buffer)
-    files = {f"{prefix}_model.safetensors": save_safetensors(weights), f"{prefix}_optim.pt": buffer.getvalue(),
-             f"{prefix}_meta.json": json.dumps({"parameters": len(weights)}).encode()}
-    return sfs.write_durably(uri, files, storage_options)
+    folder = _folder(uri, role, storage_options)
+    rank = sharding.rank()
+    dcp.save(sharding.sharded_state(model, optimizer),
+             storage_writer=FsspecWriter(folder.uri, **folder.storage_options), no_dist=sharding.world_size() == 1)
+    extra = io.BytesIO()
+    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_states(), "world_size": sharding.world_size()},
+               extra)
+    digests = {f"{role}/{k}": v for k, v in
+               sfs.write_durably(folder.uri, {RANK_FILE.format(rank): extra.getvalue()}, storage_options).items()}
+    if hasattr(folder.fs, "invalidate_cache"):
+        folder.fs.invalidate_cache(folder.path)
+    mine = [name for name in (p.rstrip("/").rsplit("/", 1)[-1] for p in folder.fs.ls(folder.path, detail=False))
+            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")]
+    for name in mine:
+        digests[f"{role}/{name}"] = hashlib.sha256(folder.fs.cat_file(folder.child(name).path)).hexdigest()
+    return digests
 
 
-def read_training_state(uri: str, storage_options, prefix: str, expected: dict | None = None
-                        ) -> tuple[dict, dict, dict]:
-    """(model state, optimizer state, {scheduler, torch_rng}) from the role's files; a
-    file whose sha256 differs from ``expected`` is refused before anything is used."""
+def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
+                 expected: dict | None = None) -> None:
+    """Load the role's checkpoint into this rank's shards, at any world size."""
     import hashlib
 
-    import fsspec
-    from safetensors.torch import load as load_safetensors
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-    raw = {name: fs.cat_file(f"{root}/{name}") for name in (f"{prefix}_model.safetensors", f"{prefix}_optim.pt")}
-    for name, data in raw.items():
-        want = (expected or {}).get(name)
-        if want is not None and hashlib.sha256(data).hexdigest() != want:
-            raise CorruptCheckpointError(f"{uri}/{name}: sha256 {hashlib.sha256(data).hexdigest()[:16]}... is not "
-                                         f"the {want[:16]}... its iteration committed; the checkpoint was changed "
-                                         f"or damaged after the commit")
-    # weights_only: the optimizer file holds tensors and plain containers, nothing callable
-    state = torch.load(io.BytesIO(raw[f"{prefix}_optim.pt"]), weights_only=True)
-    return (load_safetensors(raw[f"{prefix}_model.safetensors"]), state["optimizer"],
-            {"scheduler": state["scheduler"], "torch_rng": state["torch_rng"]})
+    folder = _folder(uri, role, storage_options)
+    rank, world = sharding.rank(), sharding.world_size()
+    mine = sorted(name for name in (expected or {}) if name.startswith(f"{role}/"))[rank::world]
+    bad = []
+    for name in mine:  # each rank checks its share of the files: every byte is read once
+        data = folder.fs.cat_file(folder.child(name.split("/", 1)[1]).path)
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != expected[name]:
+            bad.append(f"{uri}/{name}: sha256 {digest[:16]}... is not the {expected[name][:16]}... its iteration "
+                       f"committed; the checkpoint was changed or damaged after the commit")
+    bad = [b for found in sharding.all_gather_objects(bad) for b in found]
+    if bad:
+        raise CorruptCheckpointError(bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
+    state = sharding.sharded_state(model, optimizer)
+    dcp.load(state, storage_reader=FsspecReader(folder.uri, **folder.storage_options), no_dist=world == 1)
+    sharding.set_sharded_state(model, optimizer, state)
+    saved_ranks = sorted(name for name in (p.rstrip("/").rsplit("/", 1)[-1]
+                                           for p in folder.fs.ls(folder.path, detail=False))
+                         if name.startswith("rank-") and name.endswith(".pt"))
+    # the same rank's RNG and schedule; at another world size, rank r takes saved rank r mod N
+    raw = folder.fs.cat_file(folder.child(saved_ranks[rank % len(saved_ranks)]).path)
+    extra = torch.load(io.BytesIO(raw), weights_only=True)  # tensors and plain containers, nothing callable
+    scheduler.load_state_dict(extra["scheduler"])
+    _set_rng_states(extra["rng"])
