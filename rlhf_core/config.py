@@ -180,6 +180,11 @@ class TrainerConfig:
     progress: bool = _f(True, "show a progress bar per stage")
     session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
                                        "long without a controller using it", **POSITIVE)
+    checkpoint_every: int = _f(1, "write a checkpoint every K iterations (and at the run's last); the "
+                               "weights of the iterations between are the last checkpoint plus a redo of their "
+                               "update stages from their saved inputs, bit-identical on CPU. 1 (the default): "
+                               "every pipeline run's Model artifact is a checkpoint one can load or export; "
+                               "raise it where a checkpoint is expensive (~100 GB at 7B: e.g. 10)", **POSITIVE)
     keep_checkpoints: int = _f(0, "rlhf gc keeps the checkpoints of the last K steps (0: every checkpoint); "
                                "the newest is always kept", **NON_NEGATIVE)
     keep_checkpoints_every: int = _f(0, "rlhf gc also keeps every M-th step's checkpoint (0: only the last "
@@ -321,6 +326,7 @@ class RunConfig:
 NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
                        ("trainer", "total_iterations"),  # how long a run goes on, not what an iteration does
                        ("trainer", "prefetch"),  # when the inference stages run, not what they compute
+                       ("trainer", "checkpoint_every"),  # how the weights are stored, not what they are
                        ("trainer", "keep_checkpoints"), ("trainer", "keep_checkpoints_every"),  # what gc keeps
                        ("trainer", "keep_snapshots"), ("trainer", "keep_snapshots_every"),
                        ("resources", None))  # where it runs, not what it trains

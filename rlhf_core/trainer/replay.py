@@ -157,7 +157,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import committed_checksums, make_loader
+    from rlhf_core.trainer.restore import load_checkpoint, make_loader
     from rlhf_core.trainer.run import start_local_ray
     from rlhf_core.workers.worker_set import WorkerSet
 
@@ -172,7 +172,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     parent = istore.read_manifest(manifest["parent_iteration"]) if manifest["parent_iteration"] is not None else None
     state = TrainerState(global_step=n, cursor=dict(parent["data_cursor"]) if parent else {"epoch": 0, "position": 0},
                          kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
-    start_ckpt, end_ckpt = istore.checkpoint_uri(n), manifest["checkpoint"]
+    end_ckpt = manifest["checkpoint"]
 
     replayable = [stage.name for stage in stage_table.plan(cfg) if stage.replayable]
     wanted = stages or ([uri_stage] if uri_stage else replayable)
@@ -191,14 +191,14 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         stateful = {s.name for s in stage_table.STAGES if s.stateful}
         for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s)))):
             t0 = time.perf_counter()
-            if i == 0 or stage in stateful:
-                workers.load_checkpoint(start_ckpt, expected=committed_checksums(istore, n))
+            if i == 0 or stage in stateful:  # the last checkpoint, and a redo of what followed it
+                load_checkpoint(workers, istore, n, trainer)
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
             out = run_stage[stage](batch)
             recorded = istore.load(n, stage)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
-            if stage in stateful:
+            if stage in stateful and manifest.get("checkpoint_sha256"):  # else no checkpoint to compare with
                 result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage_table.BY_NAME[stage])
             if overrides:
                 result.saved_uri = _save_replay(istore, n, stage, out, overrides)

@@ -85,26 +85,70 @@ def committed_checksums(istore, step: int) -> dict | None:
     return istore.read_manifest(step - 1).get("checkpoint_sha256")
 
 
-def load_checkpoint(workers: WorkerSet, istore, step: int) -> None:
+def checkpoint_due(cfg: RunConfig, step: int) -> bool:
+    """Whether the iteration that ends at ``step`` writes a checkpoint: every
+    ``trainer.checkpoint_every`` steps and at the run's last (``trainer.total_iterations``)."""
+    return step % cfg.trainer.checkpoint_every == 0 or step >= cfg.trainer.total_iterations
+
+
+def weights_plan(istore, step: int) -> tuple[int, list[int]]:
+    """How to rebuild the workers' state after ``step`` iterations: (the checkpoint step
+    to load, the committed iterations whose update stages to redo after it), as the
+    manifest of iteration ``step - 1`` recorded it."""
+    if step == 0:
+        return 0, []
+    weights = istore.read_manifest(step - 1).get("weights")
+    if weights is None:  # written before checkpoints could be skipped: one per iteration
+        return step, []
+    return int(weights["checkpoint_step"]), [int(i) for i in weights["redo"]]
+
+
+def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list[int]:
     """Restore the workers to the state after ``step`` iterations, refusing any file that
-    differs from what was committed."""
-    workers.load_checkpoint(istore.checkpoint_uri(step), expected=committed_checksums(istore, step))
+    differs from what was committed: the newest checkpoint at or before it, then a redo of
+    the update stages of the iterations after it, from their committed stage inputs (on
+    CPU bit-identical to having trained them; ``trainer`` runs the stages). Returns the
+    iterations redone."""
+    start, redo = weights_plan(istore, step)
+    workers.load_checkpoint(istore.checkpoint_uri(start), expected=committed_checksums(istore, start))
+    if redo and trainer is None:
+        raise ValueError(f"step {step} is checkpoint step {start} plus a redo of iterations {redo}: pass the trainer")
+    for iteration in redo:
+        redo_updates(trainer, istore, iteration)
+    if redo:
+        trainer.actor.sync_weights()  # the engine generates with the redone weights
+    return redo
 
 
-def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_at_step: int | None) -> None:
+def redo_updates(trainer, istore, iteration: int) -> None:
+    """Run the committed ``iteration``'s stateful (update) stages again on its saved input
+    (the snapshot of the stage before the first of them), as they ran the first time."""
+    plan = [(stage, run) for stage, run in trainer.stages()]
+    first = next(i for i, (stage, _) in enumerate(plan) if stage.stateful)
+    before = [stage for stage, _ in plan[:first] if stage.persisted]
+    batch = istore.load(iteration, before[-1].name)
+    for stage, run in plan[first:]:
+        if stage.stateful:
+            batch = run(batch)
+
+
+def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_at_step: int | None,
+                    trainer=None) -> None:
     """Bring the workers to the state iteration ``state.global_step`` starts from: nothing
-    to do when they are known to be there (a live session that committed it); else load
-    that step's checkpoint, or at step 0 write it (so iteration 0 can be resumed too)."""
+    to do when they are known to be there (a live session that committed it); else the
+    last checkpoint and a redo of the iterations after it (``load_checkpoint``), or at step
+    0 write the initial checkpoint (so iteration 0 can be resumed too)."""
     if workers_at_step == state.global_step:
         return
-    uri = istore.checkpoint_uri(state.global_step)
+    start, _ = weights_plan(istore, state.global_step)
+    uri = istore.checkpoint_uri(start)
     if checkpoint_exists(uri):
-        load_checkpoint(workers, istore, state.global_step)
+        load_checkpoint(workers, istore, state.global_step, trainer)
     elif state.global_step == 0:
         save_checkpoint(workers, state, cfg, uri)
     else:
-        raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but its "
-                                f"checkpoint {uri} is missing")
+        raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but the checkpoint it "
+                                f"starts from, {uri}, is missing")
 
 
 def make_loader(cfg: RunConfig, state):

@@ -17,7 +17,9 @@ import uuid
 from pathlib import Path
 
 from rlhf_core.config import RunConfig, describe
-from rlhf_core.trainer.restore import make_loader, open_run, restore_or_init, save_checkpoint
+from rlhf_core.trainer.restore import (
+    checkpoint_due, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
+)
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
 
@@ -65,7 +67,7 @@ class LeaseHeld(Exception):
 def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_dir: Path,
                    workers_at_step: int | None = None, on_stage=None, time_budget_s: float | None = None,
                    stop_at_reward: float | None = None, on_committed=None, take_lease=None,
-                   prefetch=None) -> tuple[list[dict], object]:
+                   prefetch=None, checkpoint_last: bool = False) -> tuple[list[dict], object]:
     """The iteration loop shared by direct runs and session-attached controllers:
     restore (or initialize) the workers, then per iteration the stages (resuming at the
     first uncommitted one) and the commit (checkpoint, then MANIFEST.json).
@@ -75,6 +77,8 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     ``iteration -> LeaseKeeper`` (raises ``LeaseHeld``); each iteration then runs under
     its lease, checked right before the checkpoint and the commit. ``prefetch``: the
     session's computed-ahead stages (``rlhf_core.trainer.prefetch.SessionPrefetch``).
+    ``checkpoint_last``: the last iteration writes a checkpoint even between
+    ``trainer.checkpoint_every`` steps (a direct run: its workers end with it).
     """
     from tqdm import tqdm
 
@@ -90,18 +94,19 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
 
     trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), state, on_stage=stage_hook, stage_store=istore,
                          prefetch=prefetch)
-    restore_or_init(workers, istore, state, cfg, workers_at_step)
+    restore_or_init(workers, istore, state, cfg, workers_at_step, trainer)
     version = code_version()
     rows = []
     train_start = time.perf_counter()
     try:
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
-            for _ in range(iterations):
+            for k in range(iterations):
                 iteration = trainer.state.global_step
                 keeper = take_lease(iteration) if take_lease is not None else None
                 try:
                     metrics = trainer.run_iteration()
-                    commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper)
+                    commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper,
+                           force_checkpoint=checkpoint_last and k == iterations - 1)
                 finally:
                     if keeper is not None:
                         keeper.close()
@@ -125,9 +130,11 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
 
 
 def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict,
-           keeper=None) -> None:
-    """End an iteration: the checkpoint of the state after it, then its manifest (the
-    iteration exists from that moment), then the optional MLflow export. Under a lease,
+           keeper=None, force_checkpoint: bool = False) -> None:
+    """End an iteration: the checkpoint of the state after it when one is due
+    (``trainer.checkpoint_every``, the run's last iteration, or ``force_checkpoint``), then
+    its manifest (the iteration exists from that moment; ``weights`` says which checkpoint
+    and which redo give its weights), then the optional MLflow export. Under a lease,
     the holder checks it still holds it right before each write (a holder that lost it
     raises ``LeaseLost`` and writes nothing); the manifest records the fencing token."""
     from rlhf_core import tracking
@@ -135,13 +142,21 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     from rlhf_core.trainer.iteration_store import iteration_manifest
 
     check = keeper.check if keeper is not None else (lambda: None)
-    checkpoint = istore.checkpoint_uri(trainer.state.global_step)
+    step = trainer.state.global_step
+    checkpoint = istore.checkpoint_uri(step)
     check()
-    checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
+    if checkpoint_due(cfg, step) or force_checkpoint:
+        checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
+        weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
+    else:  # the weights after this iteration: the last checkpoint plus a redo of what followed it
+        start, redo = weights_plan(istore, iteration)
+        checksums = {}
+        weights = {"checkpoint_step": start, "checkpoint": istore.checkpoint_uri(start), "redo": redo + [iteration]}
     faults.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
                                   snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)},
                                   computed_ahead=trainer.adopted)
+    manifest["weights"] = weights
     if keeper is not None:
         manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
     check()
@@ -183,7 +198,8 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
     try:
         rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
-                                       time_budget_s=time_budget_s, stop_at_reward=stop_at_reward)
+                                       time_budget_s=time_budget_s, stop_at_reward=stop_at_reward,
+                                       checkpoint_last=True)
     finally:
         workers.kill()
     return _finish(cfg, run_dir, rows, istore, trainer)

@@ -103,6 +103,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         mini = modeling.mini_batch_rows(cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = self.config.trainer.seed + int(data.meta_info.get("global_step", 0))
+        self._seed_update(int(data.meta_info.get("global_step", 0)))
         if self.config.actor.fsdp_config.optimizer_offload:
             sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.policy.train()

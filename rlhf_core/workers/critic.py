@@ -43,6 +43,7 @@ class CriticWorker(TrainableWorker):
         mini = modeling.mini_batch_rows(cfg.critic.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
         seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
+        self._seed_update(int(data.meta_info.get("global_step", 0)))
         if cfg.actor.fsdp_config.optimizer_offload:
             sharding.move_optimizer_state(self.optimizer, sharding.device())
         self.critic.train()

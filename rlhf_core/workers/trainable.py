@@ -24,6 +24,20 @@ class TrainableWorker(Worker):
     def _trained_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
+    def _seed_update(self, global_step: int) -> None:
+        """Seed the process's RNGs (torch, numpy, python) from the run seed, the step and the
+        rank before an update: what an update draws (dropout, say) and the RNG states a
+        checkpoint records depend on the step alone, not on what ran in this process before
+        (a session computing ahead, a resumed or redone iteration)."""
+        import random
+
+        import numpy as np
+
+        seed = (self.config.trainer.seed * 1_000_003 + global_step * 1009 + self.rank) % 2**32
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+
     def _after_load(self) -> None:
         """Hook run after a checkpoint was loaded (e.g. push weights to an engine)."""
 
