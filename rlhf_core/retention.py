@@ -5,9 +5,11 @@ The policy (``trainer.keep_checkpoints`` / ``keep_checkpoints_every`` and
 ``trainer.keep_snapshots`` / ``keep_snapshots_every``; 0 keeps everything) applies only to
 committed iterations with no live lease:
 
-- checkpoints: the last K steps, every M-th step, and always the newest (resume needs it);
-- stage snapshots: every stage of the last N committed iterations and of every M-th one;
-  an iteration's stages go together (a delta's chain stays whole);
+- checkpoints: the last K, every M-th step, and always the one the newest weights start
+  from (with ``trainer.checkpoint_every`` > 1, the last checkpoint plus a redo);
+- stage snapshots: every stage of the last N committed iterations and of every M-th one,
+  and of every iteration that redo needs; an iteration's stages go together (a delta's
+  chain stays whole);
 - manifests are always kept, so lineage, metrics and config of every iteration remain.
 
 Garbage regardless of the policy, once older than the grace period: ``data-*`` prefixes
@@ -39,11 +41,13 @@ class RetentionPolicy:
         t = cfg.trainer
         return cls(t.keep_checkpoints, t.keep_checkpoints_every, t.keep_snapshots, t.keep_snapshots_every)
 
-    def keeps_checkpoint(self, step: int, newest: int) -> bool:
-        if not self.keep_checkpoints or step == newest:
-            return True
-        return step > newest - self.keep_checkpoints or bool(self.keep_checkpoints_every and
-                                                             step % self.keep_checkpoints_every == 0)
+    def kept_checkpoints(self, steps: list[int]) -> set[int]:
+        """Of the checkpoints at ``steps``: the last K, every M-th, and the newest."""
+        steps = sorted(steps)
+        if not self.keep_checkpoints:
+            return set(steps)
+        every = {s for s in steps if self.keep_checkpoints_every and s % self.keep_checkpoints_every == 0}
+        return set(steps[-self.keep_checkpoints:]) | every
 
     def keeps_snapshots(self, iteration: int, newest: int) -> bool:
         if not self.keep_snapshots:
@@ -113,6 +117,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     left alone entirely."""
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import LeaseLog
+    from rlhf_core.trainer.restore import weights_plan
 
     now = time.time() if now is None else now
     run = sfs.resolve(run_uri, storage_options)
@@ -123,14 +128,15 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     committed = istore.committed_iterations()
     plan = GcPlan()
     newest = committed[-1] if committed else -1
-    kept_steps = set()
-    for name in _children(run.child("checkpoints")):
-        step = int(name.split("-", 1)[1]) if name.startswith("step-") and name[5:].isdigit() else None
-        # a checkpoint no committed iteration produced yet may be an iteration's in-flight write
-        if step is None or step > newest + 1 or policy.keeps_checkpoint(step, newest + 1):
-            kept_steps.add(step)
-            continue
-        plan.checkpoints.append(run.child("checkpoints", name).uri)
+    # what the newest weights are made of: a checkpoint and the iterations redone after it
+    needed_step, redo = weights_plan(istore, newest + 1) if committed else (0, [])
+    steps = {int(n[5:]): n for n in _children(run.child("checkpoints")) if n.startswith("step-") and n[5:].isdigit()}
+    # a checkpoint no committed iteration produced yet may be an iteration's in-flight write
+    finished = [step for step in steps if step <= newest + 1]
+    kept = policy.kept_checkpoints(finished) | {needed_step}
+    for step in sorted(finished):
+        if step not in kept:
+            plan.checkpoints.append(run.child("checkpoints", steps[step]).uri)
     committed_set = set(committed)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)
@@ -142,7 +148,8 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
             latest = log.latest()
             if latest is not None and not log.is_free(latest[1], holder="rlhf-gc"):
                 continue  # a controller holds it: it may be writing right now
-        drop_stages = iteration in committed_set and not policy.keeps_snapshots(iteration, newest)
+        drop_stages = (iteration in committed_set and not policy.keeps_snapshots(iteration, newest)
+                       and iteration not in redo)  # a redo needs its iteration's stage inputs
         for stage in _children(it_loc):
             if stage == run_layout.MANIFEST:
                 continue

@@ -56,9 +56,12 @@ def run_store(request, tmp_path):
 
 def test_policy_keeps_the_last_k_every_mth_and_always_the_newest():
     policy = RetentionPolicy(keep_checkpoints=2, keep_checkpoints_every=5, keep_snapshots=3, keep_snapshots_every=4)
-    assert [s for s in range(13) if policy.keeps_checkpoint(s, newest=12)] == [0, 5, 10, 11, 12]
+    assert sorted(policy.kept_checkpoints(list(range(13)))) == [0, 5, 10, 11, 12]
+    assert sorted(policy.kept_checkpoints([0, 10, 20, 30])) == [0, 10, 20, 30]  # every 5th
+    assert sorted(RetentionPolicy(keep_checkpoints=2).kept_checkpoints([0, 10, 20, 30])) == [20, 30]
     assert [i for i in range(12) if policy.keeps_snapshots(i, newest=11)] == [0, 4, 8, 9, 10, 11]
-    assert all(RetentionPolicy().keeps_checkpoint(s, 9) and RetentionPolicy().keeps_snapshots(s, 9) for s in range(10))
+    assert RetentionPolicy().kept_checkpoints([1, 2, 3]) == {1, 2, 3}
+    assert all(RetentionPolicy().keeps_snapshots(s, 9) for s in range(10))
     cfg = apply_overrides(RunConfig(), ["trainer.keep_checkpoints=2", "trainer.keep_snapshots_every=4"])
     assert RetentionPolicy.from_config(cfg) == RetentionPolicy(2, 0, 0, 4)
     assert cfg.config_hash() == RunConfig().config_hash(), "what gc keeps is not part of what is trained"
@@ -190,3 +193,26 @@ def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):
     assert "removed 3 item(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"trainer.keep_checkpoints: expected a value >= 0; found -1"):
         main(["gc", istore.run_uri, "trainer.keep_checkpoints=-1"])
+
+
+def test_gc_keeps_the_checkpoint_and_the_stage_inputs_a_redo_needs(tmp_path):
+    """trainer.checkpoint_every=4: iterations 4..6 have no checkpoint of their own; their
+    weights are checkpoint 4 plus a redo of 4..6. A tight policy still keeps checkpoint 4
+    and the stages of 4, 5 and 6."""
+    istore = IterationStore(f"file://{tmp_path}/store", "run-e")
+    for it in range(7):
+        batch = _batch(it)
+        for stage in STAGES:
+            batch.batch[f"{stage}_out"] = torch.full((len(batch), 4), float(it))
+            istore.save(it, stage, batch)
+        step = it + 1
+        if step % 4 == 0:
+            sfs.write_durably(istore.checkpoint_uri(step), {"trainer_state.json": b"{}"})
+            weights = {"checkpoint_step": step, "redo": []}
+        else:
+            weights = {"checkpoint_step": step - step % 4, "redo": list(range(step - step % 4, step))}
+        istore.commit_iteration(it, {"config": RunConfig().to_dict(), "global_step": step, "weights": weights})
+    plan = plan_gc(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=1), grace_s=0)
+    assert plan.checkpoints == []  # step 4 is the only one, and the newest weights start from it
+    dropped = sorted({u.rsplit("/", 2)[-2] for u in plan.snapshots})
+    assert dropped == [f"iter-{i:06d}" for i in range(4)], dropped
