@@ -205,10 +205,14 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
 
 def format_plan(plan: GcPlan, dry_run: bool, run_uri: str) -> str:
     verb = "would remove" if dry_run else "removed"
-    lines = []
-    for kind, uris in (("checkpoint", plan.checkpoints), ("stage snapshots", plan.snapshots),
-                       ("orphaned writer prefix", plan.orphans), ("dead lease", plan.leases)):
-        for uri in uris:
-            lines.append(f"{verb} {kind}: {uri[len(run_uri):].lstrip('/') or uri}")
+    rel = lambda uri: uri[len(run_uri):].lstrip("/") or uri  # noqa: E731
+    stages: dict[str, list[str]] = {}
+    for uri in plan.snapshots:  # one line per iteration: its stages go together
+        iteration, _, stage = rel(uri).partition("/")
+        stages.setdefault(iteration, []).append(stage)
+    lines = [f"{verb} checkpoint: {rel(u)}" for u in plan.checkpoints]
+    lines += [f"{verb} stage snapshots: {it} ({', '.join(names)})" for it, names in stages.items()]
+    lines += [f"{verb} orphaned writer prefix: {rel(u)}" for u in plan.orphans]
+    lines += [f"{verb} dead lease: {rel(u)}" for u in plan.leases]
     lines.append(f"{verb} {len(plan.all())} item(s), {plan.bytes / 2**20:.1f} MiB")
     return "\n".join(lines)
