@@ -1,7 +1,14 @@
 """What a run writes to its store per iteration: stage snapshots as deltas vs whole
-batches, checkpoints, objects, and how long listing the run takes.
+batches, checkpoints, objects, and how long listing the run takes; and sharded
+checkpoints vs torch.save.
 
     .venv/bin/python benchmarks/storage.py [--iterations 20] [--store DIR]
+    .venv/bin/python benchmarks/storage.py checkpoints [--layers 4] [--hidden 512]
+
+``checkpoints``: a model with AdamW state (FSDP at 2 ranks) saved and loaded with the
+trainer's sharded checkpoint (every rank writes its shards, ``torch.distributed.checkpoint``)
+vs ``torch.save`` / ``torch.load`` of the whole state gathered on rank 0, to the same place:
+local disk and SeaweedFS (a real S3 server on loopback), at 1 and 2 ranks.
 
 Runs the demo config in direct mode (a local Ray head, the built-in task), then measures
 the run's store. The baseline is measured in the same run: every stage's composed batch
@@ -31,7 +38,106 @@ def _tree(path: Path) -> tuple[int, int]:
     return sum(p.stat().st_size for p in files), len(files)
 
 
+def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | None, shape: dict, out: str) -> None:
+    import io
+    import json
+    import uuid
+
+    import torch
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).parent))
+    from scale import build_model
+
+    from rlhf_core.controller.worker import Worker
+    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.workers import modeling, sharding
+    from rlhf_core.workers.trainable import load_sharded, save_sharded
+
+    model = modeling.init_distributed_model(Worker(), build_model(shape["layers"], shape["hidden"]),
+                                            sharding.ShardingSpec(strategy="fsdp"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ids = torch.randint(0, 32000, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    tag = uuid.uuid4().hex[:8]
+    barrier = (lambda: torch.distributed.barrier()) if world > 1 else (lambda: None)
+    result = {}
+    barrier()
+    t0 = time.perf_counter()
+    save_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
+    barrier()
+    result["sharded_save_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    load_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
+    barrier()
+    result["sharded_load_s"] = time.perf_counter() - t0
+    # the baseline: the whole state gathered on rank 0, one torch.save to the same place
+    t0 = time.perf_counter()
+    model_state, optim_state = sharding.full_state(model, optimizer)
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save({"model": model_state, "optim": optim_state}, buffer)
+        result["bytes"] = buffer.tell()
+        sfs.write_durably(f"{target}/whole-{tag}", {"state.pt": buffer.getvalue()}, options)
+    barrier()
+    result["torch_save_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if rank == 0:
+        raw = sfs.read_bytes(sfs.resolve(f"{target}/whole-{tag}/state.pt", options))
+        torch.load(io.BytesIO(raw), weights_only=True)
+    barrier()
+    result["torch_load_s"] = time.perf_counter() - t0  # (then a broadcast to the other ranks: not counted)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def checkpoints(argv: list[str]) -> None:
+    import json
+    import uuid
+
+    import torch.multiprocessing as mp
+
+    from rlhf_core.testing.s3server import LocalS3
+
+    parser = argparse.ArgumentParser(prog="storage.py checkpoints")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    shape = {"layers": args.layers, "hidden": args.hidden}
+    rows = []
+    with LocalS3() as server:
+        places = {"disk": (f"file://{tempfile.mkdtemp(prefix='rlhf-ckpt-bench-')}", None),
+                  "SeaweedFS": (f"s3://{server.bucket}/ckpt-bench", server.storage_options)}
+        for place, (target, options) in places.items():
+            for world in (1, 2):
+                runs = []
+                for _ in range(args.repeats):
+                    out = os.path.join(tempfile.mkdtemp(), "r.json")
+                    mp.start_processes(_ckpt_rank, args=(world, uuid.uuid4().hex[:8], target, options, shape, out),
+                                       nprocs=world, start_method="spawn")
+                    runs.append(json.load(open(out)))
+                best = {k: min(r[k] for r in runs) for k in runs[0]}
+                rows.append((place, world, best))
+                print(f"  measured {place} N={world}", flush=True)
+    mib = rows[0][2]["bytes"] / 2**20
+    print(f"\nstate: {mib:.1f} MiB (fp32 weights + AdamW), best of {args.repeats}")
+    print(f"{'place':<10} {'N':>2} {'sharded save s':>15} {'torch.save s':>13} {'ratio':>6} "
+          f"{'sharded load s':>15} {'torch.load s':>13} {'ratio':>6}")
+    for place, world, r in rows:
+        print(f"{place:<10} {world:>2} {r['sharded_save_s']:>15.3f} {r['torch_save_s']:>13.3f} "
+              f"{r['sharded_save_s'] / r['torch_save_s']:>6.2f} {r['sharded_load_s']:>15.3f} "
+              f"{r['torch_load_s']:>13.3f} {r['sharded_load_s'] / r['torch_load_s']:>6.2f}")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["checkpoints"]:
+        return checkpoints(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--store", default=None, help="a local folder (default: a fresh temporary one)")

@@ -70,25 +70,26 @@ def _tokenizer_for(uri: str):
 def show(uri: str, uid: str | None = None, fields: list[str] | None = None) -> str:
     """The rows of one prompt (``uid``; default the first row's) of a stage snapshot:
     prompt and response text, reward, advantage and log-probs summarized."""
-    from rlhf_core.snapshot import load_snapshot, snapshot_info
+    from rlhf_core.snapshot import load_snapshot, snapshot_fields, snapshot_info
 
     info = snapshot_info(uri)
+    catalog = snapshot_fields(uri)  # a delta's own fields and its bases
     if uid is None:
         first = load_snapshot(uri, fields=["uid"], rows=slice(0, 1))
         uid = str(first.non_tensor_batch["uid"][0])
     wanted = fields or [f for f in ("prompts", "responses", "response_mask", "token_level_scores", "advantages",
                                     "old_log_probs", "ref_log_prob", "values", "data_source", "ground_truth", "uid")
-                        if f in info.fields]
-    unknown = [f for f in wanted if f not in info.fields]
+                        if f in catalog]
+    unknown = [f for f in wanted if f not in catalog]
     if unknown:
-        raise AuditError(f"{uri} has no field(s) {unknown}; it has {sorted(info.fields)}")
-    needed = sorted(set(wanted) | ({"response_mask"} & set(info.fields)) | {"uid"})
+        raise AuditError(f"{uri} has no field(s) {unknown}; it has {sorted(catalog)}")
+    needed = sorted(set(wanted) | ({"response_mask"} & set(catalog)) | {"uid"})
     dp = load_snapshot(uri, fields=needed, uids=[uid])
     if len(dp) == 0:
         raise AuditError(f"no row with uid {uid!r} in {uri}")
     tok = _tokenizer_for(uri) if {"prompts", "responses"} & set(wanted) else None
     mask = dp.batch["response_mask"].bool() if "response_mask" in dp.batch.keys() else None
-    lines = [f"{uri}: uid {uid}, {len(dp)} row(s) of {info.num_rows}, read {len(needed)} of {len(info.fields)} fields"]
+    lines = [f"{uri}: uid {uid}, {len(dp)} row(s) of {info.num_rows}, read {len(needed)} of {len(catalog)} fields"]
     for i in range(len(dp)):
         lines.append(f"--- row {i}")
         for name in wanted:

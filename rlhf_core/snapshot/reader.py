@@ -237,6 +237,15 @@ def _open_chain(loc: sfs.Location, verify: str) -> list[tuple[sfs.Location, dict
         loc, manifest = parent, base_manifest
 
 
+def snapshot_fields(uri: str, *, storage_options: dict | None = None) -> dict[str, dict]:
+    """Every field a snapshot reads as (a delta's own and its bases'), in column order."""
+    chain = _open_chain(sfs.resolve(uri, storage_options), verify="marker")
+    fields: dict[str, dict] = {}
+    for _, manifest in reversed(chain):
+        fields.update(manifest["fields"])
+    return fields
+
+
 def _read_fields(loc: sfs.Location, manifest: dict, names: list[str], selection) -> dict:
     """Decoded fields ``names`` of one snapshot (no chain), rows ``selection``."""
     catalog = manifest["fields"]

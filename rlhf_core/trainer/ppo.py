@@ -72,6 +72,7 @@ class PPOTrainer:
         self.kl_ctrl = (AdaptiveKLController(self.state.kl_coef, kl.target_kl, kl.horizon)
                         if kl.type == "adaptive" else FixedKLController(self.state.kl_coef))
         self.on_stage = on_stage or (lambda name: None)
+        self.on_updated: Callable[[], None] | None = None
         self.stage_store = stage_store
         self.prefetch = prefetch
         self.adopted: list[str] = []
@@ -104,7 +105,8 @@ class PPOTrainer:
             batch = self._adopt(iteration, ahead, timing)
             done = [stage for stage, _ in plan[:len(ahead.stages)]]
             self.adopted = [stage.name for stage in done]
-        for stage, run_stage in plan[len(done):]:
+        last_update = max((i for i, (stage, _) in enumerate(plan) if stage.stateful), default=None)
+        for index, (stage, run_stage) in enumerate(plan[len(done):], start=len(done)):
             self.on_stage(stage.name)
             t0 = time.perf_counter()
             batch = run_stage(batch)
@@ -112,6 +114,8 @@ class PPOTrainer:
             if self.stage_store is not None and stage.persisted:
                 self.stage_store.save(iteration, stage.name, batch)
             timing[stage.name] = time.perf_counter() - t0
+            if index == last_update and self.on_updated is not None:
+                self.on_updated()  # the weights are final for this iteration (a checkpoint may start)
 
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()

@@ -68,9 +68,17 @@ def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
     optimizer, LR schedule and their RNG; the controller writes its own state (global
     step, data cursor, KL coefficient) and the config hash, last (it marks the
     checkpoint complete). Returns {file: sha256} for the iteration manifest."""
+    workers.start_checkpoint(uri, storage_options)
+    return finish_checkpoint(workers, state, cfg, uri, storage_options)
+
+
+def finish_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
+                      storage_options: dict | None = None) -> dict[str, str]:
+    """Wait for the checkpoint the workers started (``WorkerSet.start_checkpoint``), then
+    write the controller's state, last."""
     from rlhf_core.snapshot import fs as sfs
 
-    digests = workers.save_checkpoint(uri, storage_options)
+    digests = workers.finish_checkpoint()
     body = {**dataclasses.asdict(state), "config_hash": cfg.config_hash(), "config": cfg.to_dict()}
     digests.update(sfs.write_durably(uri, {TRAINER_STATE_FILE: json.dumps(body, indent=1).encode()},
                                      storage_options))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rlhf_core.config import RunConfig, describe
 from rlhf_core.trainer.restore import (
-    checkpoint_due, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
+    checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
 )
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
@@ -98,15 +98,29 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     version = code_version()
     rows = []
     train_start = time.perf_counter()
+    this = {}  # the iteration under way: its lease keeper, whether it must checkpoint, what it started
+
+    def start_checkpoint() -> None:
+        """After the last update stage: a due checkpoint starts writing in the background
+        (weight sync and the controller's bookkeeping overlap it; the commit waits)."""
+        step = trainer.state.global_step + 1
+        if checkpoint_due(cfg, step) or this["force"]:
+            if this["keeper"] is not None:
+                this["keeper"].check()  # nothing is written without the lease
+            workers.start_checkpoint(istore.checkpoint_uri(step))
+            this["started"] = istore.checkpoint_uri(step)
+
+    trainer.on_updated = start_checkpoint
     try:
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for k in range(iterations):
                 iteration = trainer.state.global_step
                 keeper = take_lease(iteration) if take_lease is not None else None
+                this.update(keeper=keeper, force=checkpoint_last and k == iterations - 1, started=None)
                 try:
                     metrics = trainer.run_iteration()
                     commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper,
-                           force_checkpoint=checkpoint_last and k == iterations - 1)
+                           force_checkpoint=this["force"], started=this["started"])
                 finally:
                     if keeper is not None:
                         keeper.close()
@@ -130,9 +144,10 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
 
 
 def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict,
-           keeper=None, force_checkpoint: bool = False) -> None:
+           keeper=None, force_checkpoint: bool = False, started: str | None = None) -> None:
     """End an iteration: the checkpoint of the state after it when one is due
-    (``trainer.checkpoint_every``, the run's last iteration, or ``force_checkpoint``), then
+    (``trainer.checkpoint_every``, the run's last iteration, or ``force_checkpoint``;
+    ``started``: the one the workers began writing after the update stages), then
     its manifest (the iteration exists from that moment; ``weights`` says which checkpoint
     and which redo give its weights), then the optional MLflow export. Under a lease,
     the holder checks it still holds it right before each write (a holder that lost it
@@ -145,7 +160,10 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     step = trainer.state.global_step
     checkpoint = istore.checkpoint_uri(step)
     check()
-    if checkpoint_due(cfg, step) or force_checkpoint:
+    if started == checkpoint:  # begun in the background after the update stages
+        checksums = finish_checkpoint(workers, trainer.state, cfg, checkpoint)
+        weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
+    elif checkpoint_due(cfg, step) or force_checkpoint:
         checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     else:  # the weights after this iteration: the last checkpoint plus a redo of what followed it

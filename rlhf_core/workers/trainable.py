@@ -46,8 +46,31 @@ class TrainableWorker(Worker):
         """Every rank writes its own shards of the model and optimizer (``torch.distributed
         .checkpoint`` under ``{uri}/{role}/``) and its LR schedule and RNG states, in
         parallel; returns {file: sha256} of the files this rank wrote."""
-        return save_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
-                            storage_options)
+        return finish_sharded(self._start(uri, storage_options))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
+        """``save_checkpoint`` in the background: returns once the state is copied aside,
+        so the caller may go on (weight sync, bookkeeping) while the shards are written;
+        ``finish_checkpoint`` waits for them."""
+        self._pending_checkpoint = self._start(uri, storage_options)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> dict:
+        pending, self._pending_checkpoint = getattr(self, "_pending_checkpoint", None), None
+        if pending is None:
+            raise RuntimeError(f"{self.checkpoint_prefix}: finish_checkpoint without start_checkpoint")
+        return finish_sharded(pending)
+
+    def _start(self, uri: str, storage_options: dict | None):
+        if getattr(self, "_checkpoint_group", None) is None and sharding.world_size() > 1:
+            import torch.distributed as dist
+
+            # the background writer's collectives run on a group of their own, so they never
+            # interleave with the training collectives on the default one
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return start_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
+                             storage_options, getattr(self, "_checkpoint_group", None))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
@@ -102,25 +125,42 @@ def _folder(uri: str, role: str, storage_options: dict | None):
     return sfs.resolve(f"{uri.rstrip('/')}/{role}", storage_options)
 
 
-def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None) -> dict:
-    """Write this rank's part of the role's checkpoint; returns {"{role}/{file}": sha256}
-    of what this rank wrote (its shard file, its rank file, and rank 0 the DCP metadata)."""
-    import hashlib
+class PendingCheckpoint:
+    """A rank's checkpoint being written in the background (``start_sharded``)."""
 
+    def __init__(self, future, folder, role: str, rank: int, extra: bytes, storage_options) -> None:
+        self.future, self.folder, self.role, self.rank = future, folder, role, rank
+        self.extra, self.storage_options = extra, storage_options
+
+
+def start_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
+                  process_group=None) -> PendingCheckpoint:
+    """Copy this rank's shards aside and start writing them (``torch.distributed.checkpoint
+    .async_save``); the schedule and RNG states are taken now too."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    from rlhf_core.snapshot import fs as sfs
-
     folder = _folder(uri, role, storage_options)
-    rank = sharding.rank()
-    dcp.save(sharding.sharded_state(model, optimizer),
-             storage_writer=FsspecWriter(folder.uri, **folder.storage_options), no_dist=sharding.world_size() == 1)
     extra = io.BytesIO()
     torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_states(), "world_size": sharding.world_size()},
                extra)
-    digests = {f"{role}/{k}": v for k, v in
-               sfs.write_durably(folder.uri, {RANK_FILE.format(rank): extra.getvalue()}, storage_options).items()}
+    future = dcp.async_save(sharding.sharded_state(model, optimizer),
+                            storage_writer=FsspecWriter(folder.uri, **folder.storage_options),
+                            process_group=process_group, no_dist=sharding.world_size() == 1)
+    return PendingCheckpoint(future, folder, role, sharding.rank(), extra.getvalue(), storage_options)
+
+
+def finish_sharded(pending: PendingCheckpoint) -> dict:
+    """Wait for the shards, write the rank file; returns {"{role}/{file}": sha256} of what
+    this rank wrote (its shard file, its rank file, and rank 0 the DCP metadata)."""
+    import hashlib
+
+    from rlhf_core.snapshot import fs as sfs
+
+    pending.future.result()
+    folder, role, rank = pending.folder, pending.role, pending.rank
+    digests = {f"{role}/{k}": v for k, v in sfs.write_durably(
+        folder.uri, {RANK_FILE.format(rank): pending.extra}, pending.storage_options).items()}
     if hasattr(folder.fs, "invalidate_cache"):
         folder.fs.invalidate_cache(folder.path)
     mine = [name for name in (p.rstrip("/").rsplit("/", 1)[-1] for p in folder.fs.ls(folder.path, detail=False))
@@ -128,6 +168,11 @@ def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_optio
     for name in mine:
         digests[f"{role}/{name}"] = hashlib.sha256(folder.fs.cat_file(folder.child(name).path)).hexdigest()
     return digests
+
+
+def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None) -> dict:
+    """Write this rank's part of the role's checkpoint and wait for it (see ``finish_sharded``)."""
+    return finish_sharded(start_sharded(uri, role, model, optimizer, scheduler, storage_options))
 
 
 def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,

@@ -208,9 +208,19 @@ class WorkerSet:
     def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict[str, str]:
         """Every trainable role writes weights, optimizer, LR schedule and RNG under
         ``uri``; returns {file: sha256} of everything written."""
+        self.start_checkpoint(uri, storage_options)
+        return self.finish_checkpoint()
+
+    def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
+        """Start every trainable role's checkpoint; it is written in the background."""
+        for name in self.trainable:
+            self.roles[name].start_checkpoint(uri, storage_options)
+
+    def finish_checkpoint(self) -> dict[str, str]:
+        """Wait for the checkpoint ``start_checkpoint`` began; {file: sha256} of it all."""
         digests: dict[str, str] = {}
         for name in self.trainable:
-            for written in self.roles[name].save_checkpoint(uri, storage_options):
+            for written in self.roles[name].finish_checkpoint():
                 digests.update(written or {})
         return digests
 
