@@ -63,7 +63,7 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
     ids = torch.randint(0, 32000, (1, 16))
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    tag = uuid.uuid4().hex[:8]
+    tag = rdzv  # the same on every rank
     barrier = (lambda: torch.distributed.barrier()) if world > 1 else (lambda: None)
     result = {}
     barrier()
@@ -149,11 +149,36 @@ def main() -> None:
     from rlhf_core.snapshot import list_snapshots, load_snapshot, save_snapshot
     from rlhf_core.trainer.run import run_direct
 
+    from rlhf_core.trainer import iteration_store
+    from rlhf_core.trainer.restore import open_run, weights_plan
+
     local_ray_env()
     root = Path(args.store or tempfile.mkdtemp(prefix="rlhf-storage-"))
     cfg = apply_overrides(RunConfig(), ["trainer.progress=false", f"trainer.output_dir={root / 'out'}"]).validate()
+    store_uri = f"file://{root}/store"
+    # per iteration: seconds spent writing stage snapshots, the controller's RSS, and how
+    # long finding where the run stands takes (what a resuming controller does first)
+    writes: dict[int, float] = {}
+    real_save = iteration_store.IterationStore.save
+
+    def timed_save(self, iteration, stage, batch):
+        t = time.perf_counter()
+        real_save(self, iteration, stage, batch)
+        writes[iteration] = writes.get(iteration, 0.0) + time.perf_counter() - t
+
+    iteration_store.IterationStore.save = timed_save
+    probes: dict[int, dict] = {}
+
+    def probe(step: int, stage: str) -> None:
+        if stage == "rollout" and step in (10, args.iterations - 1):
+            t = time.perf_counter()
+            istore, state = open_run(cfg, store_uri, "bench", log=lambda *a: None)
+            weights_plan(istore, state.global_step)
+            probes[step] = {"lookup_s": time.perf_counter() - t,
+                            "rss_mib": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20}
+
     t0 = time.time()
-    run_direct(cfg, args.iterations, f"file://{root}/store", "bench", log=lambda *a, **k: None)
+    run_direct(cfg, args.iterations, store_uri, "bench", log=lambda *a, **k: None, on_stage=probe)
     print(f"ran {args.iterations} direct iterations of the demo config in {time.time() - t0:.0f}s", flush=True)
 
     run = root / "store" / "bench"
@@ -193,6 +218,15 @@ def main() -> None:
     print(f"checkpoint bytes per iteration: {mean(ckpt_bytes) / 1024:.1f} KiB "
           f"({mean(ckpt_bytes) / mean(delta_bytes):.1f}x the snapshots; one checkpoint per iteration)")
     print(f"rlhf snapshots ls of the run ({args.iterations} iterations): {listing_s:.2f}s")
+    last = args.iterations - 1
+    if 10 in probes and last in probes and last > 10:
+        early = statistics.mean(writes[i] for i in range(5, 15))
+        late = statistics.mean(writes[i] for i in range(last - 9, last + 1))
+        print(f"\n{'':36} {'iteration ~10':>14} {f'iteration ~{last}':>16} {'ratio':>7}   goal: flat within 10%")
+        for name, a, b in (("snapshot write s / iteration", early, late),
+                           ("resume lookup s (open_run)", probes[10]["lookup_s"], probes[last]["lookup_s"]),
+                           ("controller RSS MiB", probes[10]["rss_mib"], probes[last]["rss_mib"])):
+            print(f"{name:36} {a:>14.3f} {b:>16.3f} {b / a:>7.2f}")
 
 
 if __name__ == "__main__":

@@ -119,6 +119,58 @@ def _set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+class _HashingFile:
+    """A file being written whose sha256 is computed from the bytes as they go out."""
+
+    def __init__(self, raw, name: str, digests: dict) -> None:
+        import hashlib
+
+        self._raw, self._name, self._digests, self._hash = raw, name, digests, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._hash.update(data)
+        return self._raw.write(data)
+
+    def close(self) -> None:
+        self._raw.close()
+        self._digests[self._name] = self._hash.hexdigest()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __getattr__(self, name):
+        return getattr(self._raw, name)
+
+
+def _writer(folder, digests: dict):
+    """DCP's fsspec writer for ``folder``, recording the sha256 of every file it writes
+    (by name, renames followed) while writing: no second read of the checkpoint."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    writer = FsspecWriter(folder.uri, **folder.storage_options)
+    inner = writer.fs.fs
+
+    class HashingFS:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def open(self, path, mode="rb", **kwargs):
+            raw = inner.open(path, mode, **kwargs)
+            return _HashingFile(raw, str(path).rstrip("/").rsplit("/", 1)[-1], digests) if "w" in mode else raw
+
+        def rename(self, path, new_path, **kwargs):
+            inner.rename(path, new_path, **kwargs)
+            old, new = (str(p).rstrip("/").rsplit("/", 1)[-1] for p in (path, new_path))
+            if old in digests:
+                digests[new] = digests.pop(old)
+
+    writer.fs.fs = HashingFS()
+    return writer
+
+
 def _folder(uri: str, role: str, storage_options: dict | None):
     from rlhf_core.snapshot import fs as sfs
 
@@ -128,9 +180,9 @@ def _folder(uri: str, role: str, storage_options: dict | None):
 class PendingCheckpoint:
     """A rank's checkpoint being written in the background (``start_sharded``)."""
 
-    def __init__(self, future, folder, role: str, rank: int, extra: bytes, storage_options) -> None:
+    def __init__(self, future, folder, role: str, rank: int, extra: bytes, storage_options, digests: dict) -> None:
         self.future, self.folder, self.role, self.rank = future, folder, role, rank
-        self.extra, self.storage_options = extra, storage_options
+        self.extra, self.storage_options, self.digests = extra, storage_options, digests
 
 
 def start_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
@@ -138,41 +190,51 @@ def start_sharded(uri: str, role: str, model, optimizer, scheduler, storage_opti
     """Copy this rank's shards aside and start writing them (``torch.distributed.checkpoint
     .async_save``); the schedule and RNG states are taken now too."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    folder = _folder(uri, role, storage_options)
+    if process_group is None and sharding.world_size() > 1:
+        # the writer thread's collectives would interleave with the caller's on the default group
+        raise ValueError("a background checkpoint at world size > 1 needs a process group of its own")
+    folder, digests = _folder(uri, role, storage_options), {}
+    future = dcp.async_save(sharding.sharded_state(model, optimizer), storage_writer=_writer(folder, digests),
+                            process_group=process_group, no_dist=sharding.world_size() == 1)
+    return PendingCheckpoint(future, folder, role, sharding.rank(), _rank_file(scheduler), storage_options, digests)
+
+
+def _rank_file(scheduler) -> bytes:
     extra = io.BytesIO()
     torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_states(), "world_size": sharding.world_size()},
                extra)
-    future = dcp.async_save(sharding.sharded_state(model, optimizer),
-                            storage_writer=FsspecWriter(folder.uri, **folder.storage_options),
-                            process_group=process_group, no_dist=sharding.world_size() == 1)
-    return PendingCheckpoint(future, folder, role, sharding.rank(), extra.getvalue(), storage_options)
+    return extra.getvalue()
 
 
 def finish_sharded(pending: PendingCheckpoint) -> dict:
     """Wait for the shards, write the rank file; returns {"{role}/{file}": sha256} of what
     this rank wrote (its shard file, its rank file, and rank 0 the DCP metadata)."""
-    import hashlib
-
     from rlhf_core.snapshot import fs as sfs
 
     pending.future.result()
     folder, role, rank = pending.folder, pending.role, pending.rank
     digests = {f"{role}/{k}": v for k, v in sfs.write_durably(
         folder.uri, {RANK_FILE.format(rank): pending.extra}, pending.storage_options).items()}
-    if hasattr(folder.fs, "invalidate_cache"):
-        folder.fs.invalidate_cache(folder.path)
-    mine = [name for name in (p.rstrip("/").rsplit("/", 1)[-1] for p in folder.fs.ls(folder.path, detail=False))
-            if name.startswith(f"__{rank}_") or (rank == 0 and name == ".metadata")]
-    for name in mine:
-        digests[f"{role}/{name}"] = hashlib.sha256(folder.fs.cat_file(folder.child(name).path)).hexdigest()
+    digests.update({f"{role}/{name}": digest for name, digest in pending.digests.items()
+                    if name.startswith(f"__{rank}_") or name == ".metadata"})
     return digests
 
 
 def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None) -> dict:
-    """Write this rank's part of the role's checkpoint and wait for it (see ``finish_sharded``)."""
-    return finish_sharded(start_sharded(uri, role, model, optimizer, scheduler, storage_options))
+    """Write this rank's part of the role's checkpoint now, on the default process group
+    (see ``finish_sharded`` for what it returns)."""
+    import concurrent.futures
+
+    import torch.distributed.checkpoint as dcp
+
+    folder, digests = _folder(uri, role, storage_options), {}
+    dcp.save(sharding.sharded_state(model, optimizer), storage_writer=_writer(folder, digests),
+             no_dist=sharding.world_size() == 1)
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    return finish_sharded(PendingCheckpoint(done, folder, role, sharding.rank(), _rank_file(scheduler),
+                                            storage_options, digests))
 
 
 def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
