@@ -68,11 +68,13 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
     result = {}
     barrier()
     t0 = time.perf_counter()
-    save_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
+    written = save_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
     barrier()
     result["sharded_save_s"] = time.perf_counter() - t0
+    # loading checks every file against the digests the save recorded (as a resume does)
+    expected = {k: v for part in sharding.all_gather_objects(written) for k, v in part.items()}
     t0 = time.perf_counter()
-    load_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
+    load_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options, expected)
     barrier()
     result["sharded_load_s"] = time.perf_counter() - t0
     # the baseline: the whole state gathered on rank 0, one torch.save to the same place
@@ -90,7 +92,7 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
         raw = sfs.read_bytes(sfs.resolve(f"{target}/whole-{tag}/state.pt", options))
         torch.load(io.BytesIO(raw), weights_only=True)
     barrier()
-    result["torch_load_s"] = time.perf_counter() - t0  # (then a broadcast to the other ranks: not counted)
+    result["torch_load_s"] = time.perf_counter() - t0  # (unchecked; a broadcast to the other ranks not counted)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

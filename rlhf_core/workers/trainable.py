@@ -120,18 +120,26 @@ def _set_rng_states(states: dict) -> None:
 
 
 class _HashingFile:
-    """A file being written whose sha256 is computed from the bytes as they go out."""
+    """A file being written whose sha256 is computed from the bytes as they go out. On an
+    object store (``upload``) the bytes are kept and sent as one PUT when it closes: DCP
+    writes tensor by tensor, and a stream to S3 would be many requests."""
 
-    def __init__(self, raw, name: str, digests: dict) -> None:
+    def __init__(self, raw, name: str, digests: dict, upload=None) -> None:
         import hashlib
 
         self._raw, self._name, self._digests, self._hash = raw, name, digests, hashlib.sha256()
+        self._upload, self._closed = upload, False
 
     def write(self, data) -> int:
         self._hash.update(data)
         return self._raw.write(data)
 
     def close(self) -> None:
+        if self._closed:  # DCP closes, then leaves the with-block
+            return
+        self._closed = True
+        if self._upload is not None:
+            self._upload(self._raw.getvalue())
         self._raw.close()
         self._digests[self._name] = self._hash.hexdigest()
 
@@ -150,7 +158,9 @@ def _writer(folder, digests: dict):
     (by name, renames followed) while writing: no second read of the checkpoint."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    writer = FsspecWriter(folder.uri, **folder.storage_options)
+    # local disk: fsync each file; an object store has no fsync (DCP would sync the whole
+    # machine's disks instead): an object exists, durably, once its PUT returned
+    writer = FsspecWriter(folder.uri, sync_files=folder.is_local, **folder.storage_options)
     inner = writer.fs.fs
 
     class HashingFS:
@@ -158,8 +168,12 @@ def _writer(folder, digests: dict):
             return getattr(inner, name)
 
         def open(self, path, mode="rb", **kwargs):
-            raw = inner.open(path, mode, **kwargs)
-            return _HashingFile(raw, str(path).rstrip("/").rsplit("/", 1)[-1], digests) if "w" in mode else raw
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
+            if "w" not in mode:
+                return inner.open(path, mode, **kwargs)
+            if folder.is_local:
+                return _HashingFile(inner.open(path, mode, **kwargs), name, digests)
+            return _HashingFile(io.BytesIO(), name, digests, upload=lambda data: inner.pipe_file(str(path), data))
 
         def rename(self, path, new_path, **kwargs):
             inner.rename(path, new_path, **kwargs)
@@ -237,29 +251,67 @@ def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_optio
                                             storage_options, digests))
 
 
+def _reader(folder, cache: dict):
+    """DCP's fsspec reader for ``folder`` that serves files already read (and checked)
+    from memory: one GET per file instead of one per tensor."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    reader = FsspecReader(folder.uri, **folder.storage_options)
+    inner = reader.fs.fs
+
+    class CachedFS:
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def open(self, path, mode="rb", **kwargs):
+            name = str(path).rstrip("/").rsplit("/", 1)[-1]
+            if "r" in mode and name in cache:
+                return io.BytesIO(cache[name])
+            return inner.open(path, mode, **kwargs)
+
+    reader.fs.fs = CachedFS()
+    return reader
+
+
+def _checked_by(names: list[str], rank: int, world: int) -> list[str]:
+    """The committed files rank ``rank`` reads and checks: its own shard file (the one it
+    loads at an unchanged world size) and a round-robin share of the rest."""
+    import re
+
+    own, rest = [], []
+    for name in sorted(names):
+        match = re.match(r"__(\d+)_", name.rsplit("/", 1)[-1])
+        if match and int(match.group(1)) < world:
+            if int(match.group(1)) == rank:
+                own.append(name)
+        else:
+            rest.append(name)
+    return own + rest[rank::world]
+
+
 def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
                  expected: dict | None = None) -> None:
-    """Load the role's checkpoint into this rank's shards, at any world size."""
+    """Load the role's checkpoint into this rank's shards, at any world size. With
+    ``expected`` every committed file is checked by one rank before anything is loaded."""
     import hashlib
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     folder = _folder(uri, role, storage_options)
     rank, world = sharding.rank(), sharding.world_size()
-    mine = sorted(name for name in (expected or {}) if name.startswith(f"{role}/"))[rank::world]
-    bad = []
-    for name in mine:  # each rank checks its share of the files: every byte is read once
+    cache, bad = {}, []
+    for name in _checked_by([n for n in (expected or {}) if n.startswith(f"{role}/")], rank, world):
         data = folder.fs.cat_file(folder.child(name.split("/", 1)[1]).path)
         digest = hashlib.sha256(data).hexdigest()
         if digest != expected[name]:
             bad.append(f"{uri}/{name}: sha256 {digest[:16]}... is not the {expected[name][:16]}... its iteration "
                        f"committed; the checkpoint was changed or damaged after the commit")
+        cache[name.split("/", 1)[1]] = data
     bad = [b for found in sharding.all_gather_objects(bad) for b in found]
     if bad:
         raise CorruptCheckpointError(bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
     state = sharding.sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=FsspecReader(folder.uri, **folder.storage_options), no_dist=world == 1)
+    dcp.load(state, storage_reader=_reader(folder, cache), no_dist=world == 1)
     sharding.set_sharded_state(model, optimizer, state)
     saved_ranks = sorted(name for name in (p.rstrip("/").rsplit("/", 1)[-1]
                                            for p in folder.fs.ls(folder.path, detail=False))
