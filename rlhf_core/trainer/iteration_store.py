@@ -168,12 +168,14 @@ class IterationStore:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.run.path, detail=False)]
         except FileNotFoundError:
             return []
-        found = []
-        for name in names:
-            n = iteration_of_dir(name)
-            if n is not None and sfs.read_bytes(self.run.child(name, MANIFEST)) is not None:
-                found.append(n)
-        return sorted(found)
+        # iterations commit in order (each continues from the one before), so the newest
+        # with a manifest says which are committed: one LIST and, usually, one read,
+        # however long the run (a resuming controller asks this first)
+        found = sorted((n, name) for n, name in ((iteration_of_dir(name), name) for name in names) if n is not None)
+        for n, name in reversed(found):
+            if sfs.read_bytes(self.run.child(name, MANIFEST)) is not None:
+                return [i for i, _ in found if i <= n]
+        return []
 
     def read_manifest(self, iteration: int) -> dict:
         raw = sfs.read_bytes(self.run.child(iteration_dir(iteration), MANIFEST))
