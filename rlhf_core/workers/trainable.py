@@ -153,6 +153,29 @@ class _HashingFile:
         return getattr(self._raw, name)
 
 
+def _name(path) -> str:
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+class _FsProxy:
+    """The fsspec filesystem under a DCP reader or writer, with ``open`` replaced (and
+    ``on_rename`` told of renames); everything else passes through."""
+
+    def __init__(self, inner, open, on_rename=None) -> None:
+        self._inner, self._open, self._on_rename = inner, open, on_rename
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def open(self, path, mode="rb", **kwargs):
+        return self._open(path, mode, **kwargs)
+
+    def rename(self, path, new_path, **kwargs):
+        self._inner.rename(path, new_path, **kwargs)
+        if self._on_rename is not None:
+            self._on_rename(_name(path), _name(new_path))
+
+
 def _writer(folder, digests: dict):
     """DCP's fsspec writer for ``folder``, recording the sha256 of every file it writes
     (by name, renames followed) while writing: no second read of the checkpoint."""
@@ -163,25 +186,18 @@ def _writer(folder, digests: dict):
     writer = FsspecWriter(folder.uri, sync_files=folder.is_local, **folder.storage_options)
     inner = writer.fs.fs
 
-    class HashingFS:
-        def __getattr__(self, name):
-            return getattr(inner, name)
+    def open(path, mode, **kwargs):
+        if "w" not in mode:
+            return inner.open(path, mode, **kwargs)
+        if folder.is_local:
+            return _HashingFile(inner.open(path, mode, **kwargs), _name(path), digests)
+        return _HashingFile(io.BytesIO(), _name(path), digests, upload=lambda data: inner.pipe_file(str(path), data))
 
-        def open(self, path, mode="rb", **kwargs):
-            name = str(path).rstrip("/").rsplit("/", 1)[-1]
-            if "w" not in mode:
-                return inner.open(path, mode, **kwargs)
-            if folder.is_local:
-                return _HashingFile(inner.open(path, mode, **kwargs), name, digests)
-            return _HashingFile(io.BytesIO(), name, digests, upload=lambda data: inner.pipe_file(str(path), data))
+    def renamed(old: str, new: str) -> None:
+        if old in digests:
+            digests[new] = digests.pop(old)
 
-        def rename(self, path, new_path, **kwargs):
-            inner.rename(path, new_path, **kwargs)
-            old, new = (str(p).rstrip("/").rsplit("/", 1)[-1] for p in (path, new_path))
-            if old in digests:
-                digests[new] = digests.pop(old)
-
-    writer.fs.fs = HashingFS()
+    writer.fs.fs = _FsProxy(inner, open, renamed)
     return writer
 
 
@@ -259,17 +275,12 @@ def _reader(folder, cache: dict):
     reader = FsspecReader(folder.uri, **folder.storage_options)
     inner = reader.fs.fs
 
-    class CachedFS:
-        def __getattr__(self, name):
-            return getattr(inner, name)
+    def open(path, mode, **kwargs):
+        if "r" in mode and _name(path) in cache:
+            return io.BytesIO(cache[_name(path)])
+        return inner.open(path, mode, **kwargs)
 
-        def open(self, path, mode="rb", **kwargs):
-            name = str(path).rstrip("/").rsplit("/", 1)[-1]
-            if "r" in mode and name in cache:
-                return io.BytesIO(cache[name])
-            return inner.open(path, mode, **kwargs)
-
-    reader.fs.fs = CachedFS()
+    reader.fs.fs = _FsProxy(inner, open)
     return reader
 
 
