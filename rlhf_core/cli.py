@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Callable
 
 #: How ``rlhf run`` runs iterations when not ``--direct``: filled by plugins.
@@ -76,6 +77,8 @@ def _new_run_id() -> str:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    args.started = time.monotonic()  # wall time reported at the end counts from here
+    from rlhf_core.trainer.progress import ProgressLine
     from rlhf_core.trainer.restore import iterations_to_run
     from rlhf_core.trainer.run import run_direct
 
@@ -110,6 +113,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"reward: {first['critic/score/mean']:.3f} (iteration {first['iteration']}) -> "
               f"{last['critic/score/mean']:.3f} "
               f"(iteration {last['iteration']}), {last['wall_clock_s']:.0f}s of training")
+        progress = ProgressLine(len(rows), started=args.started)
+        for row in rows:  # the pace the run had, from its rows
+            progress.ends.append(result["started"] + row["wall_clock_s"])
+            progress.rewards.append(row["critic/score/mean"])
+        print(*progress.summary(), sep="\n")
     print(f"checkpoint: {result['checkpoint']}")
     print(f"metrics: {result['metrics']}")
     print(f"curve: {result['curve']}")

@@ -252,6 +252,15 @@ class RunConfig:
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
+    @property
+    def on_policy_update(self) -> bool:
+        """One epoch over one mini-batch: the actor's single optimizer step starts from the
+        weights that sampled the batch, so the old log-probs are the update's own forward
+        (detached; the ratio is exactly 1) and the ``old_log_prob`` stage is skipped, unless
+        the KL penalty in the reward needs them before the update."""
+        return (self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
+                and not self.algorithm.use_kl_in_reward)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

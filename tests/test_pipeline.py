@@ -30,7 +30,7 @@ def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
         assert "maxRetryCount: 2" in fresh and "nodeSelector" in fresh and "tolerations" in fresh
         assert "resourceMemoryLimit: 16G" in fresh  # the controller's limit
     local = yaml.safe_load_all(COMPILED.read_text()).__next__()
-    assert set(local["root"]["dag"]["tasks"]) == {"condition-branches-1", "report"}
+    assert set(local["root"]["dag"]["tasks"]) == {"condition-branches-1"}  # the controller writes the report
     branches = {name: set(c["dag"]["tasks"]) for name, c in local["components"].items() if "dag" in c}
     # with a parent checkpoint the run imports it (KFP lineage links it to the run that
     # wrote it); without one (a run started by hand) the controller runs alone
@@ -67,7 +67,7 @@ def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
     assert set(root) == {"exit-handler-1", "teardown-cluster"}
     assert root["teardown-cluster"]["triggerPolicy"]["strategy"] == "ALL_UPSTREAM_TASKS_COMPLETED"
     inner = spec["components"]["comp-exit-handler-1"]["dag"]["tasks"]
-    assert set(inner) == {"launch-cluster", "condition-branches-2", "report"}
+    assert set(inner) == {"launch-cluster", "condition-branches-2"}
     assert set(spec["components"]["comp-condition-3"]["dag"]["tasks"]) == {"importer", "run-iteration"}
     # the cluster name is computed from the run-time run_id inside the components, never
     # fixed at compile time (two runs of this YAML with different run ids get two clusters)

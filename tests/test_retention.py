@@ -38,6 +38,7 @@ def _iteration(istore: IterationStore, it: int, commit: bool = True) -> None:
     for stage in STAGES:
         batch.batch[f"{stage}_out"] = torch.full((len(batch), 4), float(it))
         istore.save(it, stage, batch)
+    istore.flush()
     ckpt = sfs.resolve(istore.checkpoint_uri(it + 1), istore.storage_options)
     sfs.write_durably(ckpt.uri, {"actor_model.safetensors": b"w" * 1000, "trainer_state.json": b"{}"},
                       istore.storage_options)

@@ -576,6 +576,32 @@ def test_a_delta_refuses_a_base_that_is_not_the_one_it_was_written_against(store
         load_snapshot(f"{base_uri}/it/b", storage_options=opts)
 
 
+def test_iteration_store_writes_in_the_background_and_commits_nothing_after_a_failed_write(tmp_path):
+    """Stage snapshots are written on a background thread: a stage may change a tensor in
+    place right after handing it over without changing what is stored; a write that fails
+    surfaces at the commit, which then writes no manifest (and the stages after the failed
+    one, deltas of it, are not written either)."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    istore = IterationStore(f"file://{tmp_path}/store", "run-1")
+    batch = sample_batch().select(["input_ids", "attention_mask"], ["uid"])
+    saved = batch.select(deepcopy=True)
+    istore.save(0, "rollout", batch)
+    batch.batch["input_ids"].add_(1)  # the next stage works in place at once
+    istore.flush()
+    assert_same(load_snapshot(istore.stage_uri(0, "rollout")), saved)
+
+    batch.non_tensor_batch["bad"] = np.array([{1, 2}] * len(batch), dtype=object)  # sets cannot be stored
+    istore.save(0, "reward", batch)
+    del batch.non_tensor_batch["bad"]
+    batch.batch["scores"] = torch.ones(len(batch))
+    istore.save(0, "advantage", batch)
+    with pytest.raises(UnsupportedObjectError):
+        istore.commit_iteration(0, {"note": "must not be written"})
+    assert not os.path.exists(tmp_path / "store" / "run-1" / "iter-000000" / "MANIFEST.json")
+    assert [i.uri.rsplit("/", 1)[-1] for i in list_snapshots(istore.iteration_uri(0))] == ["rollout"]
+
+
 def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path):
     from rlhf_core.trainer.iteration_store import IterationStore
 
@@ -587,6 +613,7 @@ def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path
     istore.save(0, "reward", batch)
     batch.meta_info["kl_coef"] = 0.1  # a stage that adds nothing but meta
     istore.save(0, "advantage", batch)
+    istore.flush()  # the writes run in the background
     infos = {i.uri.rsplit("/", 1)[-1]: i for i in list_snapshots(istore.iteration_uri(0))}
     assert set(infos["reward"].fields) == {"scores", "data_source"} and infos["reward"].base == "../rollout"
     assert infos["advantage"].fields == {} and infos["advantage"].base == "../reward"
@@ -597,5 +624,6 @@ def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path
     loaded = fresh.load(0, "advantage")
     loaded.batch["values"] = torch.ones(len(loaded), 5)
     fresh.save(0, "values", loaded)
+    fresh.flush()
     assert set(snapshot_info(fresh.stage_uri(0, "values")).fields) == {"values"}
     assert_same(load_snapshot(fresh.stage_uri(0, "values")), loaded)

@@ -112,6 +112,23 @@ def test_ppo_gae_with_critic_and_hf_rollout(ray_local):
     assert "values" in trainer.last_batch.batch.keys()
 
 
+def test_one_mini_batch_one_epoch_update_skips_the_old_log_prob_stage(ray_local):
+    """On-policy (the whole batch is one mini-batch, one epoch): the old log-probs are the
+    update's own forward, so no old_log_prob stage runs and the ratio is exactly 1."""
+    from rlhf_core.trainer import stages
+
+    cfg, trainer, metrics = run_iterations(["actor.ppo_mini_batch_size=8", "rollout.name=hf"])
+    assert cfg.on_policy_update and "old_log_prob" not in [s.name for s in stages.plan(cfg)]
+    for m in metrics:
+        assert "timing_s/old_log_prob" not in m
+        assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+        assert m["actor/entropy"] > 0 and m["actor/grad_norm"] > 0
+    assert "old_log_probs" not in trainer.last_batch.batch.keys()
+    # a KL penalty in the reward needs the old log-probs before the update: the stage stays
+    kl = apply_overrides(cfg, ["algorithm.use_kl_in_reward=true"]).validate()
+    assert not kl.on_policy_update and "old_log_prob" in [s.name for s in stages.plan(kl)]
+
+
 def test_remax_baseline_is_the_greedy_response_reward(ray_local):
     """ReMax end to end: the ``reward_baseline`` stage decodes each prompt greedily and
     scores it; every row of the prompt carries that score, and the advantage is the

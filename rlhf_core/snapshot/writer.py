@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -99,6 +100,20 @@ def _chunking(data: np.ndarray) -> tuple[tuple, tuple | None]:
     return (inner, *rest), (shard, *rest)
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _upload_pool(workers: int) -> ThreadPoolExecutor:
+    """One upload pool per size for the process: starting threads for every snapshot
+    cost more than writing a small one."""
+    workers = max(1, workers)
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            _POOLS[workers] = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="snapshot-upload")
+        return _POOLS[workers]
+
+
 class _Uploader:
     """Writes encoded objects under the data prefix, hashing each as it goes.
 
@@ -111,7 +126,7 @@ class _Uploader:
 
     def __init__(self, loc: sfs.Location, workers: int) -> None:
         self.loc = loc
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers))
+        self.pool = _upload_pool(workers)
         self.pending = []
         self.objects: dict[str, dict] = {}
         self.metadata: dict[str, dict] = {}
@@ -148,11 +163,14 @@ class _Uploader:
                 self.submit(key, memory.pop(key).to_bytes())
 
     def finish(self) -> None:
-        try:
-            for future in self.pending:
+        errors = []
+        for future in self.pending:  # all of them, even after a failure: nothing writes on later
+            try:
                 future.result()
-        finally:
-            self.pool.shutdown(wait=True)
+            except BaseException as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
         if self.loc.is_local and self.folders:
             # every folder from the deepest up to the snapshot's own, so the entries
             # naming the data survive a crash too
@@ -165,24 +183,52 @@ class _Uploader:
                 sfs.fsync_path(folder)
 
 
-def _write_field(parent, field: EncodedField) -> None:
+#: Fields up to this size are encoded together in one call into zarr's event loop (each
+#: call is a thread hop; per field they were most of a small snapshot's cost); larger
+#: ones one at a time, so their objects upload while the next is encoded.
+SMALL_FIELD_BYTES = 1 << 20
+
+
+async def _write_field(parent, field: EncodedField) -> None:
     from zarr.codecs import BloscCodec
 
     path = field_path(field.layer, field.name)
     name = path.split("/", 1)[1]
     if field.info["stored_dtype"] == "string":
         chunks = (max(1, min(field.data.shape[0], 4096)), *field.data.shape[1:])
-        array = parent.create_array(name, shape=field.data.shape, dtype=str, chunks=chunks,
-                                    compressors=None, fill_value="")
+        array = await parent.create_array(name, shape=field.data.shape, dtype=str, chunks=chunks,
+                                          compressors=None, fill_value="")
     else:
         chunks, shards = _chunking(field.data)
-        array = parent.create_array(
+        array = await parent.create_array(
             name, shape=field.data.shape, dtype=field.data.dtype, chunks=chunks, shards=shards,
             compressors=BloscCodec(**BLOSC), fill_value=0,
         )
     if field.data.size:
-        array[...] = field.data
+        await array.setitem(Ellipsis, field.data)
     field.info["array"] = path
+
+
+def _write_fields(parents: dict, fields: list[EncodedField]) -> None:
+    from zarr.core.sync import sync
+
+    async def write_all():
+        for field in fields:
+            await _write_field(parents[field.layer], field)
+
+    sync(write_all())
+
+
+def _field_groups(fields: list[EncodedField]) -> list[list[EncodedField]]:
+    """Consecutive small fields together; every large field alone."""
+    groups: list[list[EncodedField]] = []
+    for field in fields:
+        small = field.data.nbytes <= SMALL_FIELD_BYTES
+        if small and groups and all(f.data.nbytes <= SMALL_FIELD_BYTES for f in groups[-1]):
+            groups[-1].append(field)
+        else:
+            groups.append([field])
+    return groups
 
 
 def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = None,
@@ -224,9 +270,10 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
     try:
         group = zarr.create_group(store=MemoryStore(memory), zarr_format=3, attributes={
             "meta_info": meta, "rlhf_snapshot": {"schema_version": SCHEMA_VERSION}})
-        parents = {"batch": group.create_group("batch"), "non_tensor": group.create_group("non_tensor")}
-        for f in fields:  # encode one field at a time; its objects upload meanwhile
-            _write_field(parents[f.layer], f)
+        parents = {"batch": group.create_group("batch")._async_group,
+                   "non_tensor": group.create_group("non_tensor")._async_group}
+        for batch_of_fields in _field_groups(fields):  # a large field's objects upload while the next encodes
+            _write_fields(parents, batch_of_fields)
             uploader.drain(memory, metadata_too=False)
         uploader.drain(memory, metadata_too=True)
     finally:

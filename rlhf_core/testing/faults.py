@@ -13,12 +13,18 @@ name matches the fnmatch ``<pattern>``. Points:
 before it does anything (``pod_started``): it stands for the pod being scheduled and its
 image started, which the KFP local runner does not have (benchmarks/orchestration.py).
 
+``RLHF_PHASE_LOG=<file>`` makes ``phase(name)`` append ``{"pid", "phase", "t"}`` (wall
+clock) to that file as one JSON line: where a Kubeflow component's time goes
+(benchmarks/orchestration.py). ``phase("process_start")`` logs when this process was
+created (from /proc), so the time before any Python code ran is counted too.
+
 Unset in production; reading one environment variable is all each costs.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import signal
 import time
@@ -34,3 +40,21 @@ def pod_started() -> None:
     delay = float(os.environ.get("RLHF_SIMULATED_POD_START_S") or 0)
     if delay > 0:
         time.sleep(delay)
+
+
+def phase(name: str) -> None:
+    path = os.environ.get("RLHF_PHASE_LOG")
+    if not path:
+        return
+    t = _process_start() if name == "process_start" else time.time()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"pid": os.getpid(), "phase": name, "t": t}) + "\n")
+
+
+def _process_start() -> float:
+    """This process's creation time (wall clock, 10 ms resolution), from /proc."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/stat") as f:
+        boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")

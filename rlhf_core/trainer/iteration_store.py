@@ -93,9 +93,14 @@ class IterationStore:
         self.storage_options = storage_options
         self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
         self.run_id = run_id
-        # the last stage saved or loaded per iteration: (its SnapshotInfo, a copy of its
-        # batch); the next stage's snapshot stores only what differs from it
-        self._previous: dict[int, tuple] = {}
+        # the last stage saved or loaded: (iteration, a private copy of its batch); the next
+        # stage's snapshot stores only what differs from it
+        self._previous: tuple | None = None
+        # snapshot writes run on one background thread, in stage order, so a stage's
+        # snapshot never delays the next stage; ``flush`` (before a commit) waits for them
+        self._writer = None
+        self._pending: list = []
+        self._written: dict[str, object] = {}  # the last committed stage: URI -> SnapshotInfo
 
     @property
     def run_uri(self) -> str:
@@ -113,6 +118,7 @@ class IterationStore:
     # ---------------------------------------------------------------- stages
 
     def has(self, iteration: int, stage: str) -> bool:
+        self.flush()
         loc = sfs.resolve(f"{self.stage_uri(iteration, stage)}/SNAPSHOT.json", self.storage_options)
         if hasattr(loc.fs, "invalidate_cache"):
             loc.fs.invalidate_cache()
@@ -122,33 +128,59 @@ class IterationStore:
         """The whole batch as it stood after ``stage`` (a delta composed with its chain)."""
         from rlhf_core.snapshot import load_snapshot, snapshot_info
 
+        self.flush()
         uri = self.stage_uri(iteration, stage)
         batch = load_snapshot(uri, storage_options=self.storage_options)
-        self._remember(iteration, snapshot_info(uri, storage_options=self.storage_options), batch)
+        self._written = {uri: snapshot_info(uri, storage_options=self.storage_options)}
+        self._previous = (iteration, uri, batch.select(deepcopy=True))
         return batch
 
     def save(self, iteration: int, stage: str, batch: "DataProto") -> None:
         """Commit the stage's output as a delta of the iteration's previous stage: only the
         columns it added or changed, plus its meta_info (readers compose the chain). A
         stage re-run after a restart (the stateful update stages re-run from the restored
-        checkpoint) finds its snapshot committed and keeps it: snapshots are immutable."""
-        from rlhf_core.snapshot import save_snapshot, snapshot_info
+        checkpoint) finds its snapshot committed and keeps it: snapshots are immutable.
+
+        Returns once the delta is decided and copied; the write itself runs in the
+        background (one thread, stage order: a snapshot is committed only after the one it
+        is a delta of). ``flush`` waits for every write and raises the first failure."""
+        from concurrent.futures import ThreadPoolExecutor
 
         uri = self.stage_uri(iteration, stage)
-        previous = self._previous.get(iteration)
-        base, delta = None, batch
-        if previous is not None and len(previous[1]) == len(batch):
-            base, delta = previous[0], changed_fields(batch, previous[1])
+        copy = batch.select(deepcopy=True)  # later stages may change tensors in place
+        base_uri, delta = None, copy
+        if self._previous is not None and self._previous[0] == iteration and len(self._previous[2]) == len(copy):
+            base_uri, delta = self._previous[1], changed_fields(copy, self._previous[2])
+        self._previous = (iteration, uri, copy)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
+        self._pending.append(self._writer.submit(self._write, iteration, stage, uri, delta, base_uri))
+
+    def _write(self, iteration: int, stage: str, uri: str, delta: "DataProto", base_uri: str | None) -> None:
+        from rlhf_core.snapshot import save_snapshot, snapshot_info
+
+        if base_uri is not None and base_uri not in self._written:
+            raise RuntimeError(f"snapshot {uri} not written: its base {base_uri} was not committed")
         try:
-            info = save_snapshot(delta, uri, storage_options=self.storage_options, base=base,
+            info = save_snapshot(delta, uri, storage_options=self.storage_options,
+                                 base=self._written.get(base_uri) if base_uri else None,
                                  annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})
         except SnapshotExistsError:
             info = snapshot_info(uri, storage_options=self.storage_options)
-        self._remember(iteration, info, batch)
+        self._written = {uri: info}  # the only base the next write can name
 
-    def _remember(self, iteration: int, info, batch: "DataProto") -> None:
-        # a copy: a later stage may change a tensor in place, and the delta must see it
-        self._previous = {iteration: (info, batch.select(deepcopy=True))}
+    def flush(self) -> None:
+        """Wait until every snapshot ``save`` handed over is committed; raises the first
+        write that failed (the iteration must then not commit)."""
+        pending, self._pending = self._pending, []
+        errors = []
+        for future in pending:
+            try:
+                future.result()
+            except BaseException as exc:  # the first one is the cause; later ones lack their base
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     # ---------------------------------------------------------------- leases
 
@@ -190,7 +222,9 @@ class IterationStore:
         return manifest
 
     def commit_iteration(self, iteration: int, manifest: dict) -> str:
-        """Write the iteration manifest, create-only: the iteration now exists."""
+        """Write the iteration manifest, create-only: the iteration now exists. Its stage
+        snapshots are all committed first (``flush``)."""
+        self.flush()
         body = {"format": ITERATION_FORMAT, "schema_version": ITERATION_SCHEMA_VERSION, "run_id": self.run_id,
                 "iteration": iteration, "parent_iteration": iteration - 1 if iteration > 0 else None,
                 "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),

@@ -228,7 +228,8 @@ class PPOTrainer:
         return self._stage_metrics(batch, "update_critic", reduce_metrics(out.meta_info["metrics"]))
 
     def update_actor(self, batch: DataProto) -> DataProto:
-        keys = SEQUENCE_KEYS + ["response_mask", "old_log_probs", "advantages"]
+        keys = SEQUENCE_KEYS + ["response_mask", "advantages"]
+        keys += [] if self.config.on_policy_update else ["old_log_probs"]  # else the update's own forward
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
         out = self._take(self.actor.update_actor(batch.select(keys, [], ["global_step"])), "update_actor")
         return self._stage_metrics(batch, "update_actor", reduce_metrics(out.meta_info["metrics"]))

@@ -38,7 +38,47 @@ def curve_png(rows: list[dict]) -> bytes:
     return buffer.getvalue()
 
 
-def markdown_report(store: str, run_id: str) -> str:
+def sample_table(store: str, run_id: str, iteration: int, prompts: int = 4) -> str:
+    """A few of the iteration's prompts with their best and worst sampled response and
+    its reward, decoded from the iteration's ``reward`` snapshot (what TRL logs as
+    completions). Empty when the iteration kept no reward snapshot."""
+    from rlhf_core.snapshot import load_snapshot
+    from rlhf_core.snapshot.errors import SnapshotError
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    try:
+        batch = load_snapshot(IterationStore(store, run_id).stage_uri(iteration, "reward"),
+                              fields=["raw_prompt", "ground_truth", "response_text", "uid", "token_level_scores"])
+    except (SnapshotError, FileNotFoundError):
+        return ""
+    scores = batch.batch["token_level_scores"].sum(dim=-1).tolist()
+    groups: dict = {}
+    for row, uid in enumerate(batch.non_tensor_batch["uid"].tolist()):
+        groups.setdefault(uid, []).append(row)
+    lines = [f"Sampled responses, iteration {iteration} ({len(groups)} prompts x "
+             f"{len(batch) // max(len(groups), 1)} responses; {prompts} shown):", "",
+             "| prompt | expected | best response | reward | worst response | reward |", "|---|---|---|---|---|---|"]
+    column = batch.non_tensor_batch
+    for rows in list(groups.values())[:prompts]:
+        best, worst = max(rows, key=lambda r: scores[r]), min(rows, key=lambda r: scores[r])
+        lines.append(f"| {_cell(column['raw_prompt'][best])} | {_cell(column['ground_truth'][best])} | "
+                     f"{_cell(column['response_text'][best])} | {scores[best]:.2f} | "
+                     f"{_cell(column['response_text'][worst])} | {scores[worst]:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(text, limit: int = 160) -> str:
+    """Text as one Markdown table cell: one line, escaped, shortened."""
+    import html
+
+    text = " ".join(str(text).split())
+    text = text if len(text) <= limit else text[:limit - 1] + "…"
+    return html.escape(text).replace("|", "\\|") if text else "<em>(empty)</em>"
+
+
+def markdown_report(store: str, run_id: str, samples: int = 4) -> str:
+    """The run so far: reward curve, the latest metrics and (``samples`` > 0) sampled
+    prompts of the latest iteration with their best and worst responses."""
     rows = run_history(store, run_id)
     if not rows:
         return f"# Run `{run_id}`\n\nNo committed iteration yet.\n"
@@ -46,8 +86,10 @@ def markdown_report(store: str, run_id: str) -> str:
     image = base64.b64encode(curve_png(rows)).decode()
     keys = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "response_length/mean"]
     table = "\n".join(f"| {k} | {last[k]:.4f} |" for k in keys if k in last)
-    return (f"# Run `{run_id}`: {len(rows)} iteration(s)\n\n"
+    text = (f"# Run `{run_id}`: {len(rows)} iteration(s)\n\n"
             f"Mean reward {rows[0].get('critic/score/mean', 0):.3f} (iteration {rows[0]['iteration']}) -> "
             f"{last.get('critic/score/mean', 0):.3f} (iteration {last['iteration']})\n\n"
             f"![reward curve](data:image/png;base64,{image})\n\n"
             f"| metric (iteration {last['iteration']}) | value |\n|---|---|\n{table}\n")
+    table = sample_table(store, run_id, last["iteration"], samples) if samples > 0 else ""
+    return text + ("\n" + table if table else "")

@@ -20,6 +20,7 @@ from rlhf_core.config import RunConfig, describe
 from rlhf_core.trainer.restore import (
     checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
 )
+from rlhf_core.trainer.progress import ProgressLine
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
 
@@ -85,7 +86,8 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     from rlhf_core.trainer.iteration_store import code_version
     from rlhf_core.trainer.ppo import PPOTrainer
 
-    bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr)
+    bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr, leave=False)
+    progress = ProgressLine(iterations)
 
     def stage_hook(name: str) -> None:
         bar.set_description(f"stage {name:<13}")
@@ -97,7 +99,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     restore_or_init(workers, istore, state, cfg, workers_at_step, trainer)
     version = code_version()
     rows = []
-    train_start = time.perf_counter()
+    train_start = trainer.started_at = time.monotonic()
     this = {}  # the iteration under way: its lease keeper, whether it must checkpoint, what it started
 
     def start_checkpoint() -> None:
@@ -119,20 +121,22 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
                 this.update(keeper=keeper, force=checkpoint_last and k == iterations - 1, started=None)
                 try:
                     metrics = trainer.run_iteration()
-                    commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper,
-                           force_checkpoint=this["force"], started=this["started"])
+                    t_commit = time.perf_counter()
+                    checkpoint_s = commit(cfg, workers, istore, trainer, iteration, metrics, version, keeper,
+                                          force_checkpoint=this["force"], started=this["started"])
+                    metrics.update(step_timing(metrics, time.perf_counter() - t_commit, checkpoint_s))
                 finally:
                     if keeper is not None:
                         keeper.close()
                 if on_committed is not None:
                     on_committed(trainer.state.global_step)
-                row = {"iteration": iteration, "wall_clock_s": time.perf_counter() - train_start, **metrics}
+                row = {"iteration": iteration, "wall_clock_s": time.monotonic() - train_start, **metrics}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 rows.append(row)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}",
-                                s_per_it=f"{metrics['timing_s/iteration']:.2f}")
+                if cfg.trainer.progress:
+                    bar.write(progress.line(iteration, metrics["critic/score/mean"]), file=sys.stderr)
                 recent = [r["critic/score/mean"] for r in rows[-5:]]
                 if stop_at_reward is not None and len(recent) == 5 and sum(recent) / 5 >= stop_at_reward:
                     break
@@ -143,15 +147,26 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     return rows, trainer
 
 
+def step_timing(metrics: dict, commit_s: float, checkpoint_s: float) -> dict:
+    """The iteration's timing with its commit: ``timing_s/step`` (stages + commit) and the
+    share of it outside the workers (the checkpoint's writing counts as worker time; the
+    wait for stage snapshots still being written does not)."""
+    step = metrics["timing_s/iteration"] + commit_s
+    inside = metrics["perf/worker_time_s"] + checkpoint_s
+    return {"timing_s/commit": commit_s, "timing_s/checkpoint": checkpoint_s, "timing_s/step": step,
+            "perf/outside_workers_share": max(0.0, 1 - inside / step) if inside else 0.0}
+
+
 def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: dict, version: dict,
-           keeper=None, force_checkpoint: bool = False, started: str | None = None) -> None:
+           keeper=None, force_checkpoint: bool = False, started: str | None = None) -> float:
     """End an iteration: the checkpoint of the state after it when one is due
     (``trainer.checkpoint_every``, the run's last iteration, or ``force_checkpoint``;
     ``started``: the one the workers began writing after the update stages), then
     its manifest (the iteration exists from that moment; ``weights`` says which checkpoint
     and which redo give its weights), then the optional MLflow export. Under a lease,
     the holder checks it still holds it right before each write (a holder that lost it
-    raises ``LeaseLost`` and writes nothing); the manifest records the fencing token."""
+    raises ``LeaseLost`` and writes nothing); the manifest records the fencing token.
+    Returns the seconds spent waiting for the checkpoint."""
     from rlhf_core import tracking
     from rlhf_core.testing import faults
     from rlhf_core.trainer.iteration_store import iteration_manifest
@@ -160,6 +175,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     step = trainer.state.global_step
     checkpoint = istore.checkpoint_uri(step)
     check()
+    t0 = time.perf_counter()
     if started == checkpoint:  # begun in the background after the update stages
         checksums = finish_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
@@ -170,6 +186,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         start, redo = weights_plan(istore, iteration)
         checksums = {}
         weights = {"checkpoint_step": start, "checkpoint": istore.checkpoint_uri(start), "redo": redo + [iteration]}
+    checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
     faults.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
                                   snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)},
@@ -181,6 +198,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     istore.commit_iteration(iteration, manifest)
     if tracking.enabled():
         tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
+    return checkpoint_s
 
 
 def _finish(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trainer, plot: bool = True) -> dict:
@@ -220,7 +238,7 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
                                        checkpoint_last=True)
     finally:
         workers.kill()
-    return _finish(cfg, run_dir, rows, istore, trainer)
+    return {**_finish(cfg, run_dir, rows, istore, trainer), "started": trainer.started_at}
 
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,

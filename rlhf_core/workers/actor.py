@@ -132,15 +132,18 @@ class ActorRolloutRefWorker(TrainableWorker):
         """The actor's loss on one (micro-)batch and its parts, for the metrics."""
         cfg = self.config.actor
         mask = batch.batch["response_mask"].float()
-        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0)
-        out = policy_loss(batch.batch["old_log_probs"], log_prob, batch.batch["advantages"], mask,
+        on_policy = "old_log_probs" not in batch.batch.keys()  # config.on_policy_update: no old_log_prob stage
+        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or on_policy)
+        old_log_prob = log_prob.detach() if on_policy else batch.batch["old_log_probs"]
+        out = policy_loss(old_log_prob, log_prob, batch.batch["advantages"], mask,
                           clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                           clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
         loss = out["pg_loss"]
         parts = {key: float(out[key]) for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
-        if entropy is not None:
+        if entropy is not None:  # on-policy: the entropy metric the old_log_prob stage would give
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
-            loss = loss - cfg.entropy_coeff * entropy_loss
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy_loss
             parts["entropy"] = entropy_loss.item()
         if cfg.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, batch.batch["ref_log_prob"], cfg.kl_loss_type), mask,

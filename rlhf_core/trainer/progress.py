@@ -1,0 +1,57 @@
+"""One line per committed iteration, for a person watching a run: where it is, the
+reward, the pace and the time left. Direct runs and pipeline runs print the same line."""
+
+from __future__ import annotations
+
+import time
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}" if seconds >= 3600 else \
+        f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class ProgressLine:
+    """``line(iteration, reward)`` after each committed iteration of ``total`` this command
+    runs. The pace is that of the last ``window`` iterations (the first one carries the
+    start-up, so it says little about the rest)."""
+
+    def __init__(self, total: int, window: int = 5, clock=time.monotonic, started: float | None = None) -> None:
+        self.total, self.window, self.clock = total, window, clock
+        self.started = clock() if started is None else started
+        self.ends: list[float] = []
+        self.rewards: list[float] = []
+
+    def line(self, iteration: int, reward: float) -> str:
+        now = self.clock()
+        self.ends.append(now)
+        self.rewards.append(reward)
+        done = len(self.ends)
+        recent = self.ends[-(self.window + 1):]
+        per_it = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else now - self.started
+        last5 = self.rewards[-5:]
+        left = (self.total - done) * per_it
+        return (f"[rlhf] iteration {iteration} ({done}/{self.total}) reward {reward:.3f} "
+                f"(mean of last {len(last5)}: {sum(last5) / len(last5):.3f}) | "
+                f"{60 / per_it if per_it > 0 else 0:.1f} it/min | elapsed {_clock(now - self.started)} | "
+                f"left ~{_clock(left)}")
+
+    def first_reached(self, target: float, window: int = 5) -> tuple[int, float] | None:
+        """(iterations done, seconds since the start) when the mean reward of ``window``
+        consecutive iterations first reached ``target``; None if it never did."""
+        for end in range(window, len(self.rewards) + 1):
+            if sum(self.rewards[end - window:end]) / window >= target:
+                return end, self.ends[end - 1] - self.started
+        return None
+
+    def summary(self, target: float = 0.9) -> list[str]:
+        """The closing lines: when the target was first held, and the wall time."""
+        lines = []
+        if self.rewards:
+            reached = self.first_reached(target)
+            lines.append(f"mean reward of 5 consecutive iterations >= {target}: " + (
+                f"first after iteration {reached[0]} of this command, {_clock(reached[1])} after its start"
+                if reached else "not reached"))
+        lines.append(f"wall time: {_clock(self.clock() - self.started)} (start-up included)")
+        return lines
