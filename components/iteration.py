@@ -74,6 +74,9 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     with open(summary.path, "w", encoding="utf-8") as f:
         f.write(markdown_report(store, run_id))
     faults.phase("reported")
+    from components.process import exit_without_teardown
+
+    exit_without_teardown()
     if not result["rows"]:
         return -1
     lineage = result["lineage"]

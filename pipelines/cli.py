@@ -37,8 +37,11 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
 
     try:
         # the session computes ahead after the last run too only when it outlives this command
+        log_path = os.path.join(cfg.trainer.output_dir, run_id, "pipeline-runs.log")
+        print(f"[rlhf] {iterations} iteration(s) of run {run_id}, each a pipeline run on the KFP local runner "
+              f"(its output: {log_path})", flush=True)
         run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
-                             prefetch_next=not ours or bool(args.keep_session), on_run=show)
+                             prefetch_next=not ours or bool(args.keep_session), on_run=show, log_path=log_path)
     finally:
         if ours and not args.keep_session:
             ray_head.stop_head(head, head_root)

@@ -4,8 +4,10 @@ Each iteration is one pipeline run (components as subprocesses of this Python), 
 the run's session on this project's own Ray head and a ``file://`` (or any) store.
 """
 
+import contextlib
 import os
 import shutil
+import sys
 from pathlib import Path
 
 #: Pipeline-run folders kept under the run's kfp/ folder (the store keeps every
@@ -24,12 +26,14 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
 
 def run_local_iterations(run_id: str, store: str, overrides: list, head_root: str, iterations: int,
                          pipeline_root: str, lease_holder: str = "", parent_model: str = "",
-                         prefetch_next: bool = True, on_run=None) -> list[dict]:
+                         prefetch_next: bool = True, on_run=None, log_path: str | None = None) -> list[dict]:
     """``iterations`` runs of the per-iteration pipeline, one after the other, each given
     the checkpoint it continues from (``parent_model`` for the first when the caller
     knows it, else read from the store, as the fine-tune driver does). The session
     computes ahead after every run but the last, and after the last if ``prefetch_next``.
-    ``on_run(k)`` is called after the k-th run (0-based) finished."""
+    ``on_run(k)`` is called after the k-th run (0-based) finished. With ``log_path``, what
+    the local runner prints (task logs, outputs) is appended to that file instead of the
+    console; when a run fails, the end of it is shown."""
     from rlhf_core.trainer.iteration_store import IterationStore
 
     from kfp import local
@@ -44,16 +48,36 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     runs, istore = [], IterationStore(store, run_id)
     for k in range(iterations):
         faults.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
-        task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
-                             head_root=os.path.abspath(head_root), lease_holder=lease_holder,
-                             parent_model=parent_model if k == 0 and parent_model else _next_parent(istore),
-                             prefetch_next=prefetch_next or k + 1 < iterations)
+        with _runner_output(log_path):
+            task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
+                                 head_root=os.path.abspath(head_root), lease_holder=lease_holder,
+                                 parent_model=parent_model if k == 0 and parent_model else _next_parent(istore),
+                                 prefetch_next=prefetch_next or k + 1 < iterations)
         faults.phase("run_end")
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
         if on_run is not None:
             on_run(k)
     return runs
+
+
+@contextlib.contextmanager
+def _runner_output(log_path: str | None):
+    """The local runner's console output (it prints, and logs to the root logger) into
+    ``log_path``; on failure the last lines are shown."""
+    if log_path is None:
+        yield
+        return
+    with open(log_path, "a", encoding="utf-8") as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        try:
+            yield
+        except BaseException:
+            log.flush()
+            with open(log_path, encoding="utf-8", errors="replace") as f:
+                tail = f.readlines()[-40:]
+            sys.__stderr__.write(f"[rlhf] the pipeline run failed; the end of {log_path}:\n" + "".join(tail))
+            raise
 
 
 def _next_parent(istore) -> str:

@@ -48,7 +48,7 @@ class DataConfig:
     train_files: str = _f("builtin:digits", "parquet/jsonl in verl's format (prompt as chat messages, "
                           "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
                           "ground_truth, data_source), or builtin:<task>")
-    train_batch_size: int = _f(32, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
+    train_batch_size: int = _f(128, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
     max_prompt_length: int = _f(16, "prompt tokens (after the chat template); longer prompts are "
                                 "handled by data.truncation", **POSITIVE)
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
@@ -73,10 +73,10 @@ class FSDPConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = _f(2e-4, "AdamW learning rate of the policy", **NON_NEGATIVE)
+    lr: float = _f(3e-4, "AdamW learning rate of the policy", **NON_NEGATIVE)
     lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant", **NON_NEGATIVE)
     weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
-    ppo_mini_batch_size: int = _f(8, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_mini_batch_size: int = _f(16, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank; the mini-batch's "
                                            "gradient accumulates over them (0: the whole mini-batch at once)",
@@ -104,8 +104,9 @@ class ActorConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = _f("vllm", "generation engine: vllm (in-process engine per rank) or hf",
-                   choices=("vllm", "hf"))
+    name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
+                   "for the demo's tiny model and short responses) or vllm (an in-process engine per rank: "
+                   "for real models and long responses; benchmarks/generation.py)", choices=("vllm", "hf"))
     n: int = _f(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _f(1.0, "sampling temperature", **POSITIVE)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
@@ -171,7 +172,7 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
-    total_iterations: int = _f(300, "the run's total iterations when `rlhf run` is not given --iterations (a "
+    total_iterations: int = _f(60, "the run's total iterations when `rlhf run` is not given --iterations (a "
                                "re-run of the same command finishes the run, then does nothing)", **POSITIVE)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")

@@ -37,7 +37,35 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+
+def _import_tensordict():
+    """Import tensordict without importing ``torch._dynamo``. At import, tensordict marks a
+    few functions with ``torch.compiler.allow_in_graph`` / ``assume_constant_result``,
+    which import dynamo: ~1.3 s on every start of a controller (one per Kubeflow
+    iteration), which never compiles. While tensordict loads, the markers are the identity
+    (eager behaviour is the same); a process that has dynamo loaded already gets
+    tensordict's own marking."""
+    import sys
+
+    if "tensordict" in sys.modules or "torch._dynamo" in sys.modules:
+        import tensordict
+        return tensordict
+    import torch.compiler
+
+    markers = {name: getattr(torch.compiler, name) for name in ("allow_in_graph", "assume_constant_result")}
+    for name in markers:
+        setattr(torch.compiler, name, lambda fn: fn)
+    try:
+        import tensordict
+    finally:
+        for name, marker in markers.items():
+            setattr(torch.compiler, name, marker)
+    return tensordict
+
+
+_td = _import_tensordict()
+NonTensorData, NonTensorStack, TensorDict = _td.NonTensorData, _td.NonTensorStack, _td.TensorDict
 
 from rlhf_core.dtypes import RAW_BITS
 

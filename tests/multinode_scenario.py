@@ -50,7 +50,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
     try:
         cfg = apply_overrides(RunConfig(), [
             "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
-            "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp",
+            "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp", "rollout.name=vllm",
             f"resources.nnodes={nodes}", f"resources.gpus_per_node={ranks_per_node}",
             "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1",
             *(["algorithm.adv_estimator=gae", "critic.world_size=1", "resources.critic_nnodes=1"]

@@ -88,7 +88,7 @@ def checkpoint_roundtrip(tmp_path):
 
 
 def test_grpo_with_vllm(ray_local, tmp_path):
-    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true"],
+    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "rollout.name=vllm"],
                                            after=checkpoint_roundtrip(tmp_path))
     for m in metrics:
         missing = [k for k in EXPECTED_METRICS + ["actor/kl_loss", "timing_s/ref_log_prob"] if k not in m]
