@@ -31,7 +31,7 @@ def test_wrong_type_names_field_expected_and_found():
 
 
 def test_validate_catches_inconsistent_settings():
-    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(32\)"):
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(128\)"):
         apply_overrides(RunConfig(), ["actor.ppo_mini_batch_size=5"]).validate()
     with pytest.raises(ConfigError, match="algorithm.adv_estimator: 'ppo2' is not registered; choose from"):
         apply_overrides(RunConfig(), ["algorithm.adv_estimator=ppo2"]).validate()

@@ -82,7 +82,7 @@ def test_continuing_with_another_config_is_refused(tmp_path):
     store = f"file://{tmp_path / 's'}"
     run_direct(small_config(tmp_path / "out"), 1, store, "run", log=lambda *a: None)
     changed = apply_overrides(small_config(tmp_path / "out"), ["actor.lr=0.1"])
-    with pytest.raises(ConfigError, match=r"another config.*actor.lr: 0.0002 -> 0.1"):
+    with pytest.raises(ConfigError, match=r"another config.*actor.lr: 0.0003 -> 0.1"):
         run_direct(changed, 1, store, "run", log=lambda *a: None)
 
 

@@ -142,6 +142,12 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
                     break
                 if time_budget_s is not None and row["wall_clock_s"] >= time_budget_s:
                     break
+    except BaseException:
+        try:  # an interrupted iteration keeps the stages it finished (a resume loads them)
+            istore.flush()
+        except Exception:  # noqa: BLE001 - the exception under way is the one to report
+            pass
+        raise
     finally:
         bar.close()
     return rows, trainer

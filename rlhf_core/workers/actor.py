@@ -34,7 +34,7 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
-        torch.manual_seed(cfg.trainer.seed + self.rank)
+        self._seed_all(cfg.trainer.seed + self.rank)
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)

@@ -17,7 +17,7 @@ class CriticWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
-        torch.manual_seed(cfg.trainer.seed + 1000 + self.rank)
+        self._seed_all(cfg.trainer.seed + 1000 + self.rank)
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
                                                       sharding.ShardingSpec.from_config(cfg))

@@ -29,11 +29,16 @@ class TrainableWorker(Worker):
         rank before an update: what an update draws (dropout, say) and the RNG states a
         checkpoint records depend on the step alone, not on what ran in this process before
         (a session computing ahead, a resumed or redone iteration)."""
+        self._seed_all((self.config.trainer.seed * 1_000_003 + global_step * 1009 + self.rank) % 2**32)
+
+    @staticmethod
+    def _seed_all(seed: int) -> None:
+        """torch, numpy and python: the states a checkpoint records must not depend on the
+        process (an unseeded generator starts from os.urandom)."""
         import random
 
         import numpy as np
 
-        seed = (self.config.trainer.seed * 1_000_003 + global_step * 1009 + self.rank) % 2**32
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
