@@ -93,8 +93,8 @@ class IterationStore:
         self.storage_options = storage_options
         self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
         self.run_id = run_id
-        # the last stage saved or loaded: (iteration, a private copy of its batch); the next
-        # stage's snapshot stores only what differs from it
+        # the last stage saved or loaded: (iteration, its URI, a private copy of its batch);
+        # the next stage's snapshot stores only what differs from it
         self._previous: tuple | None = None
         # snapshot writes run on one background thread, in stage order, so a stage's
         # snapshot never delays the next stage; ``flush`` (before a commit) waits for them
