@@ -6,6 +6,7 @@ blocks: what a node failure or an OOM kill does) the first time it reaches a poi
 name matches the fnmatch ``<pattern>``. Points:
 
     stage:<name>        the stage's work is done (workers changed), its snapshot not written
+                        (the previous stages' are committed)
     snapshot:<uri>      a snapshot's data is written, its manifest (the commit) is not
     commit:<iteration>  the checkpoint is written, the iteration manifest is not
 

@@ -97,7 +97,8 @@ class IterationStore:
         # the next stage's snapshot stores only what differs from it
         self._previous: tuple | None = None
         # snapshot writes run on one background thread, in stage order, so a stage's
-        # snapshot never delays the next stage; ``flush`` (before a commit) waits for them
+        # snapshot is written while the next stage runs; ``flush`` (after each stage's work,
+        # before a commit) waits for them
         self._writer = None
         self._pending: list = []
         self._written: dict[str, object] = {}  # the last committed stage: URI -> SnapshotInfo

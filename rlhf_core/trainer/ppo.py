@@ -47,6 +47,8 @@ class StageStore(Protocol):
 
     def save(self, iteration: int, stage: str, batch: DataProto) -> None: ...
 
+    def flush(self) -> None: ...
+
 
 class PrefetchSource(Protocol):
     """The session's computed-ahead inference stages (see ``rlhf_core.trainer.prefetch``)."""
@@ -110,7 +112,7 @@ class PPOTrainer:
             self.on_stage(stage.name)
             t0 = time.perf_counter()
             batch = run_stage(batch)
-            faults.reached(f"stage:{stage.name}")
+            self._stage_done(stage.name)
             if self.stage_store is not None and stage.persisted:
                 self.stage_store.save(iteration, stage.name, batch)
             timing[stage.name] = time.perf_counter() - t0
@@ -141,11 +143,19 @@ class PPOTrainer:
         batch.meta_info.update(global_step=self.state.global_step, temperature=self.config.rollout.temperature)
         return batch
 
+    def _stage_done(self, name: str) -> None:
+        """A stage's work is done: the previous stage's snapshot, written in the background
+        while this stage ran, is committed now, so at most the last stage's snapshot is
+        ever in flight (a crash here loses only this stage's)."""
+        if self.stage_store is not None:
+            self.stage_store.flush()
+        faults.reached(f"stage:{name}")
+
     def _adopt(self, iteration: int, ahead, timing: dict) -> DataProto:
         """Take the session's computed-ahead stages as this iteration's: their snapshots are
         committed here (under the caller's lease), exactly as if the stages had run now."""
         for name, snapshot in ahead.snapshots():
-            faults.reached(f"stage:{name}")  # the same crash points as a stage run here
+            self._stage_done(name)  # the same crash points as a stage run here
             if self.stage_store is not None and stage_table.BY_NAME[name].persisted:
                 self.stage_store.save(iteration, name, snapshot)
         timing.update(ahead.timing)
