@@ -44,7 +44,7 @@ def timed_run(mode: list[str], iterations: int | None, out: Path, env_extra: dic
     return elapsed
 
 
-#: (label, from phase, to phase) of one pipeline run; see rlhf_core.testing.faults.phase
+#: (label, from phase, to phase) of one pipeline run; see rlhf_core.probes.phase
 PHASES = (("local runner: task set-up, process spawn", "run_start", "process_start"),
           ("executor start (python, kfp, executor)", "process_start", "body_start"),
           ("imports (rlhf_core, torch, ray)", "body_start", "imported"),

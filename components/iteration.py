@@ -35,18 +35,18 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     per iteration, and this process has the libraries loaded already."""
     import os
 
-    from rlhf_core.testing import faults
+    from rlhf_core import probes
 
-    faults.phase("process_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
-    faults.phase("body_start")
+    probes.phase("process_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
+    probes.phase("body_start")
     from rlhf_core import ray_head, session
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.report import markdown_report
     from rlhf_core.trainer.run import iterate
 
-    faults.phase("imported")
-    faults.pod_started()  # no-op unless a benchmark simulates pod scheduling
+    probes.phase("imported")
+    probes.pod_started()  # no-op unless a benchmark simulates pod scheduling
 
     if parent is not None:
         istore = IterationStore(store, run_id)
@@ -64,16 +64,16 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head
     info = ray_head.resolve_head(head_root, ray_address if dashboard_url else "", dashboard_url)
     ray_head.connect(info, session.namespace_of(run_id))
-    faults.phase("connected")
+    probes.phase("connected")
     result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next)
-    faults.phase("iterated")
+    probes.phase("iterated")
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
-    faults.phase("disconnected")
+    probes.phase("disconnected")
     if result.get("lease_held_by"):
         print(f"iteration is being run by {result['lease_held_by']}; this trigger does nothing")
     with open(summary.path, "w", encoding="utf-8") as f:
         f.write(markdown_report(store, run_id))
-    faults.phase("reported")
+    probes.phase("reported")
     from components.process import exit_without_teardown
 
     exit_without_teardown()

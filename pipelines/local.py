@@ -43,17 +43,17 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     Path(pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root,
                raise_on_error=True)
-    from rlhf_core.testing import faults
+    from rlhf_core import probes
 
     runs, istore = [], IterationStore(store, run_id)
     for k in range(iterations):
-        faults.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
+        probes.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
         with _runner_output(log_path):
             task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
                                  head_root=os.path.abspath(head_root), lease_holder=lease_holder,
                                  parent_model=parent_model if k == 0 and parent_model else _next_parent(istore),
                                  prefetch_next=prefetch_next or k + 1 < iterations)
-        faults.phase("run_end")
+        probes.phase("run_end")
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
         if on_run is not None:

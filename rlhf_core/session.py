@@ -144,8 +144,14 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
     return reason
 
 
+def pool_name_of(run_id: str) -> str:
+    """The name prefix of the session's pools (their detached placement groups)."""
+    return f"{run_id}_pool"
+
+
 def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
-    return WorkerSet.build(cfg, name_prefix=f"{WORKER_PREFIX}_{run_id}", pool_name=f"{run_id}_pool", detached=True)
+    return WorkerSet.build(cfg, name_prefix=f"{WORKER_PREFIX}_{run_id}", pool_name=pool_name_of(run_id),
+                           detached=True)
 
 
 def _restore(cfg: RunConfig, store: str, run_id: str, workers: WorkerSet, log) -> int | None:
@@ -328,10 +334,14 @@ def _job_live(head, submission_id: str) -> bool:
 
 
 def stop(run_id: str, head=None) -> bool:
-    """End the run's session: stop its job (when ``head`` is given) and kill its actors."""
+    """End the run's session: stop its job (when ``head`` is given), kill its actors and
+    remove every placement group of its pools (every pool, every node), also when the
+    session's record is already gone (a serve job that died leaves its groups behind)."""
     import ray
 
+    from rlhf_core.controller.resource_pool import placement_groups_named, remove_placement_groups
     from rlhf_core.ray_head import jobs_client
+    from rlhf_core.workers.worker_set import pool_prefixes
 
     stopped = False
     if head is not None:
@@ -344,7 +354,7 @@ def stop(run_id: str, head=None) -> bool:
         record = ray.get_actor(SESSION_ACTOR, namespace=namespace_of(run_id))
         info = ray.get(record.get.remote(), timeout=30)
     except Exception:
-        return stopped
+        record, info = None, {}
     for name in info.get("worker_names", []):
         try:
             ray.kill(ray.get_actor(name, namespace=namespace_of(run_id)), no_restart=True)
@@ -354,9 +364,8 @@ def stop(run_id: str, head=None) -> bool:
         ray.kill(ray.get_actor(PREFETCH_ACTOR, namespace=namespace_of(run_id)), no_restart=True)
     except Exception:
         pass
-    ray.kill(record, no_restart=True)
-    try:
-        ray.util.remove_placement_group(ray.util.get_placement_group(f"{run_id}_pool_pg0"))
-    except Exception:
-        pass
-    return True
+    if record is not None:
+        ray.kill(record, no_restart=True)
+    groups = placement_groups_named(pool_prefixes(pool_name_of(run_id)))
+    remove_placement_groups(groups)
+    return stopped or record is not None or bool(groups)

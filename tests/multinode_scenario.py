@@ -39,13 +39,21 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
     from rlhf_core.workers.worker_set import WorkerSet
 
     world = nodes * ranks_per_node
-    head = {"num_cpus": 0, "object_store_memory": 100 * 2**20, "include_dashboard": False,
+    # the head's "bystander" resource holds another run's placement group (stopping a session
+    # must leave it alone)
+    head = {"num_cpus": 0, "resources": {"bystander": 1}, "object_store_memory": 100 * 2**20, "include_dashboard": False,
             "temp_dir": tempfile.mkdtemp(prefix="rlhf-mn-")}
+    # Cluster records the head's address in the user's Ray temp folder (/tmp/ray), whatever
+    # temp_dir the nodes get; on a machine where no Ray ever ran it is missing
+    os.makedirs(os.path.join(tempfile.gettempdir(), "ray"), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(nodes + (1 if critic_pool else 0)):
         cluster.add_node(num_cpus=ranks_per_node, resources={"sim_gpu": ranks_per_node},
                          object_store_memory=100 * 2**20)
-    ray.init(address=cluster.address, log_to_driver=False)
+    from rlhf_core.session import namespace_of
+
+    # the run's namespace: the session part places detached workers as the serve job does
+    ray.init(address=cluster.address, log_to_driver=False, namespace=namespace_of(SESSION_RUN))
     seen: dict = {}
     try:
         cfg = apply_overrides(RunConfig(), [
@@ -106,10 +114,57 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
         except ResourcePoolError as error:
             seen["too_big_error"] = str(error)
         seen["too_big_seconds"] = time.monotonic() - t0
+        if critic_pool:
+            seen["session_stop"] = stop_session_groups(cfg)
         return seen
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+SESSION_RUN = "mn-session"
+BYSTANDER = f"{SESSION_RUN}-other_pool_pg0"  # another run's pool ("mn-session-other")
+
+
+def stop_session_groups(cfg) -> dict:
+    """Place a session's pools (detached, every node, the critic's pool too) the way the
+    serve job does, stop the session, and report which of the run's placement groups the
+    cluster's table still holds before and after (another run's group is a bystander)."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from rlhf_core import session
+
+    run_id, namespace = SESSION_RUN, session.namespace_of(SESSION_RUN)
+    bystander = placement_group([{"bystander": 1}], name=BYSTANDER, lifetime="detached")
+    ray.get(bystander.ready(), timeout=60)
+
+    def groups() -> dict:
+        return {entry["name"]: entry["state"] for entry in placement_group_table().values()
+                if entry["state"] != "REMOVED" and (entry["name"] or "").startswith(run_id)}
+
+    # the serve job's own placement and record (this driver is in the run's namespace)
+    workers = session._place(cfg, run_id)
+    record = ray.remote(session.SessionRecord).options(name=session.SESSION_ACTOR, lifetime="detached",
+                                                       num_cpus=0).remote({"worker_names": workers.worker_names})
+    ray.get(record.get.remote())
+    worker_names = workers.worker_names
+    before = groups()
+    stopped = session.stop(run_id)
+    deadline = time.monotonic() + 30
+    while set(groups()) - {BYSTANDER} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = []
+    for name in worker_names:
+        try:
+            ray.get_actor(name, namespace=namespace)
+            alive.append(name)
+        except ValueError:
+            pass
+    after = groups()
+    ray.util.remove_placement_group(bystander)
+    return {"before": before, "after": after, "stopped": stopped, "workers": len(worker_names),
+            "workers_alive_after": alive}
 
 
 if __name__ == "__main__":

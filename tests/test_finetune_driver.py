@@ -83,7 +83,7 @@ def test_budget_and_reward_target_end_the_loop(place):
 
 def test_a_killed_driver_started_again_continues_from_the_committed_iteration(place):
     store = f"file://{place / 'store'}"
-    argv = [sys.executable, "-m", "components.driver", "--run-id", "killed", "--store", store,
+    argv = [sys.executable, "-m", "pipelines.local_finetune", "--run-id", "killed", "--store", store,
             "--head-root", str(place / "head"), "--root", str(place / "kfp-killed"), "--iterations", "2",
             *SMALL, f"trainer.output_dir={place / 'out'}"]
     first = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,

@@ -1,6 +1,8 @@
-"""The module graph: rlhf_core has no import cycle (module-level or inside functions) and
-imports nothing from the Kubeflow / KubeRay side (``components``, ``pipelines``, kfp,
-kubernetes); the `rlhf` commands of that side still reach users through plugins."""
+"""The module graph: rlhf_core, components and pipelines have no import cycle (module-level
+or inside functions, within and across the three); rlhf_core imports nothing from the
+Kubeflow / KubeRay side (``components``, ``pipelines``, kfp, kubernetes), and no production
+module imports the test helpers (``rlhf_core.testing``); the `rlhf` commands of the
+Kubeflow side still reach users through plugins."""
 
 import ast
 import subprocess
@@ -9,6 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "rlhf_core"
+PACKAGES = (LIBRARY, ROOT / "components", ROOT / "pipelines")
+TEST_HELPERS = "rlhf_core.testing"
 FORBIDDEN = ("components", "pipelines", "kfp", "kubernetes")
 
 
@@ -35,8 +39,8 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-def library_graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in LIBRARY.rglob("*.py")}
+def library_graph(packages=PACKAGES) -> dict[str, set[str]]:
+    modules = {module_name(p): p for package in packages for p in package.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         targets = set()
@@ -75,8 +79,9 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_rlhf_core_has_no_import_cycle():
+def test_no_import_cycle_in_rlhf_core_components_or_pipelines():
     graph = library_graph()
+    assert {"rlhf_core.session", "components.driver", "pipelines.local"} <= set(graph)
     # package __init__ modules only re-export their own submodules; an edge from a module
     # to its own package would be a false cycle
     for name in graph:
@@ -97,6 +102,14 @@ def test_rlhf_core_imports_nothing_of_kubeflow_or_kuberay():
                 offenders.append(f"{path.relative_to(ROOT)}: {imported}")
         if "sys.path" in path.read_text():
             offenders.append(f"{path.relative_to(ROOT)}: edits sys.path")
+    assert not offenders, offenders
+
+
+def test_no_production_module_imports_the_test_helpers():
+    offenders = [f"{path.relative_to(ROOT)}: {imported}"
+                 for package in PACKAGES for path in package.rglob("*.py")
+                 if not module_name(path).startswith(TEST_HELPERS)
+                 for imported in imports_of(path) if imported == TEST_HELPERS or imported.startswith(TEST_HELPERS + ".")]
     assert not offenders, offenders
 
 

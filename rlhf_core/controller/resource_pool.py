@@ -8,7 +8,33 @@ order (by node IP, then bundle index), so rank 0 is the same machine on every re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+
+def placement_group_name(name_prefix: str, node_index: int) -> str:
+    """The name of a detached pool's placement group on its ``node_index``-th node."""
+    return f"{name_prefix}_pg{node_index}"
+
+
+def placement_groups_named(name_prefixes) -> list[str]:
+    """The ids (hex) of the live placement groups of the pools named ``name_prefixes``
+    (every node of each), from the cluster's placement-group table."""
+    from ray.util.placement_group import placement_group_table
+
+    pattern = re.compile("(?:%s)_pg[0-9]+" % "|".join(re.escape(p) for p in name_prefixes))
+    return [pg_id for pg_id, entry in placement_group_table().items()
+            if entry.get("state") != "REMOVED" and pattern.fullmatch(entry.get("name") or "")]
+
+
+def remove_placement_groups(pg_ids) -> None:
+    """Remove placement groups by id (their actors are killed by Ray)."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id in pg_ids:
+        ray.util.remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
 
 
 class ResourcePoolError(RuntimeError):
@@ -92,7 +118,7 @@ class RayResourcePool(ResourcePool):
         self._check_capacity()
         bundle = self.bundle()
         pgs = [placement_group([dict(bundle) for _ in range(count)], strategy=strategy,
-                               name=f"{self.name_prefix}_pg{i}" if self.detached else "",
+                               name=placement_group_name(self.name_prefix, i) if self.detached else "",
                                lifetime="detached" if self.detached else None)
                for i, count in enumerate(self.process_on_nodes)]
         ready = [pg.ready() for pg in pgs]

@@ -20,7 +20,7 @@ from rlhf_core.dtypes import RAW_BITS, to_bits
 
 from rlhf_core.protocol import DataProto, UnsupportedObjectError, _to_json_value
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.testing import faults
+from rlhf_core import probes
 from rlhf_core.snapshot.errors import SnapshotExistsError
 from rlhf_core.snapshot.layout import (
     DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path,
@@ -300,7 +300,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
         manifest["base"] = {"path": f"../{base_name}", "manifest_sha256": base.manifest_sha256}
         manifest["num_rows"] = base.num_rows if not fields else manifest["num_rows"]
     raw = json.dumps(manifest, indent=1, sort_keys=False).encode("utf-8")
-    faults.reached(f"snapshot:{loc.uri}")
+    probes.reached(f"snapshot:{loc.uri}")
     try:
         sfs.put_create_only(manifest_loc, raw)
     except SnapshotExistsError:

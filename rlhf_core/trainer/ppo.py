@@ -21,7 +21,7 @@ from rlhf_core.algorithms import (
 )
 from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
-from rlhf_core.testing import faults
+from rlhf_core import probes
 from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
 
@@ -149,7 +149,7 @@ class PPOTrainer:
         ever in flight (a crash here loses only this stage's)."""
         if self.stage_store is not None:
             self.stage_store.flush()
-        faults.reached(f"stage:{name}")
+        probes.reached(f"stage:{name}")
 
     def _adopt(self, iteration: int, ahead, timing: dict) -> DataProto:
         """Take the session's computed-ahead stages as this iteration's: their snapshots are

@@ -174,7 +174,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     raises ``LeaseLost`` and writes nothing); the manifest records the fencing token.
     Returns the seconds spent waiting for the checkpoint."""
     from rlhf_core import tracking
-    from rlhf_core.testing import faults
+    from rlhf_core import probes
     from rlhf_core.trainer.iteration_store import iteration_manifest
 
     check = keeper.check if keeper is not None else (lambda: None)
@@ -193,7 +193,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         checksums = {}
         weights = {"checkpoint_step": start, "checkpoint": istore.checkpoint_uri(start), "redo": redo + [iteration]}
     checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
-    faults.reached(f"commit:{iteration}")
+    probes.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
                                   snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)},
                                   computed_ahead=trainer.adopted)

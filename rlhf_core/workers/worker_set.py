@@ -67,6 +67,18 @@ class Pool:
 
 
 TRAIN_POOL, CRITIC_POOL = "train", "critic"
+POOL_KINDS = (TRAIN_POOL, CRITIC_POOL)
+
+
+def pool_prefix(pool_name: str, kind: str) -> str:
+    """The name prefix of a run's pool of ``kind`` (its placement groups, its workers):
+    the train pool is ``pool_name`` itself, every other ``{pool_name}_{kind}``."""
+    return pool_name if kind == TRAIN_POOL else f"{pool_name}_{kind}"
+
+
+def pool_prefixes(pool_name: str) -> list[str]:
+    """Every pool prefix a run placed under ``pool_name`` can have (whatever its config)."""
+    return [pool_prefix(pool_name, kind) for kind in POOL_KINDS]
 
 
 def pool_plan(cfg: RunConfig) -> list[Pool]:
@@ -136,7 +148,7 @@ class WorkerSet:
         groups, pools = [], []
         try:
             for plan in pool_plan(cfg):
-                suffix = "" if plan.name == TRAIN_POOL else f"_{plan.name}"
+                suffix = pool_prefix("", plan.name)
                 pool = RayResourcePool(list(plan.process_on_nodes), use_gpu=res.gpus_per_node > 0,
                                        accelerator_resource=res.accelerator_resource,
                                        cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name + suffix,

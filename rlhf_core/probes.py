@@ -1,5 +1,6 @@
-"""Crash points for the reliability tests, and the simulated pod start of the
-orchestration benchmark.
+"""Probes the code carries into production, each off unless its environment variable is
+set: crash points (the reliability tests kill a process at a named point), a simulated pod
+start and phase marks (the orchestration benchmark).
 
 ``RLHF_KILL_AT=<pattern>`` makes this process SIGKILL itself (no cleanup, no finally
 blocks: what a node failure or an OOM kill does) the first time it reaches a point whose
