@@ -54,7 +54,7 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
     from rlhf_core.controller.worker import Worker
     from rlhf_core.snapshot import fs as sfs
     from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import load_sharded, save_sharded
+    from rlhf_core.workers.trainable import finish_sharded, load_sharded, start_sharded
 
     model = modeling.init_distributed_model(Worker(), build_model(shape["layers"], shape["hidden"]),
                                             sharding.ShardingSpec(strategy="fsdp"))
@@ -68,7 +68,7 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
     result = {}
     barrier()
     t0 = time.perf_counter()
-    written = save_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options)
+    written = finish_sharded(start_sharded(f"{target}/sharded-{tag}", "actor", model, optimizer, scheduler, options))
     barrier()
     result["sharded_save_s"] = time.perf_counter() - t0
     # loading checks every file against the digests the save recorded (as a resume does)

@@ -40,11 +40,6 @@ class HeadInfo:
         the token comes from ``RAY_AUTH_TOKEN`` (a Kubernetes secret), not a file."""
         return cls(address=address, token_path="", temp_dir="", pid=0, dashboard_url=dashboard_url)
 
-    @property
-    def client_env(self) -> dict:
-        """Environment a client needs to connect (token auth)."""
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path, "RAY_ADDRESS": self.address}
-
 
 #: Every Ray process we start on this machine listens on loopback only: with this set, Ray
 #: takes 127.0.0.1 as the node address and its servers (GCS, raylet, agents, workers)

@@ -40,7 +40,7 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     torch.set_num_threads(1)
     from rlhf_core.controller.worker import Worker
     from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import load_sharded, save_sharded
+    from rlhf_core.workers.trainable import finish_sharded, load_sharded, start_sharded
 
     worker = Worker()
     model = modeling.init_distributed_model(worker, _model(), sharding.ShardingSpec(strategy=strategy))
@@ -57,8 +57,9 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
         loss.backward()
         sharding.grad_norm_and_clip(model, 0.5)
         optimizer.step()
-        if save_at == step:
-            save_sharded(ckpt, "actor", model, optimizer, scheduler)
+        if save_at == step:  # the workers' own path: written in the background, on a group of its own
+            group = torch.distributed.new_group(backend="gloo") if world > 1 else None
+            finish_sharded(start_sharded(ckpt, "actor", model, optimizer, scheduler, process_group=group))
     model_state, _ = sharding.full_state(model, optimizer)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     if rank == 0:
@@ -98,17 +99,21 @@ def test_two_fsdp_ranks_train_what_one_rank_and_two_ddp_ranks_train(tmp_path):
     assert sum(fsdp["local_per_rank"]) == total and max(fsdp["local_per_rank"]) <= 0.55 * total
 
 
-@pytest.mark.parametrize("saved_world,resume_world", [(2, 2), (2, 1), (1, 2)])
-def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, saved_world, resume_world):
-    """Save after step 0 (every rank writes its shards), load in fresh processes at the
-    same or another world size (DCP reshards), train steps 1-2: the weights equal an
-    unbroken run's bit for bit at the same world size, within float rounding otherwise."""
+@pytest.mark.parametrize("saved_world,resume_world,resume_strategy",
+                         [(2, 2, "fsdp"), (2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
+def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, saved_world, resume_world,
+                                                               resume_strategy):
+    """Save after step 0 with the workers' background save (every rank writes its shards),
+    load in fresh processes at the same or another world size (DCP reshards), or under
+    DDP, train steps 1-2: the weights equal an unbroken run's bit for bit at the same world
+    size and strategy, within float rounding otherwise."""
     straight = train(tmp_path, saved_world, "fsdp", range(3), save_at=0)
     shards = sorted(p.name for p in (tmp_path / straight["ckpt"].rsplit("/", 1)[-1] / "actor").iterdir())
     assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(saved_world)),
                       *(f"rank-{r:05d}.pt" for r in range(saved_world))], shards
-    resumed = train(tmp_path, resume_world, "fsdp", range(1, 3), load=straight["ckpt"])
-    if resume_world == saved_world:
+    resumed = train(tmp_path, resume_world, resume_strategy, range(1, 3), load=straight["ckpt"])
+    assert _max_diff(straight["state"], _model().state_dict()) > 1e-3, "the steps must move the weights"
+    if resume_world == saved_world and resume_strategy == "fsdp":
         for key, tensor in straight["state"].items():
             assert torch.equal(tensor, resumed["state"][key]), key
     else:  # one rank sums gradients in another order: equal within float rounding

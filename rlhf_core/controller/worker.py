@@ -108,7 +108,3 @@ class Worker:
                                 world_size=self.world_size, timeout=datetime.timedelta(seconds=timeout_s))
         return backend
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def execute_with_func(self, func, *args, **kwargs) -> Any:
-        """Run ``func(self, *args, **kwargs)`` on every rank (debugging, one-off probes)."""
-        return func(self, *args, **kwargs)

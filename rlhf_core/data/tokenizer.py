@@ -58,10 +58,6 @@ class PromptTokenizer:
             return self._hf(text, add_special_tokens=False)["input_ids"]
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None or (self._hf is not None and self._hf.chat_template is not None)
-
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The prompt text for chat ``messages``, ending where the assistant's turn starts."""
         if self._hf is not None:

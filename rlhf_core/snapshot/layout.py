@@ -51,10 +51,6 @@ def field_path(layer: str, name: str) -> str:
     return f"{layer}/{encoded}"
 
 
-def field_name(path: str) -> str:
-    return unquote(path.split("/", 1)[1])
-
-
 def check_array_metadata(doc: Any, where: str) -> dict:
     """Refuse any array metadata that is not plain zarr v3 with safe types and codecs."""
     if not isinstance(doc, dict):

@@ -34,7 +34,7 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
-        self._seed_all(cfg.trainer.seed + self.rank)
+        self._seed_init()
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
@@ -98,35 +98,9 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """PPO epochs over mini-batches; returns metrics (one list entry per step)."""
-        cfg = self.config.actor
-        policy_loss = get_policy_loss_fn(cfg.policy_loss)
-        mini = modeling.mini_batch_rows(cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
-        metrics: dict[str, list] = {}
-        seed = self.config.trainer.seed + int(data.meta_info.get("global_step", 0))
-        self._seed_update(int(data.meta_info.get("global_step", 0)))
-        if self.config.actor.fsdp_config.optimizer_offload:
-            sharding.move_optimizer_state(self.optimizer, sharding.device())
-        self.policy.train()
-        for batch in data.make_iterator(mini, cfg.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
-            self.optimizer.zero_grad(set_to_none=True)
-            step: dict[str, float] = {}
-            for micro, weight in modeling.micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu, cfg.loss_agg_mode):
-                loss, parts = self._policy_loss(micro, policy_loss)
-                (loss * weight if weight != 1.0 else loss).backward()
-                for key, value in parts.items():
-                    step[key] = step.get(key, 0.0) + value * weight
-            grad_norm = sharding.grad_norm_and_clip(self.policy, cfg.grad_clip)
-            if torch.isfinite(torch.tensor(grad_norm)):
-                self.optimizer.step()
-            self.scheduler.step()
-            for key, value in step.items():
-                metrics.setdefault(f"actor/{key}", []).append(value)
-            metrics.setdefault("actor/grad_norm", []).append(grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
-        metrics["actor/lr"] = [self.scheduler.get_last_lr()[0]]
-        if self.config.actor.fsdp_config.optimizer_offload:
-            sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        return _metrics_proto(metrics)
+        policy_loss = get_policy_loss_fn(self.config.actor.policy_loss)
+        return _metrics_proto(self._ppo_update(data, self.config.actor, lambda micro: self._policy_loss(micro, policy_loss),
+                                               "actor"))
 
     def _policy_loss(self, batch: DataProto, policy_loss) -> tuple[torch.Tensor, dict[str, float]]:
         """The actor's loss on one (micro-)batch and its parts, for the metrics."""

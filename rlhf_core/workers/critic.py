@@ -13,11 +13,12 @@ from rlhf_core.workers.trainable import TrainableWorker
 
 class CriticWorker(TrainableWorker):
     checkpoint_prefix = "critic"
+    seed_offset = 1000
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
         cfg = self.config
-        self._seed_all(cfg.trainer.seed + 1000 + self.rank)
+        self._seed_init()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
                                                       sharding.ShardingSpec.from_config(cfg))
@@ -39,37 +40,17 @@ class CriticWorker(TrainableWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        cfg = self.config
-        mini = modeling.mini_batch_rows(cfg.critic.ppo_mini_batch_size, cfg.rollout.n, self.world_size, len(data))
-        metrics: dict[str, list] = {}
-        seed = cfg.trainer.seed + 17 + int(data.meta_info.get("global_step", 0))
-        self._seed_update(int(data.meta_info.get("global_step", 0)))
-        if cfg.actor.fsdp_config.optimizer_offload:
-            sharding.move_optimizer_state(self.optimizer, sharding.device())
-        self.critic.train()
-        for batch in data.make_iterator(mini, cfg.critic.ppo_epochs, seed=seed, dataloader_kwargs={"shuffle": True}):
-            self.optimizer.zero_grad(set_to_none=True)
-            step: dict[str, float] = {}
-            for micro, weight in modeling.micro_batches(batch, cfg.critic.ppo_micro_batch_size_per_gpu,
-                                                        cfg.critic.loss_agg_mode):
-                mask = micro.batch["response_mask"].float()
-                vpreds = self._values(self.critic, micro)
-                vf_loss, vf_clipfrac = compute_value_loss(vpreds, micro.batch["returns"], micro.batch["values"],
-                                                          mask, cfg.critic.cliprange_value, cfg.critic.loss_agg_mode)
-                (vf_loss * weight if weight != 1.0 else vf_loss).backward()
-                for key, value in (("vf_loss", vf_loss.item()), ("vf_clipfrac", vf_clipfrac.item()),
-                                   ("vpred_mean", masked_mean(vpreds, mask).item())):
-                    step[key] = step.get(key, 0.0) + value * weight
-            grad_norm = sharding.grad_norm_and_clip(self.critic, cfg.critic.grad_clip)
-            self.optimizer.step()
-            self.scheduler.step()
-            for key, value in step.items():
-                metrics.setdefault(f"critic/{key}", []).append(value)
-            metrics.setdefault("critic/grad_norm", []).append(grad_norm)
-        self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
-        if cfg.actor.fsdp_config.optimizer_offload:
-            sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
-        return DataProto(meta_info={"metrics": metrics})
+        return DataProto(meta_info={"metrics": self._ppo_update(data, self.config.critic, self._value_loss, "critic")})
+
+    def _value_loss(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped value loss on one (micro-)batch and its parts, for the metrics."""
+        cfg = self.config.critic
+        mask = batch.batch["response_mask"].float()
+        vpreds = self._values(self.critic, batch)
+        vf_loss, vf_clipfrac = compute_value_loss(vpreds, batch.batch["returns"], batch.batch["values"], mask,
+                                                  cfg.cliprange_value, cfg.loss_agg_mode)
+        return vf_loss, {"vf_loss": vf_loss.item(), "vf_clipfrac": vf_clipfrac.item(),
+                         "vpred_mean": masked_mean(vpreds, mask).item()}
 
     def _trained_model(self):
         return self.critic

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import io
+import math
+from typing import Callable
 
 import torch
 
 from rlhf_core.config import RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
-from rlhf_core.workers import sharding
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import modeling, sharding
 
 
 class TrainableWorker(Worker):
     """Holds ``self.optimizer`` / ``self.scheduler`` for the model ``_trained_model()``
-    returns; checkpoints go under ``{uri}/{checkpoint_prefix}_*``."""
+    returns and trains it with one PPO update loop (``_ppo_update``); checkpoints go under
+    ``{uri}/{checkpoint_prefix}/``.
+
+    One seed rule for every role: ``trainer.seed + seed_offset`` plus the rank seeds the
+    model's initialization, plus the step the mini-batch shuffling of that step's update."""
 
     checkpoint_prefix = "model"
+    seed_offset = 0  # keeps two roles in one process from drawing the same numbers
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__()
@@ -43,21 +51,62 @@ class TrainableWorker(Worker):
         np.random.seed(seed)
         random.seed(seed)
 
+    def _seed_init(self) -> None:
+        self._seed_all(self.config.trainer.seed + self.seed_offset + self.rank)
+
+    def _ppo_update(self, data: DataProto, role_cfg, loss_fn: Callable, prefix: str) -> dict[str, list]:
+        """PPO epochs over shuffled mini-batches of ``data``, each accumulated over
+        micro-batches (token-weighted): ``loss_fn(micro) -> (loss, {metric: float})``.
+        A step whose gradient norm is not finite is skipped (the optimizer does not step,
+        the schedule does) and counted in ``{prefix}/nonfinite_grad_steps``. Returns the
+        metrics, one list entry per optimizer step."""
+        model = self._trained_model()
+        step_no = int(data.meta_info.get("global_step", 0))
+        mini = modeling.mini_batch_rows(role_cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
+        metrics: dict[str, list] = {}
+        skipped = 0
+        self._seed_update(step_no)
+        offload = self.config.actor.fsdp_config.optimizer_offload
+        if offload:
+            sharding.move_optimizer_state(self.optimizer, sharding.device())
+        model.train()
+        shuffle_seed = self.config.trainer.seed + self.seed_offset + step_no
+        for batch in data.make_iterator(mini, role_cfg.ppo_epochs, seed=shuffle_seed,
+                                        dataloader_kwargs={"shuffle": True}):
+            self.optimizer.zero_grad(set_to_none=True)
+            step: dict[str, float] = {}
+            for micro, weight in modeling.micro_batches(batch, role_cfg.ppo_micro_batch_size_per_gpu,
+                                                        role_cfg.loss_agg_mode):
+                loss, parts = loss_fn(micro)
+                (loss * weight if weight != 1.0 else loss).backward()
+                for key, value in parts.items():
+                    step[key] = step.get(key, 0.0) + value * weight
+            grad_norm = sharding.grad_norm_and_clip(model, role_cfg.grad_clip)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:  # one bad batch must not write NaN into every weight
+                skipped += 1
+            self.scheduler.step()
+            for key, value in step.items():
+                metrics.setdefault(f"{prefix}/{key}", []).append(value)
+            metrics.setdefault(f"{prefix}/grad_norm", []).append(grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
+        metrics[f"{prefix}/lr"] = [self.scheduler.get_last_lr()[0]]
+        metrics[f"{prefix}/nonfinite_grad_steps"] = [skipped]
+        if offload:
+            sharding.move_optimizer_state(self.optimizer, torch.device("cpu"))
+        return metrics
+
     def _after_load(self) -> None:
         """Hook run after a checkpoint was loaded (e.g. push weights to an engine)."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict:
-        """Every rank writes its own shards of the model and optimizer (``torch.distributed
-        .checkpoint`` under ``{uri}/{role}/``) and its LR schedule and RNG states, in
-        parallel; returns {file: sha256} of the files this rank wrote."""
-        return finish_sharded(self._start(uri, storage_options))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
-        """``save_checkpoint`` in the background: returns once the state is copied aside,
-        so the caller may go on (weight sync, bookkeeping) while the shards are written;
-        ``finish_checkpoint`` waits for them."""
+        """Every rank starts writing its own shards of the model and optimizer
+        (``torch.distributed.checkpoint`` under ``{uri}/{role}/``) and its LR schedule and
+        RNG states: returns once the state is copied aside, so the caller may go on (weight
+        sync, bookkeeping) while the shards are written; ``finish_checkpoint`` waits for
+        them and returns {file: sha256} of what the rank wrote."""
         self._pending_checkpoint = self._start(uri, storage_options)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -254,22 +303,6 @@ def finish_sharded(pending: PendingCheckpoint) -> dict:
     digests.update({f"{role}/{name}": digest for name, digest in pending.digests.items()
                     if name.startswith(f"__{rank}_") or name == ".metadata"})
     return digests
-
-
-def save_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None) -> dict:
-    """Write this rank's part of the role's checkpoint now, on the default process group
-    (see ``finish_sharded`` for what it returns)."""
-    import concurrent.futures
-
-    import torch.distributed.checkpoint as dcp
-
-    folder, digests = _folder(uri, role, storage_options), {}
-    dcp.save(sharding.sharded_state(model, optimizer), storage_writer=_writer(folder, digests),
-             no_dist=sharding.world_size() == 1)
-    done = concurrent.futures.Future()
-    done.set_result(None)
-    return finish_sharded(PendingCheckpoint(done, folder, role, sharding.rank(), _rank_file(scheduler),
-                                            storage_options, digests))
 
 
 def _reader(folder, cache: dict):

@@ -217,12 +217,6 @@ class WorkerSet:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, uri: str, storage_options: dict | None = None) -> dict[str, str]:
-        """Every trainable role writes weights, optimizer, LR schedule and RNG under
-        ``uri``; returns {file: sha256} of everything written."""
-        self.start_checkpoint(uri, storage_options)
-        return self.finish_checkpoint()
-
     def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
         """Start every trainable role's checkpoint; it is written in the background."""
         for name in self.trainable:
