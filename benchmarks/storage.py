@@ -145,7 +145,7 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="a local folder (default: a fresh temporary one)")
     args = parser.parse_args()
 
-    from rlhf_core import audit
+    from rlhf_core import audit, run_layout
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.ray_head import local_ray_env
     from rlhf_core.snapshot import list_snapshots, load_snapshot, save_snapshot
@@ -187,7 +187,7 @@ def main() -> None:
     scratch = root / "whole"
     delta_bytes, delta_objects, whole_bytes, whole_objects, final_bytes = [], [], [], [], []
     for it in range(args.iterations):
-        idir = run / f"iter-{it:06d}"
+        idir = run / run_layout.iteration_dir(it)
         stages = [i for i in list_snapshots(f"file://{idir}")]
         b, n = _tree(idir)
         delta_bytes.append(b)
@@ -195,14 +195,14 @@ def main() -> None:
         wb = wn = 0
         for info in stages:
             name = info.uri.rsplit("/", 1)[-1]
-            whole = save_snapshot(load_snapshot(info.uri), f"file://{scratch}/iter-{it:06d}/{name}")
-            b, n = _tree(scratch / f"iter-{it:06d}" / name)
+            whole = save_snapshot(load_snapshot(info.uri), f"file://{scratch}/{run_layout.iteration_dir(it)}/{name}")
+            b, n = _tree(scratch / run_layout.iteration_dir(it) / name)
             wb, wn = wb + b, wn + n
             last = (name, whole)
         whole_bytes.append(wb)
         whole_objects.append(wn)
-        final_bytes.append(_tree(scratch / f"iter-{it:06d}" / last[0])[0])
-    ckpt_bytes = [_tree(p)[0] for p in sorted((run / "checkpoints").iterdir())]
+        final_bytes.append(_tree(scratch / run_layout.iteration_dir(it) / last[0])[0])
+    ckpt_bytes = [_tree(p)[0] for p in sorted((run / run_layout.CHECKPOINTS).iterdir())]
     t0 = time.perf_counter()
     audit.list_store(f"file://{run}")
     listing_s = time.perf_counter() - t0

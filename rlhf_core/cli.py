@@ -275,13 +275,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from rlhf_core import retention
+    from rlhf_core import retention, run_layout
     from rlhf_core.config import ConfigError, apply_overrides, config_from_dict
     from rlhf_core.snapshot import SnapshotError
     from rlhf_core.trainer.iteration_store import IterationStore
 
     uri = args.uri.rstrip("/")
-    store, _, run_id = uri.rpartition("/")
+    store, run_id = run_layout.split_run_uri(uri)
     try:
         istore = IterationStore(store, run_id)
         committed = istore.committed_iterations()

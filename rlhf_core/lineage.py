@@ -23,7 +23,7 @@ def locate(uri: str) -> tuple[str, str, int | None]:
     uri = uri.rstrip("/")
     loc = run_layout.parse(uri)
     if loc is None:
-        store, _, run_id = uri.rpartition("/")
+        store, run_id = run_layout.split_run_uri(uri)
         return store, run_id, None
     store, run_id = loc.store, loc.run_id
     if loc.iteration is not None:

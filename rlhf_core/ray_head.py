@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhf_core.net import free_port
+from rlhf_core.processes import pid_alive
 
 
 @dataclass
@@ -50,19 +51,6 @@ LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 #: instead of through the object store saves a round trip per stage. Every Ray we start
 #: (our head, a direct run's local Ray) uses these.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024, "task_rpc_inlined_bytes_limit": 16 * 1024 * 1024}
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this PID runs on this machine (a zombie, exited but not yet
-    reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def _ray_binary() -> str:

@@ -26,8 +26,6 @@ from rlhf_core import run_layout
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME
 
-LEASES = "leases"
-
 
 @dataclass(frozen=True)
 class RetentionPolicy:
@@ -123,20 +121,21 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     run = sfs.resolve(run_uri, storage_options)
     if hasattr(run.fs, "invalidate_cache"):
         run.fs.invalidate_cache()
-    store_uri, run_id = run.uri.rsplit("/", 1)
+    store_uri, run_id = run_layout.split_run_uri(run.uri)
     istore = IterationStore(store_uri, run_id, storage_options)
     committed = istore.committed_iterations()
     plan = GcPlan()
     newest = committed[-1] if committed else -1
     # what the newest weights are made of: a checkpoint and the iterations redone after it
     needed_step, redo = weights_plan(istore, newest + 1) if committed else (0, [])
-    steps = {int(n[5:]): n for n in _children(run.child("checkpoints")) if n.startswith("step-") and n[5:].isdigit()}
+    steps = {run_layout.step_of_checkpoint_dir(n): n for n in _children(run.child(run_layout.CHECKPOINTS))
+             if run_layout.step_of_checkpoint_dir(n) is not None}
     # a checkpoint no committed iteration produced yet may be an iteration's in-flight write
     finished = [step for step in steps if step <= newest + 1]
     kept = policy.kept_checkpoints(finished) | {needed_step}
     for step in sorted(finished):
         if step not in kept:
-            plan.checkpoints.append(run.child("checkpoints", steps[step]).uri)
+            plan.checkpoints.append(run.child(run_layout.CHECKPOINTS, steps[step]).uri)
     committed_set = set(committed)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)
@@ -158,9 +157,9 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
                 plan.snapshots.append(stage_loc.uri)
                 continue
             plan.orphans += _orphans(stage_loc, grace_s, now)
-    for name in _children(run.child(LEASES)):
+    for name in _children(run.child(run_layout.LEASES)):
         iteration = run_layout.iteration_of_dir(name)
-        lease_loc = run.child(LEASES, name)
+        lease_loc = run.child(run_layout.LEASES, name)
         if iteration in committed_set and _age_s(lease_loc, now) >= grace_s:
             plan.leases.append(lease_loc.uri)
     plan.bytes = sum(_size(sfs.resolve(uri, storage_options)) for uri in plan.all())
@@ -191,7 +190,7 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
         return plan
     for uri in plan.all():
         loc = sfs.resolve(uri, storage_options)
-        for marker in (MANIFEST_NAME, "trainer_state.json"):  # the commit markers go first
+        for marker in (MANIFEST_NAME, run_layout.TRAINER_STATE_FILE):  # the commit markers go first
             try:
                 loc.fs.rm(loc.child(marker).path)
             except (FileNotFoundError, OSError):

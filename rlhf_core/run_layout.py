@@ -1,12 +1,17 @@
 """The path grammar of a run in the store (DESIGN.md, "Snapshot layout"), in one place::
 
-    {store}/{run_id}/iter-{N:06d}/{stage}/         a stage's snapshot
-    {store}/{run_id}/iter-{N:06d}/MANIFEST.json    the iteration, committed last
-    {store}/{run_id}/checkpoints/step-{S:06d}/     the state after S iterations
+    {store}/{run_id}/iter-{N:06d}/{stage}/         a stage's snapshot (its SNAPSHOT.json last)
+    {store}/{run_id}/iter-{N:06d}/MANIFEST.json    the iteration, committed last (create-only)
+    {store}/{run_id}/checkpoints/step-{S:06d}/     worker + controller state after S iterations
+                                 .../trainer_state.json   the checkpoint's commit marker, last
     {store}/{run_id}/leases/iter-{N:06d}/{G:08d}.json   who runs iteration N (a log of records)
-    {store}/{run_id}/replays/iter-{N:06d}/...      what-if replays, apart from the originals
+    {store}/{run_id}/leases/{job}/{G:08d}.json     the lease of another exclusive job (a driver)
+    {store}/{run_id}/replays/iter-{N:06d}/{stage}-{stamp}/   what-if replays, apart from the originals
 
-Everything that builds or parses such a path uses these functions.
+An iteration exists once its MANIFEST.json does; everything else under it is either a
+finished stage (committed snapshot) of an interrupted iteration, or garbage of a writer
+that died (refused by readers). Everything that builds or parses such a path uses this
+module.
 """
 
 from __future__ import annotations
@@ -14,10 +19,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from rlhf_core.snapshot.layout import MANIFEST_NAME as SNAPSHOT_MARKER  # noqa: F401  (a stage's commit marker)
+
 MANIFEST = "MANIFEST.json"
+CHECKPOINTS, LEASES, REPLAYS = "checkpoints", "leases", "replays"
+TRAINER_STATE_FILE = "trainer_state.json"
 _ITERATION_DIR = re.compile(r"^iter-(\d{6})$")
+_CHECKPOINT_DIR = re.compile(r"^step-(\d{6})$")
+_LEASE_RECORD = re.compile(r"^(\d{8})\.json$")
 _LOCATION = re.compile(r"^(?P<run>.+?)/(?:iter-(?P<iter>\d{6})(?:/(?P<rest>.*))?"
-                       r"|checkpoints/step-(?P<step>\d{6})(?:/.*)?)$")
+                       rf"|{CHECKPOINTS}/step-(?P<step>\d{{6}})(?:/.*)?)$")
 
 
 def iteration_dir(iteration: int) -> str:
@@ -25,7 +36,37 @@ def iteration_dir(iteration: int) -> str:
 
 
 def checkpoint_dir(step: int) -> str:
-    return f"checkpoints/step-{step:06d}"
+    return f"{CHECKPOINTS}/step-{step:06d}"
+
+
+def step_of_checkpoint_dir(name: str) -> int | None:
+    """S for a folder named ``step-SSSSSS`` (inside ``checkpoints/``), else None."""
+    m = _CHECKPOINT_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def lease_dir(iteration: int, job: str | None = None) -> str:
+    """The lease log of iteration N, or of another exclusive ``job`` of the run."""
+    return f"{LEASES}/{job or iteration_dir(iteration)}"
+
+
+def lease_record(generation: int) -> str:
+    return f"{generation:08d}.json"
+
+
+def generation_of_lease_record(name: str) -> int | None:
+    m = _LEASE_RECORD.match(name)
+    return int(m.group(1)) if m else None
+
+
+def replay_dir(iteration: int, stage: str, stamp: str) -> str:
+    return f"{REPLAYS}/{iteration_dir(iteration)}/{stage}-{stamp}"
+
+
+def split_run_uri(run_uri: str) -> tuple[str, str]:
+    """(store, run_id) of ``{store}/{run_id}``."""
+    store, _, run_id = run_uri.rstrip("/").rpartition("/")
+    return store, run_id
 
 
 def iteration_of_dir(name: str) -> int | None:
@@ -45,11 +86,11 @@ class Location:
 
     @property
     def store(self) -> str:
-        return self.run_uri.rpartition("/")[0]
+        return split_run_uri(self.run_uri)[0]
 
     @property
     def run_id(self) -> str:
-        return self.run_uri.rpartition("/")[2]
+        return split_run_uri(self.run_uri)[1]
 
     @property
     def iteration_uri(self) -> str | None:

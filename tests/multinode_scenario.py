@@ -35,6 +35,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
     from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
     from rlhf_core.data.tokenizer import PromptTokenizer
     from rlhf_core.trainer.ppo import SEQUENCE_KEYS, PPOTrainer
+    from rlhf_core.trainer.restore import save_checkpoint
     from rlhf_core.workers import modeling
     from rlhf_core.workers.worker_set import WorkerSet
 
@@ -82,7 +83,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
             seen["process_on_nodes"] = workers.pools[0].process_on_nodes
             trainer = PPOTrainer(cfg, workers, loader())
             trainer.run_iteration()
-            workers.save_checkpoint(ckpt)
+            save_checkpoint(workers, trainer.state, cfg, ckpt)
             saved_state, saved_cursor = copy.deepcopy(trainer.state), Cursor(**trainer.loader.cursor.to_dict())
             saved_state.cursor = saved_cursor.to_dict()
             trainer.run_iteration()

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from rlhf_core import ray_head, session
 from rlhf_core.cli import main
 from rlhf_core.config import RunConfig, _leaf_paths
+from rlhf_core.processes import pid_alive
 from rlhf_core.run_ids import RunIdError, StoreUriError, validate_run_id, validate_store_uri
 
 BAD_RUN_IDS = ["x; touch PWNED", "x;touch PWNED;echo", "$(id)", "`id`", "../x", "a/b", "x" * 300, "ünïcode",
@@ -172,7 +173,7 @@ def test_a_real_head_is_recognized_stopped_and_cleaned(tmp_path):
     finally:
         ray_head.stop_head(info, tmp_path / "head")
     time.sleep(0.5)
-    assert not [p for p in processes if ray_head.pid_alive(p)]
+    assert not [p for p in processes if pid_alive(p)]
     assert not Path(info.temp_dir).exists()  # the temp dir goes with the head
 
 

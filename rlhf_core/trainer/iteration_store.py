@@ -1,14 +1,6 @@
 """A run's persisted history: stage snapshots, checkpoints and iteration manifests.
 
-Layout (DESIGN.md)::
-
-    {store}/{run_id}/iter-{N:06d}/{stage}/      the batch as it stood after the stage
-    {store}/{run_id}/iter-{N:06d}/MANIFEST.json  the iteration, committed last (create-only)
-    {store}/{run_id}/checkpoints/step-{S:06d}/   worker + controller state after S iterations
-
-An iteration exists once its MANIFEST.json does; everything else under it is either a
-finished stage (committed snapshot) of an interrupted iteration, or garbage of a writer
-that died (refused by readers).
+Where each lives in the store: ``rlhf_core.run_layout``.
 """
 
 from __future__ import annotations
@@ -21,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.run_ids import validate_run_id
+from rlhf_core import run_layout
 from rlhf_core.run_layout import MANIFEST, checkpoint_dir, iteration_dir, iteration_of_dir
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
@@ -120,7 +113,7 @@ class IterationStore:
 
     def has(self, iteration: int, stage: str) -> bool:
         self.flush()
-        loc = sfs.resolve(f"{self.stage_uri(iteration, stage)}/SNAPSHOT.json", self.storage_options)
+        loc = sfs.resolve(f"{self.stage_uri(iteration, stage)}/{run_layout.SNAPSHOT_MARKER}", self.storage_options)
         if hasattr(loc.fs, "invalidate_cache"):
             loc.fs.invalidate_cache()
         return sfs.read_bytes(loc) is not None

@@ -6,6 +6,8 @@ The scheme needs only the one primitive every store here honours: create-only wr
 
     {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at"}
 
+(the path grammar: ``rlhf_core.run_layout``).
+
 Every change (acquire, take over, renew, release) is the creation of the next generation,
 so two contenders for one change cannot both succeed: exactly one creates it, the other
 finds it there and re-reads. The record with the highest generation is the lease. A
@@ -27,8 +29,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rlhf_core.ray_head import pid_alive
-from rlhf_core.run_layout import iteration_dir
+from rlhf_core import run_layout
+from rlhf_core.processes import pid_alive
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 
@@ -59,7 +61,7 @@ class LeaseLog:
     of the run, e.g. its fine-tune driver)."""
 
     def __init__(self, run: sfs.Location, iteration: int, ttl_s: float, name: str | None = None) -> None:
-        self.folder = run.child("leases", name or iteration_dir(iteration))
+        self.folder = run.child(*run_layout.lease_dir(iteration, name).split("/"))
         self.iteration, self.ttl_s = iteration, ttl_s
 
     def latest(self) -> tuple[int, dict] | None:
@@ -70,16 +72,16 @@ class LeaseLog:
             names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.folder.path, detail=False)]
         except FileNotFoundError:
             return None
-        generations = sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+        generations = sorted(g for g in map(run_layout.generation_of_lease_record, names) if g is not None)
         for generation in reversed(generations):
-            raw = sfs.read_bytes(self.folder.child(f"{generation:08d}.json"))
+            raw = sfs.read_bytes(self.folder.child(run_layout.lease_record(generation)))
             if raw is not None:
                 return generation, json.loads(raw)
         return None
 
     def _write(self, generation: int, record: dict) -> bool:
         try:
-            sfs.put_create_only(self.folder.child(f"{generation:08d}.json"), json.dumps(record).encode())
+            sfs.put_create_only(self.folder.child(run_layout.lease_record(generation)), json.dumps(record).encode())
             return True
         except SnapshotExistsError:
             return False  # someone else made this change first

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core import run_layout
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from rlhf_core.protocol import DataProto
 
@@ -61,7 +62,6 @@ class StageReplay:
 def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, int, str | None]:
     """(store, run_id, iteration, stage) from an iteration or stage URI, or a run URI
     plus ``iteration``."""
-    from rlhf_core import run_layout
 
     uri = uri.rstrip("/")
     loc = run_layout.parse(uri)
@@ -71,7 +71,7 @@ def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, in
         run_uri, n, stage = uri, iteration, None
     else:
         raise ReplayError(f"{uri}: expected {{store}}/{{run_id}}/iter-NNNNNN[/stage], or a run URI with --iteration")
-    store, _, run_id = run_uri.rpartition("/")
+    store, run_id = run_layout.split_run_uri(run_uri)
     return store, run_id, n, stage
 
 
@@ -237,11 +237,10 @@ def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage) -> dict:
 
 
 def _save_replay(istore, n: int, stage: str, out: DataProto, overrides: list[str]) -> str:
-    from rlhf_core import run_layout
     from rlhf_core.snapshot import save_snapshot
 
     stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{int(time.time() * 1000) % 1000:03d}"
-    uri = f"{istore.run_uri}/replays/{run_layout.iteration_dir(n)}/{stage}-{stamp}"
+    uri = f"{istore.run_uri}/{run_layout.replay_dir(n, stage, stamp)}"
     save_snapshot(out, uri, storage_options=istore.storage_options,
                   annotations={"replay_of": istore.stage_uri(n, stage), "overrides": list(overrides)})
     return uri

@@ -22,7 +22,7 @@ from typing import Callable
 
 from rlhf_core.config import RunConfig
 
-TRAINER_STATE_FILE = "trainer_state.json"
+from rlhf_core.run_layout import TRAINER_STATE_FILE  # noqa: F401  (the checkpoint's commit marker)
 
 
 @dataclass(frozen=True)
