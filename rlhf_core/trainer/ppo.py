@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -80,10 +80,19 @@ class PPOTrainer:
         self.adopted: list[str] = []
         self.worker_time: dict[str, float] = {}
 
-    def stages(self) -> list[tuple[stage_table.Stage, Callable[[DataProto], DataProto]]]:
-        """This run's stages in order, each with the method that runs it (the table is
-        ``rlhf_core.trainer.stages``)."""
-        return [(stage, getattr(self, stage.method)) for stage in stage_table.plan(self.config)]
+    def stages(self) -> list[stage_table.Stage]:
+        """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
+        return stage_table.plan(self.config)
+
+    def run_stages(self, batch: DataProto, stages) -> Iterator[tuple[stage_table.Stage, DataProto, float]]:
+        """Run ``stages`` in order from ``batch``, yielding (stage, its output, seconds) after
+        each: the one loop over stages that iterations, computing ahead, the redo of
+        updates and replay share; what happens between two stages is the caller's."""
+        for stage in stages:
+            self.on_stage(stage.name)
+            t0 = time.perf_counter()
+            batch = getattr(self, stage.method)(batch)
+            yield stage, batch, time.perf_counter() - t0
 
     def run_iteration(self) -> dict:
         """One iteration: prompts -> every stage in order -> metrics. With a stage store,
@@ -95,7 +104,7 @@ class PPOTrainer:
         t_start = time.perf_counter()
         batch = self.first_batch()
         plan = self.stages()
-        done = self._committed_prefix(iteration, [stage for stage, _ in plan])
+        done = self._committed_prefix(iteration, plan)
         # taken even when resuming: no computed-ahead stage may still run into the updates
         ahead = self.prefetch.take(self.state) if self.prefetch is not None else None
         self.adopted = []  # the stages computed ahead and adopted
@@ -105,18 +114,15 @@ class PPOTrainer:
                 self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
         elif ahead is not None:
             batch = self._adopt(iteration, ahead, timing)
-            done = [stage for stage, _ in plan[:len(ahead.stages)]]
+            done = plan[:len(ahead.stages)]
             self.adopted = [stage.name for stage in done]
-        last_update = max((i for i, (stage, _) in enumerate(plan) if stage.stateful), default=None)
-        for index, (stage, run_stage) in enumerate(plan[len(done):], start=len(done)):
-            self.on_stage(stage.name)
-            t0 = time.perf_counter()
-            batch = run_stage(batch)
+        last_update = [stage for stage in plan if stage.stateful][-1:]
+        for stage, batch, seconds in self.run_stages(batch, plan[len(done):]):
             self._stage_done(stage.name)
             if self.stage_store is not None and stage.persisted:
                 self.stage_store.save(iteration, stage.name, batch)
-            timing[stage.name] = time.perf_counter() - t0
-            if index == last_update and self.on_updated is not None:
+            timing[stage.name] = seconds
+            if [stage] == last_update and self.on_updated is not None:
                 self.on_updated()  # the weights are final for this iteration (a checkpoint may start)
 
         self.state.global_step += 1

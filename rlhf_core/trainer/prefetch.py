@@ -86,14 +86,15 @@ def compute_ahead(cfg: RunConfig, workers, state, key: dict, cancelled=lambda: F
     trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), copy.deepcopy(state))
     batch = trainer.first_batch()
     done, timing = [], {}
-    for stage in stage_table.prefetchable(cfg):
-        if cancelled():
-            return None
-        t0 = time.perf_counter()
-        batch = getattr(trainer, stage.method)(batch)
-        timing[stage.name] = time.perf_counter() - t0
+    stages = stage_table.prefetchable(cfg)
+    if cancelled():
+        return None
+    for stage, batch, seconds in trainer.run_stages(batch, stages):
+        timing[stage.name] = seconds
         done.append({"name": stage.name, "batch_keys": list(batch.batch.keys()) if batch.batch is not None else [],
                      "non_tensor_keys": list(batch.non_tensor_batch), "meta_info": copy.deepcopy(batch.meta_info)})
+        if stage is not stages[-1] and cancelled():  # checked between two stages
+            return None
     return Prefetched(key, batch, done, timing, dict(trainer.worker_time))
 
 

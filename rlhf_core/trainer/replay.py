@@ -183,8 +183,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     workers = WorkerSet.build(cfg)
     try:
         trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState(cursor=dict(state.cursor))), state)
-        plan = [stage.name for stage, _ in trainer.stages()]
-        run_stage = {stage.name: method for stage, method in trainer.stages()}
+        plan = [stage.name for stage in trainer.stages()]
         results = []
         # stateless stages first (one restore serves them all), then each update stage
         # from a fresh restore: the state every stage saw the first time
@@ -195,7 +194,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
                 load_checkpoint(workers, istore, n, trainer)
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
-            out = run_stage[stage](batch)
+            [(_, out, _)] = trainer.run_stages(batch, [stage_table.BY_NAME[stage]])
             recorded = istore.load(n, stage)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
             if stage in stateful and manifest.get("checkpoint_sha256"):  # else no checkpoint to compare with

@@ -131,13 +131,11 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
 def redo_updates(trainer, istore, iteration: int) -> None:
     """Run the committed ``iteration``'s stateful (update) stages again on its saved input
     (the snapshot of the stage before the first of them), as they ran the first time."""
-    plan = [(stage, run) for stage, run in trainer.stages()]
-    first = next(i for i, (stage, _) in enumerate(plan) if stage.stateful)
-    before = [stage for stage, _ in plan[:first] if stage.persisted]
-    batch = istore.load(iteration, before[-1].name)
-    for stage, run in plan[first:]:
-        if stage.stateful:
-            batch = run(batch)
+    plan = trainer.stages()
+    first = next(i for i, stage in enumerate(plan) if stage.stateful)
+    before = [stage for stage in plan[:first] if stage.persisted]
+    for _ in trainer.run_stages(istore.load(iteration, before[-1].name), [s for s in plan[first:] if s.stateful]):
+        pass
 
 
 def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_at_step: int | None,

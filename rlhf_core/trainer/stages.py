@@ -1,9 +1,9 @@
 """An iteration's stages, declared once.
 
-The iteration loop (``PPOTrainer``), resume (which stages are loaded, which re-run), replay
-(which stages can be replayed from their saved input), the iteration manifest (which
-snapshots it lists) and the roles a run needs all read this table; nothing else lists
-stages. A stage's ``method`` is the ``PPOTrainer`` method that runs it.
+The iteration loop, computing ahead, the redo of updates on restore and replay all run
+stages through one loop (``PPOTrainer.run_stages``) over this table; resume (which stages
+are loaded, which re-run), the iteration manifest (which snapshots it lists) and the roles
+a run needs read it too. A stage's ``method`` is the ``PPOTrainer`` method that runs it.
 
     stateful   it changes worker state (weights, optimizer, engine): on resume it re-runs
                from the restored checkpoint instead of being loaded from its snapshot
