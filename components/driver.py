@@ -47,10 +47,11 @@ class Outcome:
     runs: list[dict] = field(default_factory=list)   # iteration, attempt, kfp run id, state, seconds
 
 
-def _recent_reward(istore, committed: list[int], window: int = 5) -> float | None:
-    rewards = [istore.read_manifest(n)["metrics"].get("critic/score/mean") for n in committed[-window:]]
-    rewards = [r for r in rewards if r is not None]
-    return sum(rewards) / len(rewards) if rewards else None
+def _recent_reward(istore, committed: list[int]) -> float | None:
+    from rlhf_core.trainer.progress import REWARD_WINDOW, recent_mean
+
+    rewards = [istore.read_manifest(n)["metrics"].get("critic/score/mean") for n in committed[-REWARD_WINDOW:]]
+    return recent_mean([r for r in rewards if r is not None])
 
 
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,

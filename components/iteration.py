@@ -43,7 +43,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.report import markdown_report
-    from rlhf_core.trainer.run import iterate
+    from rlhf_core.session_iteration import iterate
 
     probes.phase("imported")
     probes.pod_started()  # no-op unless a benchmark simulates pod scheduling

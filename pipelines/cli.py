@@ -15,9 +15,8 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
     from rlhf_core import ray_head
     from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.progress import ProgressLine
-    from rlhf_core.trainer.report import run_history
-    from rlhf_core.trainer.run import plot_curve
+    from rlhf_core.trainer.progress import ProgressLine, closing_lines
+    from rlhf_core.trainer.report import run_history, write_curve
 
     from pipelines.local import run_local_iterations
 
@@ -50,15 +49,11 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     rows = run_history(store, run_id)
     curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
     if rows:
-        plot_curve(rows, curve)
-        print(f"reward: {rows[0]['critic/score/mean']:.3f} (iteration {rows[0]['iteration']}) -> "
-              f"{rows[-1]['critic/score/mean']:.3f} (iteration {rows[-1]['iteration']})")
-        print(f"checkpoint: {rows[-1]['checkpoint']}")
-    print(*progress.summary(), sep="\n")
-    print(f"metrics: {os.path.join(cfg.trainer.output_dir, run_id, 'metrics.jsonl')}")
-    print(f"curve: {curve}")
-    print(f"pipeline runs: {root}")
-    print(f"snapshots: {store.rstrip('/')}/{run_id}")
+        write_curve(rows, curve)
+    outputs = {"checkpoint": rows[-1]["checkpoint"] if rows else "",
+               "metrics": os.path.join(cfg.trainer.output_dir, run_id, "metrics.jsonl"), "curve": curve,
+               "pipeline runs": root, "snapshots": f"{store.rstrip('/')}/{run_id}"}
+    print(*closing_lines(rows, progress, outputs), sep="\n")
     return 0
 
 

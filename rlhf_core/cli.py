@@ -78,7 +78,7 @@ def _new_run_id() -> str:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     args.started = time.monotonic()  # wall time reported at the end counts from here
-    from rlhf_core.trainer.progress import ProgressLine
+    from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.restore import iterations_to_run
     from rlhf_core.trainer.run import run_direct
 
@@ -108,20 +108,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
     result = run_direct(cfg, iterations, store, args.run_id)
     rows = result["rows"]
-    if rows:
-        first, last = rows[0], rows[-1]
-        print(f"reward: {first['critic/score/mean']:.3f} (iteration {first['iteration']}) -> "
-              f"{last['critic/score/mean']:.3f} "
-              f"(iteration {last['iteration']}), {last['wall_clock_s']:.0f}s of training")
-        progress = ProgressLine(len(rows), started=args.started)
-        for row in rows:  # the pace the run had, from its rows
-            progress.ends.append(result["started"] + row["wall_clock_s"])
-            progress.rewards.append(row["critic/score/mean"])
-        print(*progress.summary(), sep="\n")
-    print(f"checkpoint: {result['checkpoint']}")
-    print(f"metrics: {result['metrics']}")
-    print(f"curve: {result['curve']}")
-    print(f"snapshots: {result['snapshots']}")
+    progress = ProgressLine(len(rows), started=args.started)
+    for row in rows:  # the pace the run had, from its rows
+        progress.ends.append(result["started"] + row["wall_clock_s"])
+        progress.rewards.append(row["critic/score/mean"])
+    outputs = {name: result[name] for name in ("checkpoint", "metrics", "curve", "snapshots")}
+    print(*closing_lines(rows, progress, outputs, training_s=rows[-1]["wall_clock_s"] if rows else None), sep="\n")
     return 0
 
 
@@ -155,7 +147,7 @@ def _local_head(args, cfg):
 
 def _cmd_iterate(args: argparse.Namespace) -> int:
     from rlhf_core import ray_head, session
-    from rlhf_core.trainer.run import iterate
+    from rlhf_core.session_iteration import iterate
 
     cfg = _config(args.overrides)
     cfg.trainer.progress = False if args.quiet else cfg.trainer.progress

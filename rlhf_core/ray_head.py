@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -301,3 +302,16 @@ def disconnect() -> None:
 
     if ray.is_initialized():
         ray.shutdown()
+
+
+def start_local_ray(num_cpus: int | None = None) -> None:
+    """A Ray of this process's own (direct runs, replay): loopback only, token auth."""
+    local_ray_env()
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+             _temp_dir=tempfile.mkdtemp(prefix="rlhf-ray-"), log_to_driver=False,
+             configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)

@@ -39,6 +39,10 @@ class LeaseLost(RuntimeError):
     """This controller no longer holds the iteration's lease: it must not write."""
 
 
+class LeaseHeld(Exception):
+    """The iteration's lease belongs to another controller (``str(exc)``: who)."""
+
+
 def local_holder() -> str:
     return f"local:{socket.gethostname()}:{os.getpid()}"
 

@@ -5,6 +5,31 @@ from __future__ import annotations
 
 import time
 
+#: Iterations the "mean of the last N" rewards average over (progress, stopping rules).
+REWARD_WINDOW = 5
+
+
+def recent_mean(rewards: list[float], window: int = REWARD_WINDOW) -> float | None:
+    """The mean of the last ``window`` rewards (fewer at the start); None without any."""
+    recent = rewards[-window:]
+    return sum(recent) / len(recent) if recent else None
+
+
+def closing_lines(rows: list[dict], progress: "ProgressLine", outputs: dict[str, str],
+                  training_s: float | None = None) -> list[str]:
+    """What a run prints when it ends (direct and pipeline runs alike): the reward from
+    first to last iteration, when the target was first held, the wall time, then where
+    each output is (``outputs``: name -> path or URI)."""
+    lines = []
+    if rows:
+        first, last = rows[0], rows[-1]
+        lines.append(f"reward: {first['critic/score/mean']:.3f} (iteration {first['iteration']}) -> "
+                     f"{last['critic/score/mean']:.3f} (iteration {last['iteration']})"
+                     + (f", {training_s:.0f}s of training" if training_s is not None else ""))
+    lines += progress.summary()
+    lines += [f"{name}: {where}" for name, where in outputs.items() if where]
+    return lines
+
 
 def _clock(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
@@ -17,7 +42,7 @@ class ProgressLine:
     runs. The pace is that of the last ``window`` iterations (the first one carries the
     start-up, so it says little about the rest)."""
 
-    def __init__(self, total: int, window: int = 5, clock=time.monotonic, started: float | None = None) -> None:
+    def __init__(self, total: int, window: int = REWARD_WINDOW, clock=time.monotonic, started: float | None = None) -> None:
         self.total, self.window, self.clock = total, window, clock
         self.started = clock() if started is None else started
         self.ends: list[float] = []
@@ -30,14 +55,14 @@ class ProgressLine:
         done = len(self.ends)
         recent = self.ends[-(self.window + 1):]
         per_it = (recent[-1] - recent[0]) / (len(recent) - 1) if len(recent) > 1 else now - self.started
-        last5 = self.rewards[-5:]
+        shown = min(len(self.rewards), REWARD_WINDOW)
         left = (self.total - done) * per_it
         return (f"[rlhf] iteration {iteration} ({done}/{self.total}) reward {reward:.3f} "
-                f"(mean of last {len(last5)}: {sum(last5) / len(last5):.3f}) | "
+                f"(mean of last {shown}: {recent_mean(self.rewards):.3f}) | "
                 f"{60 / per_it if per_it > 0 else 0:.1f} it/min | elapsed {_clock(now - self.started)} | "
                 f"left ~{_clock(left)}")
 
-    def first_reached(self, target: float, window: int = 5) -> tuple[int, float] | None:
+    def first_reached(self, target: float, window: int = REWARD_WINDOW) -> tuple[int, float] | None:
         """(iterations done, seconds since the start) when the mean reward of ``window``
         consecutive iterations first reached ``target``; None if it never did."""
         for end in range(window, len(self.rewards) + 1):
@@ -50,7 +75,7 @@ class ProgressLine:
         lines = []
         if self.rewards:
             reached = self.first_reached(target)
-            lines.append(f"mean reward of 5 consecutive iterations >= {target}: " + (
+            lines.append(f"mean reward of {REWARD_WINDOW} consecutive iterations >= {target}: " + (
                 f"first after iteration {reached[0]} of this command, {_clock(reached[1])} after its start"
                 if reached else "not reached"))
         lines.append(f"wall time: {_clock(self.clock() - self.started)} (start-up included)")

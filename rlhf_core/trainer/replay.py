@@ -158,7 +158,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
     from rlhf_core.trainer.restore import load_checkpoint, make_loader
-    from rlhf_core.trainer.run import start_local_ray
+    from rlhf_core.ray_head import start_local_ray
     from rlhf_core.workers.worker_set import WorkerSet
 
     store, run_id, n, uri_stage = parse_location(uri, iteration)

@@ -19,23 +19,35 @@ def run_history(store: str, run_id: str) -> list[dict]:
     return rows
 
 
-def curve_png(rows: list[dict]) -> bytes:
+def curve_png(rows: list[dict], size: tuple[float, float] = (6, 3.2), dpi: int = 100) -> bytes:
+    """The reward curve (mean reward per iteration, and exact match where the reward
+    reports it) as PNG bytes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot([r["iteration"] for r in rows], [r.get("critic/score/mean", 0.0) for r in rows], marker=".")
+    it = [r["iteration"] for r in rows]
+    fig, ax = plt.subplots(figsize=size)
+    ax.plot(it, [r.get("critic/score/mean", 0.0) for r in rows], marker=".", label="mean reward (critic/score/mean)")
+    if rows and "critic/reward_extra/exact/mean" in rows[0]:
+        ax.plot(it, [r.get("critic/reward_extra/exact/mean", 0) for r in rows], label="exact match", alpha=0.7)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("mean reward")
+    ax.set_ylabel("reward")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
+    fig.savefig(buffer, format="png", dpi=dpi)
     plt.close(fig)
     return buffer.getvalue()
+
+
+def write_curve(rows: list[dict], path) -> None:
+    """The run's reward curve as ``reward_curve.png``."""
+    with open(path, "wb") as f:
+        f.write(curve_png(rows, size=(7, 4), dpi=110))
 
 
 def sample_table(store: str, run_id: str, iteration: int, prompts: int = 4) -> str:

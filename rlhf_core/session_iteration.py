@@ -1,0 +1,161 @@
+"""A controller's iterations against the run's long-lived session (``rlhf iterate``, the
+Kubeflow controller component): take the iteration's lease, attach to the session's
+workers (or have the session started), run the shared loop (``trainer.run``) under the
+lease with a heartbeat that keeps the session in use, then have the session compute the
+next iteration's inference stages ahead.
+
+Overlapping triggers (a recurring run firing while the last one still runs) must not
+drive the same workers at once: each iteration is taken with a create-only lease in the
+store; a second trigger finding a fresh lease returns without doing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from rlhf_core import session
+from rlhf_core.config import RunConfig
+from rlhf_core.trainer.lease import LeaseHeld, LeaseKeeper, holder_id
+from rlhf_core.trainer.restore import open_run
+from rlhf_core.trainer.run import finish_outputs, run_iterations
+
+
+class IterationLeases:
+    """The leases of this controller's iterations, one ``LeaseKeeper`` per iteration. The
+    first is taken up front (``take_first``), before anything touches the workers: a
+    controller that lost the race must not restore (reload) weights under the winner's
+    running stages."""
+
+    def __init__(self, istore, ttl_s: float) -> None:
+        self.istore, self.ttl_s, self.me = istore, ttl_s, holder_id()
+        self._first: LeaseKeeper | None = None
+
+    def take(self, iteration: int) -> LeaseKeeper:
+        """The iteration's lease, or ``LeaseHeld`` naming who has it."""
+        log = self.istore.lease_log(iteration, self.ttl_s)
+        lease = log.acquire(self.me)
+        if isinstance(lease, str):
+            raise LeaseHeld(lease)
+        if iteration in self.istore.committed_iterations():  # a holder committed it, then released
+            log.release(lease)
+            raise LeaseHeld("nobody: it is committed already")
+        return LeaseKeeper(log, lease)
+
+    def take_first(self, iteration: int) -> None:
+        self._first = self.take(iteration)
+
+    def for_iteration(self, iteration: int) -> LeaseKeeper:
+        """The loop's lease for ``iteration``: the one taken up front, then new ones."""
+        first, self._first = self._first, None
+        return first if first is not None and first.lease.iteration == iteration else self.take(iteration)
+
+    def close(self) -> None:
+        """Release the up-front lease if the loop never used it (attaching failed)."""
+        if self._first is not None:
+            self._first.close()
+            self._first = None
+
+
+class Heartbeat:
+    """Marks the session as in use while this controller runs, however long a stage takes
+    (an idle timeout shorter than a stage must not end the session under it)."""
+
+    def __init__(self, record, timeout_s: float) -> None:
+        self.record, self.period = record, max(0.2, min(30.0, timeout_s / 4))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="session-heartbeat", daemon=True)
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.record.update.remote()
+            except Exception:  # the session is gone: the next worker call says so
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+class SessionAttachment:
+    """The session's side of the shared loop (``trainer.run.Attachment``)."""
+
+    def __init__(self, attached: session.AttachedSession, leases: IterationLeases, prefetch, on_stage) -> None:
+        self.record, self.leases, self.prefetch, self.on_stage = attached.record, leases, prefetch, on_stage
+        self.workers_at_step = attached.info.get("step")
+
+    def lease(self, iteration: int) -> LeaseKeeper:
+        return self.leases.for_iteration(iteration)
+
+    def stage_started(self, step: int, name: str) -> None:
+        self.record.update.remote(stage=name)  # the session sees it is in use
+        if self.on_stage is not None:
+            self.on_stage(step, name)
+
+    def committed(self, step: int) -> None:
+        import ray
+
+        ray.get(self.record.update.remote(step=step))
+
+
+def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
+            lease_ttl_s: float = 900.0, prefetch_next: bool | None = None) -> dict:
+    """Run iterations against the run's long-lived session (this process must already be
+    connected to the session's Ray cluster ``head``, in the run's namespace). The session
+    is (re)started from the last committed checkpoint when it is not there.
+
+    After its last commit the controller has the session compute the next iteration's
+    inference stages ahead for the next controller to adopt, when ``trainer.prefetch`` is
+    on and ``prefetch_next`` is not False (the driver says False for a fine-tune's last
+    iteration)."""
+    import ray
+
+    from rlhf_core.trainer.prefetch import SessionPrefetch
+
+    istore, state = open_run(cfg, store, run_id, log)
+    run_dir = Path(cfg.trainer.output_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def held_by(holder: str) -> dict:
+        log(f"[rlhf] iteration {state.global_step} of run {run_id} is being run by {holder}; leaving it alone")
+        return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
+                "metrics": str(run_dir / "metrics.jsonl"), "session": None}
+
+    leases = IterationLeases(istore, lease_ttl_s)
+    try:
+        leases.take_first(state.global_step)
+    except LeaseHeld as held:
+        return held_by(str(held))
+    try:
+        attached = session.ensure(cfg, run_id, store, head)
+        info = attached.info
+        log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
+        # dirty until this iteration commits; confirmed before anything else, so no computing
+        # ahead can start on the workers once this controller is on them
+        ray.get(attached.record.update.remote(step=None))
+        ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, info.get("step"), info["generation"], log)
+                 if attached.prefetcher is not None else None)
+        attachment = SessionAttachment(attached, leases, ahead, on_stage)
+        with Heartbeat(attached.record, info.get("idle_timeout_s") or cfg.trainer.session_idle_timeout_s):
+            rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
+                                           attachment=attachment)
+            if rows and ahead is not None and cfg.trainer.prefetch and prefetch_next is not False:
+                ahead.start_next(trainer.state)
+    except LeaseHeld as held:  # a later iteration's (this controller committed the ones before)
+        return held_by(str(held))
+    finally:
+        leases.close()
+    result = {**finish_outputs(cfg, run_dir, rows, istore, trainer, plot=False),
+              "session": {k: info[k] for k in ("generation", "job_id")},
+              "prefetch": ahead.notes if ahead is not None else []}
+    if rows:
+        last = istore.read_manifest(rows[-1]["iteration"])
+        result["lineage"] = {"run_id": run_id, "iteration": last["iteration"],
+                             "parent_iteration": last["parent_iteration"], "config_hash": last["config_hash"],
+                             "code_version": last["code_version"], "checkpoint": last["checkpoint"],
+                             "iteration_uri": istore.iteration_uri(last["iteration"])}
+    return result
