@@ -14,15 +14,22 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 
-def _f(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le=None, lt=None, **kw):
-    """A field with its documentation and valid values attached (``rlhf config`` shows the
-    help; ``RunConfig.validate`` checks ``choices`` and the bounds of every field)."""
-    meta = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt}
+def _f(default, help: str, *, choices: tuple | None = None, registry: str | None = None, ge=None, gt=None,
+       le=None, lt=None, hashed: bool = True, checkpoint: bool = False, **kw):
+    """A field with its documentation, valid values and class attached: ``rlhf config``
+    shows the help (``field_help``: with the choices, or the names registered in
+    ``rlhf_core.algorithms.<registry>``); ``RunConfig.validate`` checks choices, registry
+    and bounds. ``hashed=False``: the field changes how a run is shown, stored or placed,
+    never what it trains (left out of ``config_hash``). ``checkpoint=True``: a checkpoint's
+    tensors depend on it (a replay cannot change it)."""
+    meta = {"help": help, "choices": choices, "registry": registry, "ge": ge, "gt": gt, "le": le, "lt": lt,
+            "hashed": hashed, "checkpoint": checkpoint}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -31,14 +38,22 @@ def _f(default, help: str, *, choices: tuple | None = None, ge=None, gt=None, le
 POSITIVE = {"gt": 0}
 NON_NEGATIVE = {"ge": 0}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+#: ``actor.strategy``: how ranks share a trained model (``rlhf_core.workers.sharding``).
+STRATEGIES = ("fsdp", "ddp")
+#: ``rollout.name``: the generation engines (``rlhf_core.workers.rollout``).
+ROLLOUT_ENGINES = ("vllm", "hf")
+#: Reward functions named by a word in ``reward.function`` (else ``module:function``).
+NAMED_REWARDS = {"builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
+                 "gsm8k": "rlhf_core.data.gsm8k:compute_score"}      # the number after '####'
+_REWARD_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 
 @dataclass
 class ModelConfig:
     path: str = _f("builtin:digits", "HF model directory, or builtin:<task> for the built-in "
-                   "task's small model (built locally, warm-started by a short SFT, cached)")
-    dtype: str = _f("float32", "parameter dtype for training: float32 | bfloat16 | float16",
-                    choices=("float32", "bfloat16", "float16"))
+                   "task's small model (built locally, warm-started by a short SFT, cached)", checkpoint=True)
+    dtype: str = _f("float32", "parameter dtype for training", choices=("float32", "bfloat16", "float16"),
+                    checkpoint=True)
     enable_gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass (actor and "
                                              "critic): less memory for longer sequences, ~30% more compute")
 
@@ -86,19 +101,19 @@ class ActorConfig:
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)", ge=0, lt=1)
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
-    policy_loss: str = _f("vanilla", "registered policy loss (rlhf_core.algorithms)")
-    loss_agg_mode: str = _f("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean",
+    policy_loss: str = _f("vanilla", "the policy loss", registry="POLICY_LOSSES")
+    loss_agg_mode: str = _f("token-mean", "how the policy loss reduces over tokens and responses",
                             choices=LOSS_AGG_MODES)
     entropy_coeff: float = _f(0.0, "entropy bonus weight (0 disables)")
     use_kl_loss: bool = _f(False, "add KL(policy || reference) to the loss (GRPO style)")
     kl_loss_coef: float = _f(0.001, "weight of the KL loss", **NON_NEGATIVE)
-    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss: k1 | k2 | k3/low_var_kl | abs")
+    kl_loss_type: str = _f("low_var_kl", "KL estimator for the loss", registry="KL_ESTIMATORS")
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
     strategy: str = _f("fsdp", "how the ranks of actor, reference and critic share a model: fsdp (FSDP2: "
                        "parameters, gradients and optimizer state sharded per decoder layer) or ddp (every "
                        "rank holds the whole model); one rank trains the plain model either way",
-                       choices=("fsdp", "ddp"))
-    world_size: int = _f(1, "actor/rollout/reference ranks (processes)", **POSITIVE)
+                       choices=STRATEGIES)
+    world_size: int = _f(1, "actor/rollout/reference ranks (processes)", checkpoint=True, **POSITIVE)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -106,7 +121,7 @@ class ActorConfig:
 class RolloutConfig:
     name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
                    "for the demo's tiny model and short responses) or vllm (an in-process engine per rank: "
-                   "for real models and long responses; benchmarks/generation.py)", choices=("vllm", "hf"))
+                   "for real models and long responses; benchmarks/generation.py)", choices=ROLLOUT_ENGINES)
     n: int = _f(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _f(1.0, "sampling temperature", **POSITIVE)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
@@ -118,15 +133,15 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.5, "share of each GPU vLLM may take for weights and KV cache "
                                        "(the trained model, its gradients and optimizer need the rest)",
                                        gt=0, le=1)
-    dtype: str = _f("auto", "the engine's weights: auto (bfloat16 on GPU, model.dtype on CPU) | float32 | "
-                    "bfloat16 | float16", choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = _f("auto", "the engine's weights (auto: bfloat16 on GPU, model.dtype on CPU)",
+                    choices=("auto", "float32", "bfloat16", "float16"))
     free_cache_engine: bool = _f(True, "free vLLM's KV cache and weights while the actor trains (sleep / "
                                  "wake up around training; no-op on CPU)")
 
 
 @dataclass
 class CriticConfig:
-    enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)")
+    enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)", checkpoint=True)
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
@@ -135,8 +150,8 @@ class CriticConfig:
                                            "mini-batch)", **NON_NEGATIVE)
     forward_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing values on one rank "
                                                "(0: all at once)", **NON_NEGATIVE)
-    loss_agg_mode: str = _f("token-mean", "value loss reduction: token-mean | seq-mean-token-sum | "
-                            "seq-mean-token-mean", choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = _f("token-mean", "how the value loss reduces over tokens and responses",
+                            choices=LOSS_AGG_MODES)
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
     world_size: int = _f(0, "critic ranks on a pool of their own (resources.critic_nnodes nodes of the same "
                          "shape); 0: colocated with the actor, one critic per actor rank", **NON_NEGATIVE)
@@ -145,7 +160,8 @@ class CriticConfig:
 @dataclass
 class RewardConfig:
     function: str = _f("builtin", "module:function with verl's signature (data_source, "
-                       "solution_str, ground_truth, extra_info) -> float | dict; builtin = the "
+                       "solution_str, ground_truth, extra_info) -> float | dict (trusted code of the run's "
+                       "owner: it is imported and run by the reward workers), or a named one: builtin = the "
                        "built-in task's scorer; gsm8k = 1 when the number after the last '####' "
                        "equals the ground truth")
 
@@ -160,43 +176,45 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = _f("grpo", "registered estimator: gae (needs a critic) | grpo | rloo | "
-                            "reinforce_plus_plus | remax (a greedy response per prompt as baseline)")
+    adv_estimator: str = _f("grpo", "the advantage estimator (gae needs a critic; remax samples a greedy "
+                            "response per prompt as its baseline)", registry="ADV_ESTIMATORS", checkpoint=True)
     gamma: float = _f(1.0, "discount", ge=0, le=1)
     lam: float = _f(1.0, "GAE lambda", ge=0, le=1)
     norm_adv_by_std_in_grpo: bool = _f(True, "GRPO: divide by the group std (False: Dr. GRPO)")
     use_kl_in_reward: bool = _f(False, "subtract beta * KL(policy || ref) from token rewards")
-    kl_penalty: str = _f("k1", "KL estimator used in the reward")
+    kl_penalty: str = _f("k1", "KL estimator used in the reward", registry="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
 
 
 @dataclass
 class TrainerConfig:
     total_iterations: int = _f(60, "the run's total iterations when `rlhf run` is not given --iterations (a "
-                               "re-run of the same command finishes the run, then does nothing)", **POSITIVE)
+                               "re-run of the same command finishes the run, then does nothing)", **POSITIVE,
+                               hashed=False)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
-    output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs")
+    output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs", hashed=False)
     cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch "
                                 "threads)", **POSITIVE)
-    progress: bool = _f(True, "show a progress bar per stage")
+    progress: bool = _f(True, "show a progress bar per stage", hashed=False)
     session_idle_timeout_s: float = _f(1800.0, "the long-lived session (rlhf serve) ends after this "
-                                       "long without a controller using it", **POSITIVE)
+                                       "long without a controller using it", **POSITIVE, hashed=False)
     checkpoint_every: int = _f(1, "write a checkpoint every K iterations (and at the run's last); the "
                                "weights of the iterations between are the last checkpoint plus a redo of their "
                                "update stages from their saved inputs, bit-identical on CPU. 1 (the default): "
                                "every pipeline run's Model artifact is a checkpoint one can load or export; "
-                               "raise it where a checkpoint is expensive (~100 GB at 7B: e.g. 10)", **POSITIVE)
+                               "raise it where a checkpoint is expensive (~100 GB at 7B: e.g. 10)", **POSITIVE,
+                               hashed=False)
     keep_checkpoints: int = _f(0, "rlhf gc keeps the checkpoints of the last K steps (0: every checkpoint); "
-                               "the newest is always kept", **NON_NEGATIVE)
+                               "the newest is always kept", **NON_NEGATIVE, hashed=False)
     keep_checkpoints_every: int = _f(0, "rlhf gc also keeps every M-th step's checkpoint (0: only the last "
-                                     "keep_checkpoints)", **NON_NEGATIVE)
+                                     "keep_checkpoints)", **NON_NEGATIVE, hashed=False)
     keep_snapshots: int = _f(0, "rlhf gc keeps the stage snapshots of the last N committed iterations (0: "
-                             "all); manifests (config, metrics, lineage) are always kept", **NON_NEGATIVE)
+                             "all); manifests (config, metrics, lineage) are always kept", **NON_NEGATIVE, hashed=False)
     keep_snapshots_every: int = _f(0, "rlhf gc also keeps the stage snapshots of every M-th iteration",
-                                   **NON_NEGATIVE)
+                                   **NON_NEGATIVE, hashed=False)
     prefetch: bool = _f(True, "a session computes the next iteration's inference stages (rollout through "
                         "values) right after an iteration commits, while the next controller starts; "
-                        "results are identical either way")
+                        "results are identical either way", hashed=False)
 
 
 @dataclass
@@ -204,17 +222,18 @@ class ResourcesConfig:
     """The training resource pool (every role colocated, one process per actor rank) as
     nodes of one shape: what a cluster must provide. Local runs use this machine."""
 
-    nnodes: int = _f(1, "nodes in the training pool (Ray worker pods on a cluster)", **POSITIVE)
+    nnodes: int = _f(1, "nodes in the training pool (Ray worker pods on a cluster)", **POSITIVE, hashed=False)
     gpus_per_node: int = _f(0, "GPUs per node, one actor rank each (0: CPU nodes, "
-                            "trainer.cpus_per_worker CPUs per rank)", **NON_NEGATIVE)
-    cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE)
-    memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE)
-    object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE)
-    critic_nnodes: int = _f(1, "nodes of the critic's own pool when critic.world_size > 0", **POSITIVE)
+                            "trainer.cpus_per_worker CPUs per rank)", **NON_NEGATIVE, hashed=False)
+    cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE, hashed=False)
+    memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE, hashed=False)
+    object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE,
+                                          hashed=False)
+    critic_nnodes: int = _f(1, "nodes of the critic's own pool when critic.world_size > 0", **POSITIVE, hashed=False)
     accelerator_resource: str = _f("GPU", "the Ray resource one rank reserves when gpus_per_node > 0 (GPU, "
-                                   "or a custom resource name: other accelerators, simulated clusters)")
+                                   "or a custom resource name: other accelerators, simulated clusters)", hashed=False)
     placement_timeout_s: float = _f(300.0, "how long placing the pool may wait for free resources (nodes "
-                                    "that can never hold it fail at once)", **POSITIVE)
+                                    "that can never hold it fail at once)", **POSITIVE, hashed=False)
 
     def ranks_per_node(self, cpus_per_worker: float) -> int:
         return self.gpus_per_node if self.gpus_per_node else int(self.cpus_per_node // cpus_per_worker)
@@ -269,11 +288,11 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
-        for section, key in NON_SEMANTIC_FIELDS:
-            if key is None:
-                data.pop(section, None)
-            else:
-                data[section].pop(key, None)
+        for path in fields_where(lambda meta: not meta["hashed"]):
+            section, key = path.split(".", 1)
+            data[section].pop(key, None)
+            if not data[section]:  # a section that only says where the run goes
+                data.pop(section)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":
@@ -282,14 +301,15 @@ class RunConfig:
         field, what was expected and what was found."""
         for path, f in _leaf_paths(self).items():
             check_field(path, f, _get(self, path))
-        from rlhf_core.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
-
-        for name, table, key in [(self.algorithm.adv_estimator, ADV_ESTIMATORS, "algorithm.adv_estimator"),
-                                 (self.actor.policy_loss, POLICY_LOSSES, "actor.policy_loss"),
-                                 (self.actor.kl_loss_type, KL_ESTIMATORS, "actor.kl_loss_type"),
-                                 (self.algorithm.kl_penalty, KL_ESTIMATORS, "algorithm.kl_penalty")]:
-            if name not in table:
-                raise ConfigError(f"{key}: {name!r} is not registered; choose from {sorted(table)}")
+            if f.metadata.get("registry"):
+                names = registered(f.metadata["registry"])
+                if _get(self, path) not in names:
+                    raise ConfigError(f"{path}: expected a registered name ({', '.join(names)}); "
+                                      f"found {_get(self, path)!r}")
+        reward = self.reward.function
+        if reward not in NAMED_REWARDS and not _REWARD_SPEC.fullmatch(reward):
+            raise ConfigError(f"reward.function: expected module:function or one of {', '.join(NAMED_REWARDS)}; "
+                              f"found {reward!r}")
         for section in ("actor", "critic") if self.use_critic else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             if self.data.train_batch_size % mini:
@@ -332,14 +352,29 @@ class RunConfig:
         return self
 
 
-#: Fields that change how a run is shown or where local logs go, never what it trains.
-NON_SEMANTIC_FIELDS = (("trainer", "progress"), ("trainer", "output_dir"), ("trainer", "session_idle_timeout_s"),
-                       ("trainer", "total_iterations"),  # how long a run goes on, not what an iteration does
-                       ("trainer", "prefetch"),  # when the inference stages run, not what they compute
-                       ("trainer", "checkpoint_every"),  # how the weights are stored, not what they are
-                       ("trainer", "keep_checkpoints"), ("trainer", "keep_checkpoints_every"),  # what gc keeps
-                       ("trainer", "keep_snapshots"), ("trainer", "keep_snapshots_every"),
-                       ("resources", None))  # where it runs, not what it trains
+def registered(registry: str) -> list[str]:
+    """The names registered in ``rlhf_core.algorithms.<registry>`` (imported when asked:
+    the registries import torch)."""
+    from rlhf_core import algorithms
+
+    return sorted(getattr(algorithms, registry))
+
+
+def fields_where(test) -> list[str]:
+    """The dotted paths of the fields whose metadata passes ``test`` (e.g. the fields a
+    checkpoint depends on: ``fields_where(lambda m: m["checkpoint"])``)."""
+    return [path for path, f in _leaf_paths(RunConfig()).items() if test(f.metadata)]
+
+
+def field_help(f: dataclasses.Field) -> str:
+    """A field's help with what it accepts: its choices, or the names its registry holds."""
+    meta = f.metadata
+    help_text = meta.get("help", "")
+    if meta.get("choices"):
+        return f"{help_text}: {' | '.join(map(str, meta['choices']))}"
+    if meta.get("registry"):
+        return f"{help_text}: {' | '.join(registered(meta['registry']))} (registered)"
+    return help_text
 
 
 class ConfigError(ValueError):
@@ -470,5 +505,5 @@ def describe(cfg: RunConfig) -> str:
     lines = []
     for path, f in _leaf_paths(cfg).items():
         value = _get(cfg, path)
-        lines.append(f"  {path:<38} = {value!r:<18} # {f.metadata.get('help', '')}")
+        lines.append(f"  {path:<38} = {value!r:<18} # {field_help(f)}")
     return "\n".join(lines)

@@ -33,10 +33,63 @@ def test_wrong_type_names_field_expected_and_found():
 def test_validate_catches_inconsistent_settings():
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(128\)"):
         apply_overrides(RunConfig(), ["actor.ppo_mini_batch_size=5"]).validate()
-    with pytest.raises(ConfigError, match="algorithm.adv_estimator: 'ppo2' is not registered; choose from"):
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: expected a registered name \(gae, grpo, .*\); "
+                                          r"found 'ppo2'"):
         apply_overrides(RunConfig(), ["algorithm.adv_estimator=ppo2"]).validate()
     with pytest.raises(ConfigError, match="needs rollout.n >= 2"):
         apply_overrides(RunConfig(), ["rollout.n=1"]).validate()
+
+
+def test_each_config_choice_lives_once_and_is_checked_there():
+    """Strategies, engines and reward names are declared in config and validated there;
+    registry-backed fields take their valid names (and their help) from the registry."""
+    import dataclasses
+
+    from rlhf_core import algorithms
+    from rlhf_core.config import NAMED_REWARDS, STRATEGIES, ActorConfig, AlgorithmConfig, field_help
+    from rlhf_core.workers import reward, sharding
+
+    assert not hasattr(sharding, "STRATEGIES") and reward.NAMED_REWARDS is NAMED_REWARDS
+    with pytest.raises(ConfigError, match=r"reward.function: expected module:function or one of builtin, gsm8k; "
+                                          r"found 'gsm9k'"):
+        apply_overrides(RunConfig(), ["reward.function=gsm9k"]).validate()
+    apply_overrides(RunConfig(), ["reward.function=my_pkg.rewards:score"]).validate()  # checked, not imported
+    with pytest.raises(ConfigError, match=r"actor.strategy: expected one of fsdp, ddp; found 'zero3'"):
+        apply_overrides(RunConfig(), ["actor.strategy=zero3"]).validate()
+    assert STRATEGIES == ("fsdp", "ddp")
+    fields = {f.name: f for f in dataclasses.fields(AlgorithmConfig) + dataclasses.fields(ActorConfig)}
+
+    @algorithms.register_adv_est("test_only_estimator")
+    def _estimator(**kwargs):
+        raise NotImplementedError
+
+    try:
+        assert "test_only_estimator" in field_help(fields["adv_estimator"])  # help follows the registry
+        apply_overrides(RunConfig(), ["algorithm.adv_estimator=test_only_estimator"]).validate()
+    finally:
+        algorithms.ADV_ESTIMATORS.pop("test_only_estimator")
+        algorithms.ADV_ESTIMATOR_SPECS.pop("test_only_estimator", None)
+    assert all(name in field_help(fields["kl_loss_type"]) for name in algorithms.KL_ESTIMATORS)
+    assert "seq-mean-token-sum" in field_help(fields["loss_agg_mode"])
+
+
+def test_field_classes_are_field_metadata():
+    """What config_hash leaves out and what a replay may not change are marked on the fields."""
+    from rlhf_core.config import fields_where
+    from rlhf_core.trainer.replay import CHECKPOINT_FIELDS
+
+    unhashed = fields_where(lambda meta: not meta["hashed"])
+    assert {"trainer.progress", "trainer.checkpoint_every", "resources.nnodes"} <= set(unhashed)
+    base = RunConfig().config_hash()
+    for path in unhashed:
+        section, key = path.split(".")
+        value = getattr(getattr(RunConfig(), section), key)
+        changed = not value if isinstance(value, bool) else (value + 1 if isinstance(value, (int, float)) else "x")
+        assert apply_overrides(RunConfig(), [f"{path}={changed}"]).config_hash() == base, path
+    assert "resources" not in {p.split(".")[0] for p in fields_where(lambda meta: meta["hashed"])}
+    assert set(CHECKPOINT_FIELDS) == {"model.path", "model.dtype", "actor.world_size", "critic.enable",
+                                      "algorithm.adv_estimator"}
+    assert apply_overrides(RunConfig(), ["actor.lr=0.1"]).config_hash() != base
 
 
 def test_config_hash_changes_with_any_field_and_dict_roundtrip():

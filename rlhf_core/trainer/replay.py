@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 
 from rlhf_core import run_layout
-from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, fields_where
 from rlhf_core.protocol import DataProto
 
-#: Config fields a checkpoint's tensors depend on: a replay cannot change them.
-CHECKPOINT_FIELDS = ("model.path", "model.dtype", "actor.world_size", "critic.enable", "algorithm.adv_estimator")
+#: Config fields a checkpoint's tensors depend on (``checkpoint=True``): a replay cannot change them.
+CHECKPOINT_FIELDS = tuple(fields_where(lambda meta: meta["checkpoint"]))
 
 
 class ReplayError(ValueError):

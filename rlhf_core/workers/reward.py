@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 import torch
 
-from rlhf_core.config import RunConfig
+from rlhf_core.config import NAMED_REWARDS, RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
@@ -22,11 +22,6 @@ from rlhf_core.workers import modeling
 
 class RewardFunctionError(RuntimeError):
     """The reward function raised or returned something that is not a score."""
-
-
-#: Reward functions named by a word in ``reward.function``.
-NAMED_REWARDS = {"builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
-                 "gsm8k": "rlhf_core.data.gsm8k:compute_score"}      # the number after '####'
 
 
 def load_reward_fn(spec: str):

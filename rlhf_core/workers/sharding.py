@@ -20,8 +20,6 @@ from typing import Iterator
 
 import torch
 
-#: ``actor.strategy`` values: how ranks share a trained model.
-STRATEGIES = ("fsdp", "ddp")
 
 
 @dataclass(frozen=True)
@@ -91,8 +89,6 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
     be initialised). ``trainable=False`` (the reference model) shards without gradients."""
     import torch.distributed as dist
 
-    if spec.strategy not in STRATEGIES:
-        raise ValueError(f"actor.strategy: expected one of {', '.join(STRATEGIES)}; found {spec.strategy!r}")
     if spec.activation_checkpointing and trainable:
         _enable_activation_checkpointing(model)
     ranks = world_size()
