@@ -355,12 +355,27 @@ def test_make_iterator_epochs_and_seeded_shuffle():
     dp = make(4)
     plain = [rows(b)["uid"] for b in dp.make_iterator(mini_batch_size=2, epochs=2)]
     assert plain == [[0, 1], [2, 3], [0, 1], [2, 3]]
-    a = [rows(b)["uid"] for b in dp.make_iterator(2, 2, seed=7, dataloader_kwargs={"shuffle": True})]
-    b = [rows(b)["uid"] for b in dp.make_iterator(2, 2, seed=7, dataloader_kwargs={"shuffle": True})]
-    assert a == b
-    assert sorted(sum(a[:2], [])) == [0, 1, 2, 3]
     with pytest.raises(ChunkSizeError, match="batch of 4 rows does not split into mini-batches of 3"):
         dp.make_iterator(3, 1)
+
+
+def test_make_iterator_shuffles_each_epoch_by_its_seed():
+    """shuffle=True reorders rows (an iterator that ignored it would yield 0..15 in order),
+    every epoch is a permutation of all rows, epochs differ, the seed decides the order,
+    and the order is torch.randperm's under a generator seeded with ``seed``."""
+    dp = make(16)
+
+    def order(seed, epochs=2):
+        return [rows(b)["uid"] for b in dp.make_iterator(4, epochs, seed=seed, dataloader_kwargs={"shuffle": True})]
+
+    a = order(7)
+    first, second = sum(a[:4], []), sum(a[4:], [])
+    assert sorted(first) == sorted(second) == list(range(16))
+    assert first != list(range(16)) and first != second
+    assert order(7) == a and order(8) != a
+    generator = torch.Generator().manual_seed(7)
+    assert first == torch.randperm(16, generator=generator).tolist()
+    assert second == torch.randperm(16, generator=generator).tolist()
 
 
 def test_to_device_in_place():

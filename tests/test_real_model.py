@@ -147,12 +147,25 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
     finally:
         workers.kill()
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
-    # responses stop at the tokenizer's EOS (<|im_end|>): nothing after it is in the mask
+    # every response's mask is a prefix that ends at the tokenizer's EOS (<|im_end|>, kept)
+    # or at the length limit: nothing after an EOS is in it
     eos = PromptTokenizer(str(model_dir))._tok.token_to_id("<|im_end|>")
     responses, mask = batch.batch["responses"], batch.batch["response_mask"]
     for row, row_mask in zip(responses.tolist(), mask.tolist()):
-        if eos in row:
-            assert sum(row_mask) == row.index(eos) + 1
+        k = sum(row_mask)
+        assert k >= 1 and row_mask == [1] * k + [0] * (len(row) - k), row_mask
+        assert eos not in row[:k - 1] and (row[k - 1] == eos or k == len(row)), (row, row_mask)
+    # the engine's sampling log-probs are the actor's own (fp32 on both sides, synced weights)
+    engine_lp, actor_lp = batch.batch["rollout_log_probs"], batch.batch["old_log_probs"]
+    assert (engine_lp - actor_lp)[mask.bool()].abs().max().item() < 0.05
+    # each row's score is gsm8k's on its decoded response (random weights: mostly 0)
+    from rlhf_core.data.gsm8k import compute_score
+
+    scores = batch.batch["token_level_scores"].sum(-1).tolist()
+    for text, truth, score in zip(batch.non_tensor_batch["response_text"], batch.non_tensor_batch["ground_truth"],
+                                  scores):
+        expected = compute_score("openai/gsm8k", text, truth, None)
+        assert score == pytest.approx(expected["score"] if isinstance(expected, dict) else expected)
     assert set(batch.non_tensor_batch["reward_extra/formatted"]) <= {0.0, 1.0}
     assert all(p.endswith("<|im_start|>assistant\n") for p in batch.non_tensor_batch["raw_prompt"])
 

@@ -20,7 +20,7 @@ from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.retention import RetentionPolicy, collect, plan_gc
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.snapshot import load_snapshot, save_snapshot, verify_snapshot
+from rlhf_core.snapshot import IncompleteSnapshotError, load_snapshot, save_snapshot, verify_snapshot
 from rlhf_core.trainer.iteration_store import IterationStore
 from rlhf_core.trainer.lease import LeaseLog
 
@@ -109,8 +109,8 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
         for stage in STAGES:
             verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
         assert fresh.load(it, "advantage").batch["rollout_out"][0, 0].item() == it
-    for it in (1, 2):
-        with pytest.raises(Exception):
+    for it in (1, 2):  # refused as uncommitted (S3: a listing cached before gc may still show data-*)
+        with pytest.raises(IncompleteSnapshotError, match="no committed snapshot|has no SNAPSHOT.json"):
             load_snapshot(fresh.stage_uri(it, "rollout"), storage_options=opts)
     if hasattr(fresh.run.fs, "invalidate_cache"):
         fresh.run.fs.invalidate_cache()
@@ -140,39 +140,56 @@ def test_orphans_younger_than_the_grace_period_stay(tmp_path):
 def test_gc_racing_a_writer_never_removes_what_it_commits(run_store):
     """A controller keeps writing and committing iterations while gc runs again and again
     with no grace period and a tight policy: every iteration the policy keeps loads and
-    verifies at the end, and the newest checkpoint is there."""
+    verifies at the end, and the newest checkpoint is there. Both start together, and the
+    writer waits for a gc pass between two of its iterations, so gc demonstrably ran (and
+    removed what the policy drops) while iterations were being written."""
     store, opts = run_store
     istore = IterationStore(store, "run-c", opts)
-    stop, errors = threading.Event(), []
+    policy = RetentionPolicy(keep_checkpoints=1, keep_snapshots=2)
+    stop, errors, start = threading.Event(), [], threading.Barrier(2)
+    passes_during_writes, removed_during_writes = [0], [0]
+    gc_passed = threading.Condition()
 
     def writer():
         try:
+            start.wait(timeout=60)
             for it in range(8):
                 log = LeaseLog(istore.run, it, ttl_s=900)
                 lease = log.acquire("controller")
                 _iteration(istore, it)
                 log.release(lease)
+                if it in (3, 5):  # let gc act on a run that is still being written
+                    with gc_passed:
+                        seen = passes_during_writes[0]
+                        gc_passed.wait_for(lambda: passes_during_writes[0] > seen, timeout=120)
         except Exception as exc:  # surfaced below
             errors.append(exc)
         finally:
             stop.set()
 
     def gc_loop():
+        start.wait(timeout=60)
         while not stop.is_set():
             try:
-                collect(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=2), grace_s=0,
-                        storage_options=opts)
+                plan = collect(istore.run_uri, policy, grace_s=0, storage_options=opts)
             except Exception as exc:
                 errors.append(exc)
                 return
+            with gc_passed:
+                if not stop.is_set():
+                    passes_during_writes[0] += 1
+                    removed_during_writes[0] += len(plan.all())
+                gc_passed.notify_all()
 
     threads = [threading.Thread(target=writer), threading.Thread(target=gc_loop)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads), "a contender did not finish"
     assert not errors, errors
-    collect(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=2), grace_s=0, storage_options=opts)
+    assert passes_during_writes[0] >= 2 and removed_during_writes[0] > 0, (passes_during_writes, removed_during_writes)
+    collect(istore.run_uri, policy, grace_s=0, storage_options=opts)
     fresh = IterationStore(store, "run-c", opts)
     assert fresh.committed_iterations() == list(range(8))
     for it in (6, 7):

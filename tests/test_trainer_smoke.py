@@ -4,6 +4,7 @@ It asserts the shape of what an iteration produces (metrics, advantages, masking
 speed or final reward: those are the learning benchmark's job.
 """
 
+import math
 import os
 
 import numpy as np
@@ -46,6 +47,20 @@ def run_iterations(overrides, iterations=2, after=None):
         return cfg, trainer, metrics
     finally:
         workers.kill()
+
+
+def check_metric_values(metrics: dict, roles=("actor",)) -> None:
+    """Not only the names: every metric is a finite number (a NaN loss fails), the
+    updates moved something, no step was skipped for a non-finite gradient, and the
+    scores, clip fractions and shares lie in their ranges."""
+    bad = {k: v for k, v in metrics.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+    assert not bad, bad
+    for role in roles:
+        assert metrics[f"{role}/grad_norm"] > 0 and metrics[f"{role}/nonfinite_grad_steps"] == 0, role
+    assert 0.0 <= metrics["critic/score/mean"] <= 1.0
+    assert 0.0 <= metrics["actor/pg_clipfrac"] <= 1.0 and metrics["actor/entropy"] > 0
+    assert 0.0 <= metrics["perf/outside_workers_share"] < 1.0 and metrics["perf/throughput"] > 0
+    assert 0 < metrics["response_length/mean"] <= 8
 
 
 def check_batch(cfg, batch):
@@ -93,6 +108,8 @@ def test_grpo_with_vllm(ray_local, tmp_path):
     for m in metrics:
         missing = [k for k in EXPECTED_METRICS + ["actor/kl_loss", "timing_s/ref_log_prob"] if k not in m]
         assert not missing, missing
+        check_metric_values(m)
+        assert m["actor/kl_loss"] >= 0  # low_var_kl is non-negative
     batch = trainer.last_batch
     check_batch(cfg, batch)
     # GRPO: within a group the (per-sequence) advantages sum to ~0
@@ -108,6 +125,8 @@ def test_ppo_gae_with_critic_and_hf_rollout(ray_local):
         missing = [k for k in EXPECTED_METRICS + ["critic/vf_loss", "critic/values/mean",
                                                   "actor/reward_kl_penalty"] if k not in m]
         assert not missing, missing
+        check_metric_values(m, roles=("actor", "critic"))
+        assert m["critic/vf_loss"] > 0
     check_batch(cfg, trainer.last_batch)
     assert "values" in trainer.last_batch.batch.keys()
 
