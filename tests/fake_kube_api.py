@@ -10,6 +10,8 @@ real API server or operator behaves this way.
 
 from __future__ import annotations
 
+import threading
+
 import re
 
 from json_http import JSONServer
@@ -23,7 +25,9 @@ class FakeKubeAPI:
         self.ready_after_polls = ready_after_polls  # None: never ready
         self.clusters: dict[tuple[str, str], dict] = {}
         self.polls: dict[str, int] = {}
-        self._http = JSONServer(self._route)
+        # the API server's writes are atomic (etcd): two creators cannot both get a 201
+        self._lock = threading.Lock()
+        self._http = JSONServer(self._locked_route)
         self.url = self._http.url
 
     def close(self) -> None:
@@ -66,6 +70,10 @@ class FakeKubeAPI:
                  "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]
 
     # ------------------------------------------------------------------- HTTP
+
+    def _locked_route(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
+        with self._lock:
+            return self._route(method, path, body)
 
     def _route(self, method: str, path: str, body: dict | None) -> tuple[int, dict]:
         route, _, query = path.partition("?")

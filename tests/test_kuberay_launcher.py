@@ -2,20 +2,16 @@
 in-process FAKE Kubernetes API server (tests/fake_kube_api.py): no real API server or
 KubeRay operator can run here."""
 
-import sys
-from pathlib import Path
+import threading
 
 import pytest
 
 from fake_kube_api import FakeKubeAPI
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from components.kuberay.launcher import ClusterLaunchError, Launcher, kube_apis  # noqa: E402
-from components.kuberay.render import render_raycluster  # noqa: E402
-from components.kuberay.spec import KubeSpec  # noqa: E402
-from rlhf_core.config import RunConfig  # noqa: E402
+from components.kuberay.launcher import ClusterLaunchError, Launcher, kube_apis 
+from components.kuberay.render import render_raycluster 
+from components.kuberay.spec import KubeSpec 
+from rlhf_core.config import RunConfig 
 
 PATH = "/apis/ray.io/v1/namespaces/rlhf/rayclusters"
 
@@ -43,22 +39,42 @@ def test_creates_waits_until_ready_then_reuses():
         assert again.reused and fake.verbs("POST") == [PATH]
 
 
-def test_a_concurrent_creator_wins_and_we_reuse_its_cluster():
+def test_two_launchers_at_once_create_one_cluster_and_both_use_it():
+    """Two iterations' launches run at the same time: both find no cluster, both POST;
+    the API server creates it once (the other gets 409 and waits on the winner's), and
+    both return the same cluster."""
     with FakeKubeAPI(ready_after_polls=0) as fake:
-        fake.clusters[("rlhf", "rlhf-nightly")] = body()  # appears between our GET and POST
+        both_looked = threading.Barrier(2)
         real_get = Launcher.get
-        calls = []
+        missed: list[str] = []
 
-        def first_get_misses(self, name):
-            calls.append(name)
-            return None if len(calls) == 1 else real_get(self, name)
+        def get_then_wait_for_the_other(self, name):
+            found = real_get(self, name)
+            if found is None and len(missed) < 2:
+                missed.append(name)
+                both_looked.wait(timeout=30)  # neither POSTs before both saw no cluster
+            return found
 
-        Launcher.get = first_get_misses
+        results, logs = {}, {"a": [], "b": []}
+
+        def launch(who: str) -> None:
+            results[who] = launcher(fake, logs[who]).ensure(body(), timeout_s=30)
+
+        Launcher.get = get_then_wait_for_the_other
         try:
-            address = launcher(fake).ensure(body(), timeout_s=30)
+            threads = [threading.Thread(target=launch, args=(who,)) for who in ("a", "b")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
         finally:
             Launcher.get = real_get
-        assert address.name == "rlhf-nightly" and fake.verbs("POST") == [PATH]  # 409, then waited on it
+        assert not any(t.is_alive() for t in threads) and set(results) == {"a", "b"}, results
+        assert len(missed) == 2 and fake.verbs("POST") == [PATH, PATH]  # both tried to create
+        assert list(fake.clusters) == [("rlhf", "rlhf-nightly")]
+        assert results["a"].ray_address == results["b"].ray_address
+        created = [who for who in logs if "created RayCluster rlhf/rlhf-nightly" in logs[who]]
+        assert len(created) == 1, logs
 
 
 def test_timeout_reports_pod_phases_and_events():

@@ -3,7 +3,6 @@ CRD schemas (../shared/kuberay-crds/): the example configs, a property-based swe
 shapes and run ids, and bad input refused before anything is written or sent."""
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from components.kuberay import crd  # noqa: E402
-from components.kuberay.names import KubeNameError, cluster_name, is_dns1035_label  # noqa: E402
-from components.kuberay.render import PoolShapeError, render_all, render_rayjob  # noqa: E402
-from components.kuberay.spec import DeploySpecError, KubeSpec, load_deployment  # noqa: E402
-from rlhf_core.cli import main  # noqa: E402
-from rlhf_core.config import RunConfig, apply_overrides  # noqa: E402
+from components.kuberay import crd
+from components.kuberay.names import KubeNameError, cluster_name, is_dns1035_label
+from components.kuberay.render import PoolShapeError, render_all, render_rayjob
+from components.kuberay.spec import DeploySpecError, KubeSpec, load_deployment
+from rlhf_core.cli import main
+from rlhf_core.config import RunConfig, apply_overrides
 
 CRDS = ROOT.parent / "shared" / "kuberay-crds"
 CONFIGS = sorted((ROOT / "manifests" / "configs").glob("*.yaml"))

@@ -56,6 +56,8 @@ def race(run, holders, ttl_s=30.0, work_s=0.2):
         t.start()
     for t in threads:
         t.join(60)
+    assert not any(t.is_alive() for t in threads), "a contender did not finish"
+    assert sorted(outcome) == sorted(holders), outcome  # every contender reported how it ended
     return outcome
 
 
@@ -74,27 +76,33 @@ def test_controllers_racing_for_one_iteration_commit_once(run):
 
 
 def test_a_live_holder_slower_than_the_ttl_keeps_its_lease(run):
-    """Renewal runs in the background, independent of how long the work takes."""
-    ttl = 1.5
+    """Renewal runs in the background, independent of how long the work takes: the
+    holder keeps the lease through three renewals (more than a TTL of "work"), and a
+    contender asking right after each renewal is refused."""
+    ttl = 3.0
     log = LeaseLog(run, 0, ttl)
     slow = log.acquire("kfp:slow/run-iteration")
     keeper = LeaseKeeper(log, slow)
     try:
-        deadline = time.monotonic() + 3 * ttl  # three TTLs of "work"
-        while time.monotonic() < deadline:
+        generation, started = log.latest()[0], time.monotonic()
+        for _ in range(3):
+            deadline = time.monotonic() + 60
+            while log.latest()[0] == generation and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert log.latest()[0] > generation, "the keeper did not renew"
+            generation = log.latest()[0]
             assert log.acquire("kfp:eager/run-iteration") == "kfp:slow/run-iteration"
-            time.sleep(0.2)
+        assert time.monotonic() - started > ttl  # the work outlived one TTL
         keeper.check()
     finally:
         keeper.close()
 
 
 def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run):
-    log = LeaseLog(run, 0, ttl_s=1.0)
-    dead = log.acquire("local:another-host:4242")  # it never renews: that host is gone
+    dead = LeaseLog(run, 0, ttl_s=900).acquire("local:another-host:4242")  # it never renews: that host is gone
     assert isinstance(dead, Lease)
-    assert log.acquire("local:this-host-b:1") == "local:another-host:4242"  # fresh: not yet
-    time.sleep(1.2)
+    assert LeaseLog(run, 0, ttl_s=900).acquire("local:this-host-b:1") == "local:another-host:4242"  # fresh: not yet
+    time.sleep(1.2)  # older than a 1 s TTL from now on (ages only grow)
     outcome = race(run, ["kfp:a/run-iteration", "kfp:b/run-iteration"], ttl_s=1.0)
     assert sorted(outcome.values())[0] in ("already committed", "committed") and \
         list(outcome.values()).count("committed") == 1, outcome
@@ -119,33 +127,50 @@ def test_a_retried_task_takes_over_at_once_and_the_old_pod_cannot_commit(run):
 
 def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
     """Both pods of one task run at the same time (the first was partitioned away, not
-    dead): whatever the interleaving, one commit, made under the newest token."""
-    log = LeaseLog(run, 0, ttl_s=900)
-    first = log.acquire("kfp:run-8/run-iteration")
-    barrier = threading.Barrier(2)
-    outcome = {}
+    dead) and go for the commit together, several rounds: whatever the interleaving,
+    exactly one commits, under a token it still held; the other finds its lease lost or
+    the iteration committed."""
+    for round_ in range(4):
+        where = run.child(f"round-{round_}")
+        log = LeaseLog(where, 0, ttl_s=900)
+        first = log.acquire("kfp:run-8/run-iteration")
+        barrier = threading.Barrier(2)
+        outcome = {}
 
-    def old_pod():
-        keeper = LeaseKeeper(log, first)
-        barrier.wait()
-        time.sleep(0.3)  # the retry takes over meanwhile
-        try:
-            keeper.check()
-            sfs.put_create_only(run.child("iter-000000", "MANIFEST.json"), json.dumps({"token": first.token}).encode())
-            outcome["old"] = "committed"
-        except LeaseLost:
-            outcome["old"] = "lost"
-        finally:
-            keeper.close()
+        def commit(name: str, keeper: LeaseKeeper) -> None:
+            try:
+                keeper.check()
+                sfs.put_create_only(where.child("iter-000000", "MANIFEST.json"),
+                                    json.dumps({"token": keeper.lease.token}).encode())
+                outcome[name] = "committed"
+            except LeaseLost:
+                outcome[name] = "lost"
+            except SnapshotExistsError:
+                outcome[name] = "already committed"
+            finally:
+                keeper.close()
 
-    thread = threading.Thread(target=old_pod)
-    thread.start()
-    barrier.wait()
-    retry = log.acquire("kfp:run-8/run-iteration")
-    thread.join(30)
-    keeper = LeaseKeeper(log, retry)
-    keeper.check()
-    sfs.put_create_only(run.child("iter-000000", "MANIFEST.json"), json.dumps({"token": retry.token}).encode())
-    keeper.close()
-    assert outcome == {"old": "lost"}
-    assert committed(run)["token"] == retry.token
+        def old_pod():
+            keeper = LeaseKeeper(log, first)
+            barrier.wait()
+            commit("old", keeper)
+
+        def retry_pod():
+            barrier.wait()
+            lease = log.acquire("kfp:run-8/run-iteration")  # the same task: taken over at once
+            assert isinstance(lease, Lease) and lease.token > first.token
+            if sfs.read_bytes(where.child("iter-000000", "MANIFEST.json")) is not None:
+                outcome["retry"] = "already committed"
+                log.release(lease)
+                return
+            commit("retry", LeaseKeeper(log, lease))
+
+        threads = [threading.Thread(target=old_pod), threading.Thread(target=retry_pod)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads) and set(outcome) == {"old", "retry"}, outcome
+        assert list(outcome.values()).count("committed") == 1, outcome
+        token = json.loads(sfs.read_bytes(where.child("iter-000000", "MANIFEST.json")))["token"]
+        assert token == (first.token if outcome["old"] == "committed" else first.token + 1), (outcome, token)

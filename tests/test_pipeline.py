@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
-    sys.path.insert(0, str(ROOT))
     from pipelines.ppo_iteration import COMPILED, COMPILED_FINETUNE, COMPILED_KUBERAY, compile_all
 
     compile_all(tmp_path)
@@ -58,7 +57,6 @@ def test_a_parent_model_the_run_has_moved_past_is_refused(tmp_path):
 
 
 def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
-    sys.path.insert(0, str(ROOT))
     from pipelines.ppo_iteration import COMPILED_KUBERAY
 
     text = COMPILED_KUBERAY.read_text()

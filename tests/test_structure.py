@@ -113,6 +113,13 @@ def test_no_production_module_imports_the_test_helpers():
     assert not offenders, offenders
 
 
+def test_tests_do_not_edit_sys_path():
+    """The package is installed (editable); tests import it, and their helpers, as is."""
+    offenders = [str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")
+                 if p.name != "test_structure.py" and "sys.path." in p.read_text()]
+    assert not offenders, offenders
+
+
 def test_kubeflow_commands_arrive_as_plugins_and_the_library_loads_without_them():
     """`rlhf submit/schedule/compile/manifests` come from the entry points; importing the
     CLI and the trainer loads no kfp/kubernetes/components/pipelines module."""
