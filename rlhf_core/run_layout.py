@@ -19,7 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from rlhf_core.snapshot.layout import MANIFEST_NAME as SNAPSHOT_MARKER  # noqa: F401  (a stage's commit marker)
+from rlhf_core.snapshot.layout import MANIFEST_NAME
+
+SNAPSHOT_MARKER = MANIFEST_NAME  # a stage's commit marker (the snapshot format's manifest)
 
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS, LEASES, REPLAYS = "checkpoints", "leases", "replays"

@@ -3,7 +3,6 @@
 import json
 import os
 
-import numpy as np
 import pytest
 
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict

@@ -1,6 +1,5 @@
 """DataProto across real Ray actors: the wire is the same pickle-free format."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -14,7 +14,7 @@ from rlhf_core.snapshot import snapshot_info
 from rlhf_core.trainer.replay import ReplayError, replay
 from rlhf_core.trainer.run import run_direct
 
-from test_resume import small_config
+from helpers import small_config
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 # PPO with a critic and a reference model: every replayable stage exists

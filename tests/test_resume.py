@@ -4,11 +4,11 @@ where an uninterrupted run ends (weights and every committed snapshot bit-identi
 import hashlib
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+from helpers import fingerprint, small_config
+from rlhf_core.config import ConfigError, apply_overrides
 from rlhf_core.trainer.run import run_direct
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -23,31 +23,11 @@ class Crash(RuntimeError):
     pass
 
 
-def small_config(out: Path) -> RunConfig:
-    return apply_overrides(RunConfig(), ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
-                                         "trainer.progress=false", f"trainer.output_dir={out}"])
-
-
 def crash_at(iteration, stage):
     def hook(it, name):
         if (it, name) == (iteration, stage):
             raise Crash(f"injected at iteration {it}, stage {name}")
     return hook
-
-
-def fingerprint(store: Path, run_id: str) -> dict:
-    """Checksums of everything that must be identical: snapshot objects, checkpoints."""
-    root = store / run_id
-    out = {}
-    for manifest in sorted(root.glob("iter-*/*/SNAPSHOT.json")):
-        rel = str(manifest.parent.relative_to(root))
-        out[rel] = json.loads(manifest.read_text())["objects"]
-    # the shards and every rank's schedule + RNG file (DCP's .metadata also records where
-    # it was written, so it differs between two stores by design)
-    for ckpt in sorted([*root.glob("checkpoints/step-*/*/__*.distcp"), *root.glob("checkpoints/step-*/*/rank-*.pt")]):
-        out[str(ckpt.relative_to(root))] = hashlib.sha256(ckpt.read_bytes()).hexdigest()
-    assert any(k.endswith(".distcp") for k in out), "the checkpoints hold shard files"
-    return out
 
 
 def test_interrupted_run_resumes_bit_identical(tmp_path):

@@ -6,13 +6,11 @@ checkpoint folders, lease logs), on local disk and on SeaweedFS; no workers are 
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.retention import RetentionPolicy, collect, plan_gc
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.snapshot import IncompleteSnapshotError, load_snapshot, save_snapshot, verify_snapshot
+from rlhf_core.snapshot import IncompleteSnapshotError, load_snapshot, verify_snapshot
 from rlhf_core.trainer.iteration_store import IterationStore
 from rlhf_core.trainer.lease import LeaseLog
 

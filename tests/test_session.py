@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_resume import fingerprint, small_config
+from helpers import fingerprint, small_config
 
 from rlhf_core import ray_head, session
 from rlhf_core.config import apply_overrides

@@ -7,7 +7,6 @@ speed or final reward: those are the learning benchmark's job.
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
-from typing import Any
 
-from rlhf_core.controller.dispatch import Dispatch, register
 
 # Environment a WorkerGroup sets on each actor (torch.distributed's env:// contract).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 from rlhf_core.snapshot.errors import SnapshotSchemaError
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
