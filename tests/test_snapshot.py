@@ -9,6 +9,7 @@ import textwrap
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,13 +209,30 @@ def test_second_commit_is_refused_and_first_is_untouched(store):
 def test_racing_writers_one_wins_and_the_loser_cleans_up(store, monkeypatch):
     base, opts = store
     uri = f"{base}/race"
-    # Both writers pass the early existence check, as two processes would.
+    # Both writers pass the early existence check, as two processes would, and write at
+    # the same time (threads released together): exactly one commit lands.
     monkeypatch.setattr(sfs, "read_bytes", lambda loc: None)
-    winner = save_snapshot(sample_batch(), uri, storage_options=opts)
-    with pytest.raises(SnapshotExistsError):
-        save_snapshot(sample_batch(6), uri, storage_options=opts)
+    go, results = threading.Barrier(2), {}
+
+    def write(rows: int) -> None:
+        go.wait(timeout=30)
+        try:
+            results[rows] = save_snapshot(sample_batch(rows), uri, storage_options=opts)
+        except SnapshotExistsError as exc:
+            results[rows] = exc
+
+    writers = [threading.Thread(target=write, args=(rows,)) for rows in (4, 6)]
+    for t in writers:
+        t.start()
+    for t in writers:
+        t.join(60)
     monkeypatch.undo()
-    assert_same(load_snapshot(uri, storage_options=opts, verify="full"), sample_batch())
+    assert not any(t.is_alive() for t in writers) and set(results) == {4, 6}
+    lost = [rows for rows, r in results.items() if isinstance(r, SnapshotExistsError)]
+    assert len(lost) == 1, results
+    won = 10 - lost[0]
+    winner = results[won]
+    assert_same(load_snapshot(uri, storage_options=opts, verify="full"), sample_batch(won))
     _, paths = objects_under(base, opts, "race")
     prefixes = {p.split("/race/")[1].split("/")[0] for p in paths}
     assert prefixes == {"SNAPSHOT.json", winner.data_prefix}, prefixes
@@ -627,3 +645,27 @@ def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path
     fresh.flush()
     assert set(snapshot_info(fresh.stage_uri(0, "values")).fields) == {"values"}
     assert_same(load_snapshot(fresh.stage_uri(0, "values")), loaded)
+
+
+# ------------------------------------------------------------------ older formats
+
+SCHEMA1 = Path(__file__).parent / "data" / "schema1-snapshot"
+
+
+def test_a_schema_1_snapshot_written_by_the_old_writer_still_reads():
+    """tests/data/schema1-snapshot was written by the writer of commit c91df48 (schema 1,
+    before delta snapshots): today's reader verifies it in full, loads it whole and in
+    part, and reports its schema version."""
+    manifest = json.loads((SCHEMA1 / "SNAPSHOT.json").read_text())
+    assert manifest["schema_version"] == 1 and "base" not in manifest
+    uri = f"file://{SCHEMA1}"
+    assert verify_snapshot(uri).schema_version == 1
+    dp = load_snapshot(uri, verify="full")
+    assert torch.equal(dp.batch["ids"], torch.arange(12, dtype=torch.int64).reshape(4, 3))
+    assert torch.equal(dp.batch["scores"], torch.linspace(0, 1, 8, dtype=torch.float32).reshape(4, 2))
+    assert dp.batch["mask"].dtype == torch.int32 and dp.batch["mask"].sum().item() == 6
+    assert list(dp.non_tensor_batch["uid"]) == ["a", "b", "c", "d"]
+    assert list(dp.non_tensor_batch["text"]) == ["x", "yy", "", "zzz"]
+    assert dp.meta_info == {"global_step": 3, "note": "schema 1"}
+    part = load_snapshot(uri, fields=["scores", "text"], rows=[1, 3])
+    assert set(part.batch.keys()) == {"scores"} and list(part.non_tensor_batch["text"]) == ["yy", "zzz"]
