@@ -208,7 +208,8 @@ def _cmd_stop_session(args: argparse.Namespace) -> int:
         print("no ray head running; nothing to stop")
         return 0
     ray_head.connect(info, session.namespace_of(args.run_id))
-    print("session stopped" if session.stop(args.run_id, info) else "no session for run " + args.run_id)
+    stopped = session.stop(args.run_id, info)
+    print(f"session stopped: {stopped}" if stopped else "no session for run " + args.run_id)
     return 0
 
 

@@ -333,7 +333,24 @@ def _job_live(head, submission_id: str) -> bool:
         return False
 
 
-def stop(run_id: str, head=None) -> bool:
+@dataclass
+class Stopped:
+    """What ``stop`` ended (true when anything was there to end)."""
+
+    job: bool = False
+    workers: int = 0
+    placement_groups: int = 0
+    record: bool = False
+
+    def __bool__(self) -> bool:
+        return self.job or self.record or bool(self.workers or self.placement_groups)
+
+    def __str__(self) -> str:
+        return (f"job {'stopped' if self.job else 'not running'}, {self.workers} worker(s) killed, "
+                f"{self.placement_groups} placement group(s) removed")
+
+
+def stop(run_id: str, head=None) -> Stopped:
     """End the run's session: stop its job (when ``head`` is given), kill its actors and
     remove every placement group of its pools (every pool, every node), also when the
     session's record is already gone (a serve job that died leaves its groups behind)."""
@@ -343,13 +360,13 @@ def stop(run_id: str, head=None) -> bool:
     from rlhf_core.ray_head import jobs_client
     from rlhf_core.workers.worker_set import pool_prefixes
 
-    stopped = False
+    stopped = Stopped()
     if head is not None:
         client = jobs_client(head)
         job = find_job(client, run_id)
         if job is not None:
             client.stop_job(job.submission_id)
-            stopped = True
+            stopped.job = True
     try:
         record = ray.get_actor(SESSION_ACTOR, namespace=namespace_of(run_id))
         info = ray.get(record.get.remote(), timeout=30)
@@ -358,6 +375,7 @@ def stop(run_id: str, head=None) -> bool:
     for name in info.get("worker_names", []):
         try:
             ray.kill(ray.get_actor(name, namespace=namespace_of(run_id)), no_restart=True)
+            stopped.workers += 1
         except Exception:
             pass
     try:
@@ -366,6 +384,8 @@ def stop(run_id: str, head=None) -> bool:
         pass
     if record is not None:
         ray.kill(record, no_restart=True)
+        stopped.record = True
     groups = placement_groups_named(pool_prefixes(pool_name_of(run_id)))
     remove_placement_groups(groups)
-    return stopped or record is not None or bool(groups)
+    stopped.placement_groups = len(groups)
+    return stopped

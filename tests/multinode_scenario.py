@@ -152,6 +152,7 @@ def stop_session_groups(cfg) -> dict:
     worker_names = workers.worker_names
     before = groups()
     stopped = session.stop(run_id)
+    report = {"workers": stopped.workers, "placement_groups": stopped.placement_groups}
     deadline = time.monotonic() + 30
     while set(groups()) - {BYSTANDER} and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -164,8 +165,8 @@ def stop_session_groups(cfg) -> dict:
             pass
     after = groups()
     ray.util.remove_placement_group(bystander)
-    return {"before": before, "after": after, "stopped": stopped, "workers": len(worker_names),
-            "workers_alive_after": alive}
+    return {"before": before, "after": after, "stopped": bool(stopped), "report": report,
+            "workers": len(worker_names), "workers_alive_after": alive}
 
 
 if __name__ == "__main__":

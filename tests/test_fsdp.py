@@ -143,3 +143,35 @@ def test_micro_batches_accumulate_the_mini_batch_gradient(mode):
 
     whole, micro = grads(0), grads(3)  # 8 rows as 3 + 3 + 2
     assert max((whole[k] - micro[k]).abs().max().item() for k in whole) < 1e-6
+
+
+def _stream_rank(rank: int, world: int, rdzv: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    from rlhf_core.controller.worker import Worker
+    from rlhf_core.workers import modeling, sharding
+
+    model = modeling.init_distributed_model(Worker(), _model(), sharding.ShardingSpec(strategy="fsdp"))
+    dropped, kept, held = sharding.GatherMeter(), sharding.GatherMeter(), []
+    sizes = {}
+    for name, tensor in sharding.stream_full_parameters(model, dropped):  # the consumer drops each one
+        sizes[name] = tensor.numel() * tensor.element_size()
+        del tensor
+    for name, tensor in sharding.stream_full_parameters(model, kept):  # one that keeps them all
+        held.append(tensor)
+    if rank == 0:
+        torch.save({"dropped": dropped.peak, "kept": kept.peak, "count": dropped.count, "sizes": sizes}, out)
+
+
+def test_weight_sync_streams_one_gathered_tensor_at_a_time(tmp_path):
+    """The metric perf/weight_sync_peak_gathered_mib measures what it says: streaming the
+    sharded weights to a consumer that drops each tensor peaks at the largest single
+    tensor (not a model copy); a consumer that keeps them all peaks at their sum."""
+    out = str(tmp_path / "stream.pt")
+    mp.start_processes(_stream_rank, args=(2, uuid.uuid4().hex[:8], out), nprocs=2, start_method="spawn")
+    seen = torch.load(out)
+    gathered = seen["sizes"]
+    assert seen["count"] == len(gathered) > 3
+    assert seen["dropped"] == max(gathered.values())
+    assert seen["kept"] == sum(gathered.values()) > 2 * seen["dropped"]

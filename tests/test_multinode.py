@@ -38,7 +38,8 @@ def test_fsdp_pool_over_nodes_trains_resumes_and_refuses_what_cannot_fit(tmp_pat
         # run's group is untouched
         stop = seen["session_stop"]
         bystander = "mn-session-other_pool_pg0"
-        assert stop["stopped"] is True
+        assert stop["stopped"] is True and stop["report"] == {"workers": nodes * ranks_per_node + 1,
+                                                              "placement_groups": 3}, stop
         assert set(stop["before"]) == {"mn-session_pool_pg0", "mn-session_pool_pg1", "mn-session_pool_critic_pg0",
                                        bystander}, stop
         assert set(stop["after"]) == {bystander}, stop

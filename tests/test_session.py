@@ -33,12 +33,16 @@ def head_root(tmp_path):
                    capture_output=True, timeout=120)
 
 
-def iterate(tmp_path, head_root, *extra, overrides=(), kill_at=None, check=True):
-    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
-    # a user's shell: none of the Ray settings this test process made for its own Ray
-    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH",
-                 *ray_head.LOOPBACK_ENV):
+def user_env() -> dict:
+    """A user's shell: none of the Ray settings this test process made for its own Ray."""
+    env = dict(os.environ)
+    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", *ray_head.LOOPBACK_ENV):
         env.pop(name, None)
+    return env
+
+
+def iterate(tmp_path, head_root, *extra, overrides=(), kill_at=None, check=True):
+    env = {**user_env(), "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     if kill_at:
         env["RLHF_KILL_AT"] = kill_at
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet",
@@ -173,11 +177,28 @@ def test_session_job_ends_when_idle(tmp_path, head_root):
         assert time.monotonic() < deadline, job[1][-2000:]
         time.sleep(1)
     assert "ended (idle)" in job[1]
-    time.sleep(2)
-    assert not session_worker_pids(head_root)
+    wait_until(lambda: not session_worker_pids(head_root), "the idle session's workers to exit")
     # the next trigger brings a new session up from the checkpoint
     out = iterate(tmp_path, head_root).stdout
     assert "job rlhf-session-run-2" in out and "iteration 1:" in out
+    # and `rlhf stop-session` ends it: its job, its workers and every placement group
+    assert session_worker_pids(head_root)
+    stop = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stop-session", "--run-id", "run", "--head-root",
+                           str(head_root)], capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stdout + stop.stderr[-2000:]
+    # (the serve job, told to stop, also kills its workers and releases its pool: who
+    # got there first varies, so the counts are not asserted here; test_multinode is exact)
+    assert "session stopped: job stopped" in stop.stdout, stop.stdout
+    wait_until(lambda: session_job(head_root, "rlhf-session-run-2")[0] == "STOPPED", "the session job to stop")
+    wait_until(lambda: not session_worker_pids(head_root), "the stopped session's workers to exit")
+
+
+def wait_until(condition, what: str, timeout_s: float = 120.0) -> None:
+    """Poll ``condition`` with a deadline far beyond what a loaded machine needs."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
 
 
 SECRET = "rlhf-test-secret-" + "7f3a9c1e5b"  # never written anywhere but the user's 0600 file
@@ -288,9 +309,7 @@ def test_two_controllers_started_together_commit_the_iteration_once(tmp_path, he
     weights are those of a run nobody raced."""
     os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
     iterate(tmp_path, head_root)  # iteration 0, and a live session
-    env = {**os.environ}
-    for name in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", *ray_head.LOOPBACK_ENV):
-        env.pop(name, None)
+    env = user_env()
     argv = [sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet", "--store",
             f"file://{tmp_path / 'store'}", "--head-root", str(head_root), *OVERRIDES,
             f"trainer.output_dir={tmp_path / 'out'}"]
