@@ -31,11 +31,14 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
 
 
 def register(sub, api) -> None:
+    from rlhf_core.cli_args import add_run_arguments
+
     man = sub.add_parser("manifests", help="render the run's KubeRay RayCluster and RayJob as YAML")
     man.add_argument("--config", default=None, help="deployment file: run config sections plus a `kubernetes:` "
                      "section (default: the default run config; see manifests/configs/)")
-    man.add_argument("--run-id", default="demo", help="names the cluster (normalized to a DNS-1035 label)")
-    man.add_argument("--store", default="s3://rlhf/runs", help="object store URI the session restores from")
+    add_run_arguments(man, run_id="demo", store="s3://rlhf/runs",
+                      run_id_help="names the cluster (normalized to a DNS-1035 label)",
+                      store_help="object store URI the session restores from")
     man.add_argument("--out", required=True, help="folder for raycluster.yaml and rayjob.yaml")
     man.add_argument("--crds", default=None, help="validate against the KubeRay CRDs in this folder first")
     man.add_argument("overrides", nargs="*")

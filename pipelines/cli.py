@@ -121,6 +121,8 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 def register(sub, api) -> None:
     """Add this package's subcommands to ``rlhf`` and its pipeline runner to ``rlhf run``."""
+    from rlhf_core.cli_args import REQUIRED, add_run_arguments
+
     api.register_run_mode("pipeline", run_pipeline)
     for name, func, text in (("submit", _cmd_submit, "run one iteration on a Kubeflow Pipelines server"),
                              ("schedule", _cmd_schedule, "a recurring run on a Kubeflow Pipelines server: "
@@ -140,8 +142,8 @@ def register(sub, api) -> None:
                                 "when the mean reward of the last 5 iterations reaches this")
             remote.add_argument("--budget-s", type=float, default=None, help="with --iterations: wall-clock "
                                 "budget of the fine-tune in seconds")
-        remote.add_argument("--run-id", required=True, help="the run the iterations belong to")
-        remote.add_argument("--store", required=True, help="object store URI of the run, e.g. s3://bucket/runs")
+        add_run_arguments(remote, store=REQUIRED, run_id_help="the run the iterations belong to",
+                          store_help="object store URI of the run, e.g. s3://bucket/runs")
         remote.add_argument("--namespace", default=None, help="Kubeflow profile namespace (multi-user servers)")
         remote.add_argument("--experiment", default="rlhf", help="KFP experiment the runs go to")
         remote.add_argument("--deployment", default=None, help="deployment file whose `kubernetes:` and "

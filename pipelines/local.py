@@ -136,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     """One per-iteration pipeline run on the local runner (what the stand-in starts)."""
     import argparse
 
+    from rlhf_core.cli_args import REQUIRED, add_run_arguments
+
     parser = argparse.ArgumentParser(prog="python -m pipelines.local")
-    parser.add_argument("--run-id", required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--head-root", required=True)
+    add_run_arguments(parser, store=REQUIRED, head_root=REQUIRED)
     parser.add_argument("--root", required=True)
     parser.add_argument("--lease-holder", default="")
     parser.add_argument("--parent-model", default="")

@@ -10,14 +10,13 @@ import os
 import signal
 
 from components.driver import Plan, drive, report_markdown
+from rlhf_core.cli_args import REQUIRED, add_run_arguments
 from pipelines.local import LocalKfpStandIn
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.local_finetune")
-    parser.add_argument("--run-id", required=True)
-    parser.add_argument("--store", required=True)
-    parser.add_argument("--head-root", required=True)
+    add_run_arguments(parser, store=REQUIRED, head_root=REQUIRED)
     parser.add_argument("--root", required=True, help="folder for the local pipeline runs")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--more", type=int, default=None)

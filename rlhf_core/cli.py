@@ -304,6 +304,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from rlhf_core.cli_args import ABSENT, add_run_arguments
     from rlhf_core.ray_head import default_head_root
 
     parser = argparse.ArgumentParser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
@@ -314,9 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "trainer.total_iterations); running the same command again finishes the run, then does "
                      "nothing")
     run.add_argument("--more", type=int, default=None, help="train this many iterations more than the run has")
-    run.add_argument("--store", default=None, help="fsspec URI for snapshots and checkpoints (default runs/store)")
-    run.add_argument("--run-id", default=None, help="name of the run (default: timestamped); an existing "
-                     "run id continues from its last committed iteration")
+    add_run_arguments(run, run_id=None, run_id_help="name of the run (default: timestamped); an existing run "
+                      "id continues from its last committed iteration")
     run.add_argument("--direct", action="store_true", help="run every iteration in this one process instead "
                      "of one Kubeflow pipeline run (KFP local runner) per iteration")
     run.add_argument("--keep-session", action="store_true", help="leave the local Ray head and the run's "
@@ -331,26 +331,20 @@ def build_parser() -> argparse.ArgumentParser:
     head.set_defaults(func=_cmd_head)
 
     it = sub.add_parser("iterate", help="run iterations against the run's long-lived session")
-    it.add_argument("--run-id", required=True)
-    it.add_argument("--store", default=None, help="fsspec URI of the snapshot store (default runs/store)")
+    add_run_arguments(it, head_root=None)
     it.add_argument("--iterations", type=int, default=1)
-    it.add_argument("--head-root", default=None, help="folder of the local Ray head, started if absent "
-                    "(default: {trainer.output_dir}/head, the one `rlhf run` uses)")
     it.add_argument("--quiet", action="store_true", help="no config dump, no progress bars")
     it.add_argument("overrides", nargs="*")
     it.set_defaults(func=_cmd_iterate)
 
     serve = sub.add_parser("serve", help="start the run's long-lived session as a Ray job (Jobs API)")
-    serve.add_argument("--run-id", required=True)
-    serve.add_argument("--store", default=None, help="where the run's checkpoints are (default runs/store)")
-    serve.add_argument("--head-root", default=None, help="folder of the local Ray head, started if absent")
+    add_run_arguments(serve, head_root=None)
     serve.add_argument("--foreground", action="store_true", help=argparse.SUPPRESS)  # the job's entrypoint
     serve.add_argument("overrides", nargs="*")
     serve.set_defaults(func=_cmd_serve)
 
     stop = sub.add_parser("stop-session", help="kill the run's session actors")
-    stop.add_argument("--run-id", required=True)
-    stop.add_argument("--head-root", default=default_head_root())
+    add_run_arguments(stop, store=ABSENT, head_root=default_head_root())
     stop.set_defaults(func=_cmd_stop_session)
 
     rep = sub.add_parser("replay", help="re-run a stage of a committed iteration from its saved input and compare")
