@@ -30,15 +30,11 @@ import torch.multiprocessing as mp
 
 
 def build_model(layers: int, hidden: int):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlhf_core.workers.modeling import qwen2_from_config
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                         num_key_value_heads=hidden // 64, max_position_embeddings=512, tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(config)
-    model.config.use_cache = False
-    return model
+    return qwen2_from_config(0, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                             num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                             num_key_value_heads=hidden // 64, max_position_embeddings=512, tie_word_embeddings=True)
 
 
 def _bytes(tensors) -> int:

@@ -18,15 +18,11 @@ ROWS, SEQ = 8, 12
 
 
 def _model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rlhf_core.workers.modeling import qwen2_from_config
 
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                         tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
-    model.config.use_cache = False
-    return model
+    return qwen2_from_config(0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                             tie_word_embeddings=False)
 
 
 def _data(step: int) -> torch.Tensor:

@@ -85,13 +85,13 @@ def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
 
 def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlhf_core.workers.modeling import qwen2_from_config
 
     torch.manual_seed(seed)
     build_tokenizer(path)  # saved next to the model
-    config = Qwen2Config(vocab_size=len(VOCAB), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                         tie_word_embeddings=False, torch_dtype="float32", **MODEL_SHAPE)
-    model = Qwen2ForCausalLM(config)
+    model = qwen2_from_config(use_cache=True, vocab_size=len(VOCAB), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                              tie_word_embeddings=False, torch_dtype="float32", **MODEL_SHAPE)
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START["lr"])
     rows = make_rows(4096, seed=seed + 99)  # SFT prompts differ from the RL prompts
     eval_rows = make_rows(128, seed=seed + 7)

@@ -35,7 +35,9 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     of ``shape`` (default ``TINY``) with random weights."""
     import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf_core.workers.modeling import qwen2_from_config
 
     shape = dict(shape or TINY)
     corpus = [f"{q} {INSTRUCTION} {a} apples. #### {a}" for q, a in map(question, range(200))]
@@ -49,11 +51,10 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHATML
     fast.save_pretrained(path)
-    torch.manual_seed(seed)
     shape.setdefault("vocab_size", tok.get_vocab_size())
-    config = Qwen2Config(max_position_embeddings=2048, eos_token_id=tok.token_to_id("<|im_end|>"),
-                         pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None, **shape)
-    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    model = qwen2_from_config(seed, use_cache=True, max_position_embeddings=2048, eos_token_id=tok.token_to_id("<|im_end|>"),
+                              pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None, **shape)
+    model.save_pretrained(path, safe_serialization=True)
     return Path(path)
 
 
