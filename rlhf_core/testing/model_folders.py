@@ -33,7 +33,6 @@ def question(i: int) -> tuple[str, str]:
 def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> Path:
     """A Hugging Face folder at ``path``: tokenizer (with chat template) and a Qwen2 model
     of ``shape`` (default ``TINY``) with random weights."""
-    import torch
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
