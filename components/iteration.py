@@ -1,7 +1,10 @@
 """Kubeflow components for one PPO iteration: thin, typed wrappers over rlhf_core.
 
-Each function body imports rlhf_core and does one call; artifacts carry URIs and lineage
-metadata (run id, iteration, config hash, code version, parent), never bytes.
+``run_iteration`` is the controller of one pipeline run: it checks the parent checkpoint it
+was given, takes the lease holder's name from the KFP run and task, connects to the
+session's cluster, runs the iteration (``rlhf_core.session_iteration.iterate``) and writes
+the report and the output artifacts. Artifacts carry URIs and lineage metadata (run id,
+iteration, config hash, code version, parent), never bytes.
 """
 
 

@@ -3,8 +3,9 @@
 ``ppo_iteration`` runs against a Ray head on the machine that runs it (the KFP local
 runner here; `rlhf run`). ``ppo_iteration_kuberay`` is the one for a Kubeflow server: it
 first launches (or reuses) the run's KubeRay cluster and tears it down by policy when the
-run ends. Both are compiled to YAML next to this file (checked in; CI verifies they match
-a fresh compile) for upload in the Kubeflow UI.
+run ends. ``finetune`` drives a whole fine-tune, one per-iteration run after another
+(``components/finetune.py``). All three are compiled to YAML next to this file (checked
+in; a test verifies they match a fresh compile) for upload in the Kubeflow UI.
 """
 
 
