@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 
 def build_model(layers: int, hidden: int):
-    from rlhf_core.workers.modeling import qwen2_from_config
+    from rlhf_core.workers.qwen2 import qwen2_from_config
 
     return qwen2_from_config(0, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                              num_hidden_layers=layers, num_attention_heads=hidden // 64,

@@ -1,9 +1,93 @@
-"""Shared fixtures: a local Ray head owned by the test session."""
+"""Shared fixtures (a local Ray owned by the test session, a SeaweedFS server, one model
+cache) and the test tiers.
+
+Markers are applied here, by fixture and by module, so a new test cannot forget them:
+
+- ``ray``: uses a Ray cluster (the session's ``ray_local``, or a head of its own)
+- ``s3``: uses the SeaweedFS S3 server
+- ``session``: starts a long-lived training session on a local Ray head
+- ``kfp``: runs pipeline runs on the KFP local runner
+- ``multinode``: a simulated multi-node Ray cluster
+- ``slow``: everything above but ``s3``, and tests measured at more than ~10 s on a 2-core
+  machine (``SLOW``); the fast tier is ``-m "not slow"``
+
+A fast-tier test that takes longer than ``FAST_BUDGET_S`` is named at the end of the run,
+so it can be marked (a report, not an assertion: timing never fails a test).
+"""
 
 import os
 import tempfile
 
 import pytest
+
+FAST_BUDGET_S = 10.0
+
+#: Modules whose every test is in a tier (beyond what its fixtures say).
+MODULE_MARKS = {
+    "test_session": ("session", "ray", "slow"),
+    "test_finetune_driver": ("kfp", "session", "ray", "slow"),
+    "test_multinode": ("multinode", "ray", "slow"),
+    "test_fsdp": ("slow",),  # real ranks as processes (FSDP2 / DCP on gloo)
+}
+#: Single tests measured slow on a 2-core machine (``--durations``), by node id prefix.
+SLOW = (
+    "test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",
+    "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused",
+    "test_hardening.py::test_a_real_head_is_recognized_stopped_and_cleaned",
+    "test_hardening.py::test_a_run_adopts_the_head_of_a_dead_run_but_not_a_users_head",
+    "test_hardening.py::test_no_raw_exception_escapes_a_command",
+)
+FIXTURE_MARKS = {"ray_local": ("ray", "slow"), "s3_server": ("s3",)}
+KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",
+             "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        names = set(MODULE_MARKS.get(item.module.__name__, ()))
+        for fixture, marks in FIXTURE_MARKS.items():
+            if fixture in item.fixturenames:
+                names.update(marks)
+        node = item.nodeid.split("/")[-1]
+        if node.startswith(SLOW):
+            names.add("slow")
+        if node.startswith(KFP_TESTS):
+            names.add("kfp")
+        if "ray" in names or "session" in names:
+            names.add("slow")
+        for name in sorted(names):
+            item.add_marker(getattr(pytest.mark, name))
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _durations[report.nodeid] = report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    fast = {item.nodeid for item in getattr(config, "_rlhf_items", [])}
+    over = sorted((d, n) for n, d in _durations.items() if n in fast and d > FAST_BUDGET_S)
+    if over:
+        terminalreporter.write_line(f"fast-tier tests over {FAST_BUDGET_S:.0f} s (mark them slow in conftest.SLOW):")
+        for seconds, node in reversed(over):
+            terminalreporter.write_line(f"  {seconds:6.1f}s {node}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    session.config._rlhf_items = [item for item in session.items if item.get_closest_marker("slow") is None]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """One cache of built-in models for the whole test session (the warm-start SFT runs
+    once, not once per module); a cache the environment names is used as is."""
+    if "RLHF_CACHE" not in os.environ:
+        os.environ["RLHF_CACHE"] = str(tmp_path_factory.mktemp("rlhf-cache"))
+    yield os.environ["RLHF_CACHE"]
 
 # Every Ray this test session starts listens on loopback only and wants a token; Ray reads
 # these when it is imported, so before any test module imports it.

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlhf_core.algorithms import (
+    ADV_ESTIMATOR_SPECS,
     ADV_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -101,9 +102,13 @@ def test_registry_accepts_user_estimators():
     def constant(token_level_rewards, response_mask, **_):
         return response_mask, response_mask
 
-    assert "constant_one_for_test" in ADV_ESTIMATORS
-    with pytest.raises(KeyError, match="unknown advantage estimator 'nope'; registered: \\["):
-        get_adv_estimator_fn("nope")
+    try:
+        assert "constant_one_for_test" in ADV_ESTIMATORS
+        with pytest.raises(KeyError, match="unknown advantage estimator 'nope'; registered: \\["):
+            get_adv_estimator_fn("nope")
+    finally:  # leave the registry as the other tests expect it
+        ADV_ESTIMATORS.pop("constant_one_for_test")
+        ADV_ESTIMATOR_SPECS.pop("constant_one_for_test", None)
 
 
 def test_policy_loss_asymmetric_clip_by_hand():

@@ -1,7 +1,6 @@
 """Config overrides and the bad-input errors of the training path."""
 
 import json
-import os
 
 import pytest
 
@@ -32,7 +31,7 @@ def test_wrong_type_names_field_expected_and_found():
 def test_validate_catches_inconsistent_settings():
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(128\)"):
         apply_overrides(RunConfig(), ["actor.ppo_mini_batch_size=5"]).validate()
-    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: expected a registered name \(gae, grpo, .*\); "
+    with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: expected a registered name \(.*gae, grpo, .*\); "
                                           r"found 'ppo2'"):
         apply_overrides(RunConfig(), ["algorithm.adv_estimator=ppo2"]).validate()
     with pytest.raises(ConfigError, match="needs rollout.n >= 2"):
@@ -184,15 +183,15 @@ def test_loader_left_pads_keeps_uids_and_cursor(tmp_path):
     assert loader.cursor.to_dict() == {"epoch": 1, "position": 1}
 
 
-def test_prompt_tokenizer_matches_transformers(tmp_path, monkeypatch):
+def test_prompt_tokenizer_matches_transformers(tmp_path):
     """The controller's transformers-free tokenizer gives the ids AutoTokenizer gives."""
     from transformers import AutoTokenizer
 
+    from rlhf_core.data.builtin import build_tokenizer
     from rlhf_core.data.tokenizer import PromptTokenizer
-    from rlhf_core.workers.modeling import resolve_model_path
 
-    monkeypatch.setenv("RLHF_CACHE", os.environ.get("RLHF_CACHE", str(tmp_path / "cache")))
-    path = resolve_model_path("builtin:digits", 0, progress=False)
+    path = str(tmp_path / "tokenizer")  # the built-in model's tokenizer, as its folder holds it
+    build_tokenizer(path)
     fast, hf = PromptTokenizer(path), AutoTokenizer.from_pretrained(path)
     assert fast._hf is None  # the tokenizers-only path is the one under test
     assert (fast.bos_token_id, fast.pad_token_id) == (hf.bos_token_id, hf.pad_token_id)

@@ -18,7 +18,7 @@ ROWS, SEQ = 8, 12
 
 
 def _model():
-    from rlhf_core.workers.modeling import qwen2_from_config
+    from rlhf_core.workers.qwen2 import qwen2_from_config
 
     return qwen2_from_config(0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,

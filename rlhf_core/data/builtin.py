@@ -86,7 +86,7 @@ def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
 def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
     import torch
 
-    from rlhf_core.workers.modeling import qwen2_from_config
+    from rlhf_core.workers.qwen2 import qwen2_from_config
 
     torch.manual_seed(seed)
     build_tokenizer(path)  # saved next to the model

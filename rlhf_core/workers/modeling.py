@@ -31,19 +31,6 @@ def resolve_model_path(path: str, seed: int, progress: bool = False) -> str:
     return local
 
 
-def qwen2_from_config(seed: int | None = None, use_cache: bool = False, **config):
-    """A randomly initialized Qwen2 causal LM of the given ``Qwen2Config`` fields (the
-    built-in task's model, test and benchmark models); ``seed`` seeds torch first;
-    ``use_cache``: the KV cache, for a model folder that will serve generation."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if seed is not None:
-        torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**config))
-    model.config.use_cache = use_cache
-    return model
-
-
 def load_causal_lm(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
