@@ -38,7 +38,7 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
 
     from kfp import local
 
-    from pipelines.ppo_iteration import ppo_iteration
+    from pipelines.ppo_iteration import ppo_iteration_local as ppo_iteration
 
     Path(pipeline_root).mkdir(parents=True, exist_ok=True)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=pipeline_root,

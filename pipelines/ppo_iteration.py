@@ -24,6 +24,10 @@ HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
 COMPILED_KUBERAY = HERE / "ppo_iteration_kuberay.yaml"
 COMPILED_FINETUNE = HERE / "finetune.yaml"
+#: How long a failed controller waits before its retry: on a server a pod is rescheduled
+#: (and a node may be replaced); on this machine (the KFP local runner) nothing needs
+#: that long, and a crash's retry should resume promptly.
+RETRY_BACKOFF, LOCAL_RETRY_BACKOFF = "30s", "3s"
 
 
 
@@ -48,7 +52,7 @@ def _pod_settings(task, small: bool) -> None:
 
 
 def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder="",
-               parent_model="", prefetch_next=True):
+               parent_model="", prefetch_next=True, retry_backoff=RETRY_BACKOFF):
     # One controller pod per iteration (plus the cluster's launch, and the parent's import
     # on a server): the controller makes sure the session is up itself (it submits the
     # session job when there is none and waits for it) and writes the report, so separate
@@ -59,7 +63,7 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                              kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, lease_holder=lease_holder,
                              prefetch_next=prefetch_next, **parent)
-        step.set_retry(num_retries=2, backoff_duration="30s")  # stages are idempotent: a retry resumes
+        step.set_retry(num_retries=2, backoff_duration=retry_backoff)  # stages are idempotent: a retry resumes
         step.set_display_name("run-iteration")  # one of the two branches runs: the same name in the UI
         _pod_settings(step, small=False)
         return step
@@ -75,13 +79,23 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
     return linked, unlinked
 
 
-@dsl.pipeline(name="rlhf-ppo-iteration",
-              description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it stopped.")
-def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
-                  head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
-                  prefetch_next: bool = True):
-    _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder, parent_model=parent_model,
-               prefetch_next=prefetch_next)
+def _ppo_iteration(retry_backoff: str):
+    @dsl.pipeline(name="rlhf-ppo-iteration",
+                  description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it "
+                              "stopped.")
+    def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
+                      head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
+                      prefetch_next: bool = True):
+        _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder, parent_model=parent_model,
+                   prefetch_next=prefetch_next, retry_backoff=retry_backoff)
+
+    return ppo_iteration
+
+
+#: The per-iteration pipeline as compiled for a Kubeflow server, and as the KFP local
+#: runner runs it on this machine (the same but for the retry backoff).
+ppo_iteration = _ppo_iteration(RETRY_BACKOFF)
+ppo_iteration_local = _ppo_iteration(LOCAL_RETRY_BACKOFF)
 
 
 @dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
