@@ -4,7 +4,8 @@ in its own process: a test session's Ray is already connected to another head).
 Nodes are real raylets (``ray.cluster_utils.Cluster``); ``sim_gpu`` stands for each node's
 accelerators, so the pool's per-node placement groups must land on different nodes. The
 scenario trains two GRPO iterations with FSDP on N nodes x M ranks (with ``critic-pool``:
-PPO with the critic on a pool of its own, on one more node), checkpoints after the first,
+PPO with the critic on a pool of its own, on one more node; with ``hf``: HF generate on
+the actor's own shards instead of a vLLM engine per rank), checkpoints after the first,
 resumes on freshly placed workers, and checks the resumed iteration equals the unbroken
 one bit for bit; then asks for a pool the cluster cannot hold. Prints one JSON line of
 what it saw.
@@ -26,7 +27,7 @@ from rlhf_core.ray_head import local_ray_env
 local_ray_env()
 
 
-def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
+def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str = "vllm") -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -59,7 +60,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False) -> dict:
     try:
         cfg = apply_overrides(RunConfig(), [
             "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
-            "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp", "rollout.name=vllm",
+            "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp", f"rollout.name={engine}",
             f"resources.nnodes={nodes}", f"resources.gpus_per_node={ranks_per_node}",
             "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1",
             *(["algorithm.adv_estimator=gae", "critic.world_size=1", "resources.critic_nnodes=1"]
@@ -170,7 +171,8 @@ def stop_session_groups(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(int(sys.argv[1]), int(sys.argv[2]), critic_pool="critic-pool" in sys.argv[3:])
+    result = main(int(sys.argv[1]), int(sys.argv[2]), critic_pool="critic-pool" in sys.argv[3:],
+                  engine="hf" if "hf" in sys.argv[3:] else "vllm")
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)
