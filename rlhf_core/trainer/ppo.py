@@ -79,6 +79,7 @@ class PPOTrainer:
         self.prefetch = prefetch
         self.adopted: list[str] = []
         self.worker_time: dict[str, float] = {}
+        self.current_stage = ""
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -90,6 +91,7 @@ class PPOTrainer:
         updates and replay share; what happens between two stages is the caller's."""
         for stage in stages:
             self.on_stage(stage.name)
+            self.current_stage = stage.name  # the stage methods file their metrics and times under it
             t0 = time.perf_counter()
             batch = getattr(self, stage.method)(batch)
             yield stage, batch, time.perf_counter() - t0
@@ -176,7 +178,7 @@ class PPOTrainer:
         # one seed per response row: its sample does not depend on batching or restarts
         batch.batch["sample_seed"] = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
-        return batch.union(self._take(self.actor.generate_sequences(prompts), "rollout"))
+        return batch.union(self._take(self.actor.generate_sequences(prompts)))
 
     def compute_reward_baseline(self, batch: DataProto) -> DataProto:
         """ReMax's baseline: each prompt's greedy response, scored by the reward function,
@@ -191,32 +193,31 @@ class PPOTrainer:
             "input_ids": batch.batch["prompts"][rows],
             "attention_mask": batch.batch["attention_mask"][rows, :prompt_len],
             "sample_seed": torch.zeros(len(rows), dtype=torch.long)}, meta_info={"do_sample": False})
-        greedy = self._take(self.actor.generate_sequences(greedy_in), "reward_baseline")
+        greedy = self._take(self.actor.generate_sequences(greedy_in))
         for key in ("uid", "data_source", "ground_truth", "extra_info"):
             if key in batch.non_tensor_batch:
                 greedy.non_tensor_batch[key] = batch.non_tensor_batch[key][rows]
         scored = self._take(self.reward.compute_reward(
-            greedy.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])),
-            "reward_baseline")
+            greedy.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])))
         by_uid = dict(zip(uids[rows].tolist(), scored.batch["token_level_scores"].sum(dim=-1).tolist()))
         batch.batch["reward_baselines"] = torch.tensor([by_uid[u] for u in uids.tolist()], dtype=torch.float32)
         return batch
 
     def compute_reward(self, batch: DataProto) -> DataProto:
         needed = batch.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])
-        return batch.union(self._take(self.reward.compute_reward(needed), "reward"))
+        return batch.union(self._take(self.reward.compute_reward(needed)))
 
     def compute_old_log_prob(self, batch: DataProto) -> DataProto:
         out = self.actor.compute_log_prob(batch.select(SEQUENCE_KEYS, []))
-        return batch.union(self._take(out, "old_log_prob"))
+        return batch.union(self._take(out))
 
     def compute_ref_log_prob(self, batch: DataProto) -> DataProto:
         out = self.actor.compute_ref_log_prob(batch.select(SEQUENCE_KEYS, []))
-        return batch.union(self._take(out, "ref_log_prob"))
+        return batch.union(self._take(out))
 
     def compute_values(self, batch: DataProto) -> DataProto:
         out = self.critic.compute_values(batch.select(SEQUENCE_KEYS + ["response_mask"], []))
-        return batch.union(self._take(out, "values"))
+        return batch.union(self._take(out))
 
     def compute_advantage(self, batch: DataProto) -> DataProto:
         cfg = self.config.algorithm
@@ -225,7 +226,7 @@ class PPOTrainer:
         if cfg.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
                                                    mask, self.kl_ctrl.value, cfg.kl_penalty)
-            self._stage_metrics(batch, "advantage", {"actor/reward_kl_penalty": current_kl,
+            self._stage_metrics(batch, {"actor/reward_kl_penalty": current_kl,
                                                      "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
         batch.meta_info["kl_coef"] = self.kl_ctrl.value
@@ -240,37 +241,38 @@ class PPOTrainer:
 
     def update_critic(self, batch: DataProto) -> DataProto:
         needed = batch.select(SEQUENCE_KEYS + ["response_mask", "values", "returns"], [], ["global_step"])
-        out = self._take(self.critic.update_critic(needed), "update_critic")
-        return self._stage_metrics(batch, "update_critic", reduce_metrics(out.meta_info["metrics"]))
+        out = self._take(self.critic.update_critic(needed))
+        return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def update_actor(self, batch: DataProto) -> DataProto:
         keys = SEQUENCE_KEYS + ["response_mask", "advantages"]
         keys += [] if self.config.on_policy_update else ["old_log_probs"]  # else the update's own forward
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
-        out = self._take(self.actor.update_actor(batch.select(keys, [], ["global_step"])), "update_actor")
-        return self._stage_metrics(batch, "update_actor", reduce_metrics(out.meta_info["metrics"]))
+        out = self._take(self.actor.update_actor(batch.select(keys, [], ["global_step"])))
+        return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def weight_sync(self, batch: DataProto) -> DataProto:
         synced = self.actor.sync_weights()
-        self.worker_time["weight_sync"] = max(s["seconds"] for s in synced)
-        return self._stage_metrics(batch, "weight_sync", {
+        self.worker_time[self.current_stage] = max(s["seconds"] for s in synced)
+        return self._stage_metrics(batch, {
             "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20})
 
     # ---------------------------------------------------------------- helpers
 
-    def _take(self, out: DataProto, stage: str) -> DataProto:
-        """Strip the workers' self-reported compute time (a measurement, never data)."""
+    def _take(self, out: DataProto) -> DataProto:
+        """Strip the workers' self-reported compute time (a measurement, never data), kept
+        as the running stage's worker time."""
         metrics = out.meta_info.get("metrics") or {}
         spent = metrics.pop("timing_worker_s", None)
         if spent:
-            self.worker_time[stage] = max(spent) if isinstance(spent, list) else spent
+            self.worker_time[self.current_stage] = max(spent) if isinstance(spent, list) else spent
         if not metrics:
             out.meta_info.pop("metrics", None)
         return out
 
-    @staticmethod
-    def _stage_metrics(batch: DataProto, stage: str, metrics: dict) -> DataProto:
-        batch.meta_info.setdefault("stage_metrics", {})[stage] = metrics
+    def _stage_metrics(self, batch: DataProto, metrics: dict) -> DataProto:
+        """The running stage's metrics, kept in the batch (a resumed iteration has them)."""
+        batch.meta_info.setdefault("stage_metrics", {})[self.current_stage] = metrics
         return batch
 
     def _metrics(self, batch: DataProto, timing: dict, total: float) -> dict:

@@ -56,10 +56,11 @@ def sample_table(store: str, run_id: str, iteration: int, prompts: int = 4) -> s
     completions). Empty when the iteration kept no reward snapshot."""
     from rlhf_core.snapshot import load_snapshot
     from rlhf_core.snapshot.errors import SnapshotError
+    from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
 
     try:
-        batch = load_snapshot(IterationStore(store, run_id).stage_uri(iteration, "reward"),
+        batch = load_snapshot(IterationStore(store, run_id).stage_uri(iteration, stage_table.SCORED),
                               fields=["raw_prompt", "ground_truth", "response_text", "uid", "token_level_scores"])
     except (SnapshotError, FileNotFoundError):
         return ""

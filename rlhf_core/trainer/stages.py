@@ -57,6 +57,8 @@ STAGES: tuple[Stage, ...] = (
 )
 
 BY_NAME = {stage.name: stage for stage in STAGES}
+#: The stage whose snapshot holds the decoded responses and their scores (the report's samples).
+SCORED = BY_NAME["reward"].name
 
 
 def plan(cfg: RunConfig) -> list[Stage]:
