@@ -75,9 +75,15 @@ def test_budget_and_reward_target_end_the_loop(place):
     standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"))
     spent = drive(standin, plan_for(place, "budget", iterations=50, budget_s=1.0), "", "local", log=lambda *a: None)
     assert spent.committed == [0] and "budget" in spent.reason
-    met = drive(standin, plan_for(place, "budget", iterations=50, stop_at_reward=0.0), "", "local",
+    # the reward target is the mean of the recent iterations' rewards: met at exactly the
+    # reward reached, missed just above it (then the zero budget ends the loop, no run)
+    reward = IterationStore(plan_for(place, "budget").store, "budget").read_manifest(0)["metrics"]["critic/score/mean"]
+    met = drive(standin, plan_for(place, "budget", iterations=50, stop_at_reward=reward), "", "local",
                 log=lambda *a: None)
-    assert met.runs == [] and "reached 0.0" in met.reason
+    assert met.runs == [] and met.reason == f"mean reward {reward:.3f} of the last iterations reached {reward}"
+    missed = drive(standin, plan_for(place, "budget", iterations=50, stop_at_reward=reward + 1e-6, budget_s=0.0),
+                   "", "local", log=lambda *a: None)
+    assert missed.runs == [] and "budget" in missed.reason and "reached" not in missed.reason
     stop_session(place, "budget")
 
 
