@@ -289,10 +289,14 @@ class RunConfig:
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
         for path in fields_where(lambda meta: not meta["hashed"]):
-            section, key = path.split(".", 1)
-            data[section].pop(key, None)
-            if not data[section]:  # a section that only says where the run goes
-                data.pop(section)
+            *parents, key = path.split(".")
+            chain = [data]
+            for part in parents:
+                chain.append(chain[-1][part])
+            chain[-1].pop(key, None)
+            for parent, part in zip(reversed(chain[:-1]), reversed(parents)):
+                if not parent[part]:  # a section left empty only said how or where the run goes
+                    parent.pop(part)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":

@@ -26,7 +26,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlhf_core.config import RunConfig
 from rlhf_core.trainer.prefetch import PREFETCH_ACTOR, Prefetcher
@@ -341,13 +341,15 @@ class Stopped:
     workers: int = 0
     placement_groups: int = 0
     record: bool = False
+    errors: list = field(default_factory=list)  # what could not be ended, and why
 
     def __bool__(self) -> bool:
         return self.job or self.record or bool(self.workers or self.placement_groups)
 
     def __str__(self) -> str:
         return (f"job {'stopped' if self.job else 'not running'}, {self.workers} worker(s) killed, "
-                f"{self.placement_groups} placement group(s) removed")
+                f"{self.placement_groups} placement group(s) removed"
+                + "".join(f"; not removed: {error}" for error in self.errors))
 
 
 def stop(run_id: str, head=None) -> Stopped:
@@ -385,7 +387,11 @@ def stop(run_id: str, head=None) -> Stopped:
     if record is not None:
         ray.kill(record, no_restart=True)
         stopped.record = True
-    groups = placement_groups_named(pool_prefixes(pool_name_of(run_id)))
-    remove_placement_groups(groups)
-    stopped.placement_groups = len(groups)
+    try:
+        groups = placement_groups_named(pool_prefixes(pool_name_of(run_id)))
+    except Exception as exc:  # noqa: BLE001 - the cluster's table could not be read: say so, go on
+        stopped.errors.append(f"listing placement groups: {type(exc).__name__}: {exc}")
+        groups = []
+    stopped.errors += remove_placement_groups(groups)
+    stopped.placement_groups = len(groups) - len(stopped.errors)
     return stopped

@@ -48,7 +48,11 @@ class IterationLeases:
     def for_iteration(self, iteration: int) -> LeaseKeeper:
         """The loop's lease for ``iteration``: the one taken up front, then new ones."""
         first, self._first = self._first, None
-        return first if first is not None and first.lease.iteration == iteration else self.take(iteration)
+        if first is not None and first.lease.iteration == iteration:
+            return first
+        if first is not None:  # taken for another iteration: give it back
+            first.close()
+        return self.take(iteration)
 
     def close(self) -> None:
         """Release the up-front lease if the loop never used it (attaching failed)."""

@@ -27,14 +27,19 @@ def placement_groups_named(name_prefixes) -> list[str]:
             if entry.get("state") != "REMOVED" and pattern.fullmatch(entry.get("name") or "")]
 
 
-def remove_placement_groups(pg_ids) -> None:
-    """Remove placement groups by id (their actors are killed by Ray)."""
+def remove_placement_groups(pg_ids) -> list[str]:
+    """Remove placement groups by id (their actors are killed by Ray); returns the ones that
+    could not be removed, with why (one failure does not stop the others)."""
     import ray
-    from ray._raylet import PlacementGroupID
     from ray.util.placement_group import PlacementGroup
 
+    failed = []
     for pg_id in pg_ids:
-        ray.util.remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+        try:
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg_id)))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, the rest still go
+            failed.append(f"{pg_id}: {type(exc).__name__}: {exc}")
+    return failed
 
 
 class ResourcePoolError(RuntimeError):

@@ -85,12 +85,16 @@ class PPOTrainer:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
         return stage_table.plan(self.config)
 
-    def run_stages(self, batch: DataProto, stages) -> Iterator[tuple[stage_table.Stage, DataProto, float]]:
+    def run_stages(self, batch: DataProto, stages, notify: bool = True
+                   ) -> Iterator[tuple[stage_table.Stage, DataProto, float]]:
         """Run ``stages`` in order from ``batch``, yielding (stage, its output, seconds) after
         each: the one loop over stages that iterations, computing ahead, the redo of
-        updates and replay share; what happens between two stages is the caller's."""
+        updates and replay share; what happens between two stages is the caller's.
+        ``notify=False``: no ``on_stage`` call (a redo of an earlier iteration's updates is
+        not the current iteration's stage)."""
         for stage in stages:
-            self.on_stage(stage.name)
+            if notify:
+                self.on_stage(stage.name)
             self.current_stage = stage.name  # the stage methods file their metrics and times under it
             t0 = time.perf_counter()
             batch = getattr(self, stage.method)(batch)

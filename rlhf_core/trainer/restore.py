@@ -134,7 +134,8 @@ def redo_updates(trainer, istore, iteration: int) -> None:
     plan = trainer.stages()
     first = next(i for i, stage in enumerate(plan) if stage.stateful)
     before = [stage for stage in plan[:first] if stage.persisted]
-    for _ in trainer.run_stages(istore.load(iteration, before[-1].name), [s for s in plan[first:] if s.stateful]):
+    updates = [s for s in plan[first:] if s.stateful]
+    for _ in trainer.run_stages(istore.load(iteration, before[-1].name), updates, notify=False):
         pass
 
 

@@ -6,7 +6,7 @@ through this module, so it sits below both. Adding a role is a worker class, one
 ``ROLES`` and the stage(s) that call it (``rlhf_core/trainer/stages.py``)::
 
     Role("reward_model", "my_pkg.workers:RewardModelWorker", trainable=False,
-         enabled=lambda cfg: cfg.reward.function == "model")
+         enabled=lambda cfg: cfg.reward.function == "my_pkg.rewards:model_score")
 
 Roles are colocated in one process per rank of their pool (``pool_plan``): the ``train``
 pool hosts every role unless the critic has a pool of its own. A pool is one placement
