@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,6 +77,17 @@ def train(tmp_path, world: int, strategy: str, steps: range, load: str | None = 
     return result
 
 
+_saved_runs: dict = {}
+
+
+def trained_and_saved(tmp_path_factory, world: int) -> dict:
+    """Three FSDP steps at ``world`` ranks, checkpointed after step 0: the same run for
+    every resume case that starts from it (the runs are deterministic)."""
+    if world not in _saved_runs:
+        _saved_runs[world] = train(tmp_path_factory.mktemp(f"saved-{world}"), world, "fsdp", range(3), save_at=0)
+    return _saved_runs[world]
+
+
 def _max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -97,14 +109,14 @@ def test_two_fsdp_ranks_train_what_one_rank_and_two_ddp_ranks_train(tmp_path):
 
 @pytest.mark.parametrize("saved_world,resume_world,resume_strategy",
                          [(2, 2, "fsdp"), (2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
-def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, saved_world, resume_world,
-                                                               resume_strategy):
+def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, tmp_path_factory, saved_world,
+                                                               resume_world, resume_strategy):
     """Save after step 0 with the workers' background save (every rank writes its shards),
     load in fresh processes at the same or another world size (DCP reshards), or under
     DDP, train steps 1-2: the weights equal an unbroken run's bit for bit at the same world
     size and strategy, within float rounding otherwise."""
-    straight = train(tmp_path, saved_world, "fsdp", range(3), save_at=0)
-    shards = sorted(p.name for p in (tmp_path / straight["ckpt"].rsplit("/", 1)[-1] / "actor").iterdir())
+    straight = trained_and_saved(tmp_path_factory, saved_world)
+    shards = sorted(p.name for p in Path(straight["ckpt"].removeprefix("file://"), "actor").iterdir())
     assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(saved_world)),
                       *(f"rank-{r:05d}.pt" for r in range(saved_world))], shards
     resumed = train(tmp_path, resume_world, resume_strategy, range(1, 3), load=straight["ckpt"])
