@@ -43,8 +43,7 @@ def checkpoint_dir(step: int) -> str:
 
 def step_of_checkpoint_dir(name: str) -> int | None:
     """S for a folder named ``step-SSSSSS`` (inside ``checkpoints/``), else None."""
-    m = _CHECKPOINT_DIR.match(name)
-    return int(m.group(1)) if m else None
+    return _number(_CHECKPOINT_DIR, name)
 
 
 def lease_dir(iteration: int, job: str | None = None) -> str:
@@ -57,7 +56,12 @@ def lease_record(generation: int) -> str:
 
 
 def generation_of_lease_record(name: str) -> int | None:
-    m = _LEASE_RECORD.match(name)
+    """G for a lease record named ``GGGGGGGG.json``, else None."""
+    return _number(_LEASE_RECORD, name)
+
+
+def _number(pattern: re.Pattern, name: str) -> int | None:
+    m = pattern.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -73,8 +77,7 @@ def split_run_uri(run_uri: str) -> tuple[str, str]:
 
 def iteration_of_dir(name: str) -> int | None:
     """N for a folder named ``iter-NNNNNN``, else None."""
-    m = _ITERATION_DIR.match(name)
-    return int(m.group(1)) if m else None
+    return _number(_ITERATION_DIR, name)
 
 
 @dataclass(frozen=True)
