@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 from rlhf_core.config import RunConfig, describe
 from rlhf_core.ray_head import start_local_ray
 from rlhf_core.trainer.report import write_curve
-from rlhf_core.trainer.progress import ProgressLine, recent_mean
+from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
 from rlhf_core.trainer.restore import (
     checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
 )
@@ -49,11 +49,12 @@ class StopRule:
     """When a loop ends before its iterations are done (benchmarks, fine-tunes)."""
 
     time_budget_s: float | None = None    # seconds of training
-    stop_at_reward: float | None = None   # mean reward of the last 5 iterations
+    stop_at_reward: float | None = None   # mean reward of the last REWARD_WINDOW iterations
 
     def reached(self, rows: list[dict]) -> bool:
         rewards = [r["critic/score/mean"] for r in rows]
-        if self.stop_at_reward is not None and len(rewards) >= 5 and recent_mean(rewards) >= self.stop_at_reward:
+        if (self.stop_at_reward is not None and len(rewards) >= REWARD_WINDOW
+                and recent_mean(rewards) >= self.stop_at_reward):
             return True
         return self.time_budget_s is not None and bool(rows) and rows[-1]["wall_clock_s"] >= self.time_budget_s
 
