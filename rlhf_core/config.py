@@ -175,6 +175,18 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """How the update treats the rollout engine's own log-probs (verl's ``algorithm.rollout_correction``)."""
+
+    bypass_mode: bool = _f(True, "the PPO ratio's old log-probs are the ones the rollout engine sampled with "
+                           "(no old_log_prob stage: one forward pass over the batch less per iteration). Exact "
+                           "for rollout.name=hf (the trained model itself, up to float rounding); vllm on GPU "
+                           "samples in bf16, so its log-probs differ from the trained model's: set false there to "
+                           "recompute them (verl's default). Needs rollout.top_p=1 (and temperature 1 for vllm, "
+                           "whose log-probs are the raw model's)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = _f("grpo", "the advantage estimator (gae needs a critic; remax samples a greedy "
                             "response per prompt as its baseline)", registry="ADV_ESTIMATORS", checkpoint=True)
@@ -184,6 +196,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = _f(False, "subtract beta * KL(policy || ref) from token rewards")
     kl_penalty: str = _f("k1", "KL estimator used in the reward", registry="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -281,6 +294,15 @@ class RunConfig:
         return (self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
                 and not self.algorithm.use_kl_in_reward)
 
+    @property
+    def old_log_prob_column(self) -> str | None:
+        """The batch column the update's old log-probs come from: None on-policy (the
+        update's own forward), ``rollout_log_probs`` in bypass mode (the engine's, written
+        by the rollout stage), else ``old_log_probs`` (the ``old_log_prob`` stage's)."""
+        if self.on_policy_update:
+            return None
+        return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -350,6 +372,12 @@ class RunConfig:
         if self.estimator.needs_critic and self.critic.enable is False:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
                               f"found critic.enable=False")
+        if self.old_log_prob_column == "rollout_log_probs" and (
+                self.rollout.top_p != 1 or (self.rollout.name == "vllm" and self.rollout.temperature != 1)):
+            raise ConfigError(f"algorithm.rollout_correction.bypass_mode: expected false when sampling is not "
+                              f"the plain softmax{' at temperature 1' if self.rollout.name == 'vllm' else ''} "
+                              f"(the engine's log-probs would not be the policy's); found true with rollout.top_p="
+                              f"{self.rollout.top_p}, rollout.temperature={self.rollout.temperature}")
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")

@@ -63,6 +63,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
             "actor.use_kl_loss=true", f"actor.world_size={world}", "actor.strategy=fsdp", f"rollout.name={engine}",
             f"resources.nnodes={nodes}", f"resources.gpus_per_node={ranks_per_node}",
             "resources.accelerator_resource=sim_gpu", "trainer.cpus_per_worker=1",
+            "algorithm.rollout_correction.bypass_mode=false",  # the actor's own log-probs, compared below
             *(["algorithm.adv_estimator=gae", "critic.world_size=1", "resources.critic_nnodes=1"]
               if critic_pool else [])]).validate()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)

@@ -38,6 +38,22 @@ def test_validate_catches_inconsistent_settings():
         apply_overrides(RunConfig(), ["rollout.n=1"]).validate()
 
 
+def test_bypass_mode_needs_log_probs_of_the_distribution_trained():
+    """The engine's log-probs stand for the policy's only under the plain softmax: top-p
+    truncates it (either engine), and vLLM reports raw log-probs (before temperature)."""
+    bypass = "algorithm.rollout_correction.bypass_mode"
+    with pytest.raises(ConfigError, match=rf"^{bypass}: expected false .* found true with rollout.top_p=0.9"):
+        apply_overrides(RunConfig(), ["rollout.top_p=0.9"]).validate()
+    with pytest.raises(ConfigError, match=rf"^{bypass}: expected false .*temperature 1.* rollout.temperature=0.7"):
+        apply_overrides(RunConfig(), ["rollout.name=vllm", "rollout.temperature=0.7"]).validate()
+    # HF scores with the temperature the update divides by; recomputing, or on-policy, needs nothing
+    assert apply_overrides(RunConfig(), ["rollout.temperature=0.7"]).validate().old_log_prob_column == "rollout_log_probs"
+    assert apply_overrides(RunConfig(), ["rollout.top_p=0.9", f"{bypass}=false"]).validate().old_log_prob_column \
+        == "old_log_probs"
+    on_policy = apply_overrides(RunConfig(), ["rollout.top_p=0.9", "actor.ppo_mini_batch_size=128"]).validate()
+    assert on_policy.old_log_prob_column is None
+
+
 def test_each_config_choice_lives_once_and_is_checked_there():
     """Strategies, engines and reward names are declared in config and validated there;
     registry-backed fields take their valid names (and their help) from the registry."""

@@ -133,7 +133,8 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
         f"model.path={model_dir}", f"data.train_files={gsm8k_parquet}", "data.max_prompt_length=64",
         "data.truncation=left", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "rollout.n=4",
         "rollout.response_length=16", "reward.function=gsm8k", "actor.lr=1e-3", "trainer.progress=false",
-        "actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "rollout.name=vllm"]).validate()  # random weights: reward is 0,
+        "actor.use_kl_loss=true", "actor.entropy_coeff=0.01", "rollout.name=vllm",
+        "algorithm.rollout_correction.bypass_mode=false"]).validate()  # random weights: reward is 0,
     # so without the entropy term every advantage is 0 and nothing would move
     workers = WorkerSet.build(cfg)
     try:

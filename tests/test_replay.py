@@ -18,7 +18,7 @@ from helpers import small_config
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 # PPO with a critic and a reference model: every replayable stage exists
-PPO = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+PPO = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false"]
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,9 @@ def test_checkpoint_every_k_and_a_redo_of_the_rest_resume_bit_identically(tmp_pa
     from rlhf_core.trainer.replay import replay
 
     quiet = lambda *a: None
-    cfg = lambda: apply_overrides(small_config(tmp_path / "out"), ["trainer.checkpoint_every=3"])
+    # the old_log_prob stage recomputes log-probs with the restored weights: compared below
+    cfg = lambda: apply_overrides(small_config(tmp_path / "out"), ["trainer.checkpoint_every=3",
+                                                                   "algorithm.rollout_correction.bypass_mode=false"])
     store_a, store_b = tmp_path / "a", tmp_path / "b"
     run_direct(cfg(), 5, f"file://{store_a}", "run", log=quiet)
     with pytest.raises(Crash):

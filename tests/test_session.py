@@ -109,7 +109,7 @@ def test_iterations_attach_survive_a_killed_worker_and_match_a_direct_run(tmp_pa
 # Every stage of a PPO iteration with a critic and a reference model, in order.
 ALL_STAGES = ["rollout", "reward", "old_log_prob", "ref_log_prob", "values", "advantage", "update_critic",
               "update_actor", "weight_sync"]
-PPO = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true"]
+PPO = ["algorithm.adv_estimator=gae", "actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false"]
 
 
 def test_controller_sigkilled_at_every_stage_resumes_bit_identical(tmp_path, head_root, ray_local):

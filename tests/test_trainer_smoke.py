@@ -17,6 +17,9 @@ from rlhf_core.trainer.ppo import PPOTrainer
 from rlhf_core.workers.worker_set import WorkerSet
 from rlhf_core.workers import modeling
 
+#: The update's old log-probs recomputed by the old_log_prob stage (bypass mode off).
+RECOMPUTE = "algorithm.rollout_correction.bypass_mode=false"
+
 EXPECTED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
     "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
@@ -102,8 +105,8 @@ def checkpoint_roundtrip(tmp_path):
 
 
 def test_grpo_with_vllm(ray_local, tmp_path):
-    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "rollout.name=vllm"],
-                                           after=checkpoint_roundtrip(tmp_path))
+    cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=grpo", "actor.use_kl_loss=true", "rollout.name=vllm",
+                                            RECOMPUTE], after=checkpoint_roundtrip(tmp_path))
     for m in metrics:
         missing = [k for k in EXPECTED_METRICS + ["actor/kl_loss", "timing_s/ref_log_prob"] if k not in m]
         assert not missing, missing
@@ -119,7 +122,7 @@ def test_grpo_with_vllm(ray_local, tmp_path):
 
 def test_ppo_gae_with_critic_and_hf_rollout(ray_local):
     cfg, trainer, metrics = run_iterations(["algorithm.adv_estimator=gae", "rollout.name=hf",
-                                            "algorithm.use_kl_in_reward=true"])
+                                            "algorithm.use_kl_in_reward=true", RECOMPUTE])
     for m in metrics:
         missing = [k for k in EXPECTED_METRICS + ["critic/vf_loss", "critic/values/mean",
                                                   "actor/reward_kl_penalty"] if k not in m]
@@ -142,9 +145,46 @@ def test_one_mini_batch_one_epoch_update_skips_the_old_log_prob_stage(ray_local)
         assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
         assert m["actor/entropy"] > 0 and m["actor/grad_norm"] > 0
     assert "old_log_probs" not in trainer.last_batch.batch.keys()
-    # a KL penalty in the reward needs the old log-probs before the update: the stage stays
-    kl = apply_overrides(cfg, ["algorithm.use_kl_in_reward=true"]).validate()
+    # a KL penalty in the reward needs the old log-probs before the update: the stage
+    # stays, or (bypass mode) the rollout's log-probs serve
+    kl = apply_overrides(cfg, ["algorithm.use_kl_in_reward=true", RECOMPUTE]).validate()
     assert not kl.on_policy_update and "old_log_prob" in [s.name for s in stages.plan(kl)]
+    bypass = apply_overrides(cfg, ["algorithm.use_kl_in_reward=true",
+                                   "algorithm.rollout_correction.bypass_mode=true"]).validate()
+    assert bypass.old_log_prob_column == "rollout_log_probs" and "old_log_prob" not in [s.name for s in stages.plan(bypass)]
+
+
+def test_bypass_mode_trains_as_the_recomputed_old_log_probs_do(ray_local):
+    """Bypass mode (the default): the update takes the rollout engine's log-probs as the
+    old ones and no old_log_prob stage runs. With HF generate on the trained model those
+    are the same numbers up to float rounding, so the policy after two iterations equals
+    the one trained with the recomputed log-probs up to that rounding."""
+    from rlhf_core.trainer import stages
+    from rlhf_core.trainer.ppo import SEQUENCE_KEYS
+
+    probes = {}
+
+    def probe(name):
+        def after(cfg, trainer, workers):
+            probes[name] = workers["actor"].compute_log_prob(trainer.last_batch.select(SEQUENCE_KEYS, []))
+        return after
+
+    cfg, trainer, metrics = run_iterations(["rollout.name=hf"], after=probe("bypass"))
+    assert cfg.old_log_prob_column == "rollout_log_probs"
+    assert "old_log_prob" not in [s.name for s in stages.plan(cfg)]
+    assert "old_log_probs" not in trainer.last_batch.batch.keys()
+    for m in metrics:
+        assert "timing_s/old_log_prob" not in m
+        check_metric_values(m)
+    _, recomputed, _ = run_iterations(["rollout.name=hf", RECOMPUTE], after=probe("recompute"))
+    assert torch.equal(trainer.last_batch.batch["responses"], recomputed.last_batch.batch["responses"])
+    mask = trainer.last_batch.batch["response_mask"] == 1
+    after_bypass, after_recompute = probes["bypass"].batch["old_log_probs"], probes["recompute"].batch["old_log_probs"]
+    # float rounding, which Adam's normalisation amplifies a little, against what one
+    # iteration's update moves (the last batch was sampled before it)
+    rounding = (after_bypass - after_recompute).abs()[mask].max().item()
+    moved = (after_bypass - trainer.last_batch.batch["rollout_log_probs"]).abs()[mask].max().item()
+    assert rounding < 1e-3 and moved > 20 * rounding, (rounding, moved)
 
 
 def test_remax_baseline_is_the_greedy_response_reward(ray_local):

@@ -228,7 +228,8 @@ class PPOTrainer:
         mask = batch.batch["response_mask"].float()
         rewards = batch.batch["token_level_scores"]
         if cfg.use_kl_in_reward:
-            rewards, current_kl = apply_kl_penalty(rewards, batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+            rewards, current_kl = apply_kl_penalty(rewards, batch.batch[self.config.old_log_prob_column],
+                                                   batch.batch["ref_log_prob"],
                                                    mask, self.kl_ctrl.value, cfg.kl_penalty)
             self._stage_metrics(batch, {"actor/reward_kl_penalty": current_kl,
                                                      "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
@@ -249,10 +250,13 @@ class PPOTrainer:
         return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def update_actor(self, batch: DataProto) -> DataProto:
-        keys = SEQUENCE_KEYS + ["response_mask", "advantages"]
-        keys += [] if self.config.on_policy_update else ["old_log_probs"]  # else the update's own forward
+        old = self.config.old_log_prob_column  # None: the update's own forward
+        keys = SEQUENCE_KEYS + ["response_mask", "advantages"] + ([old] if old else [])
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
-        out = self._take(self.actor.update_actor(batch.select(keys, [], ["global_step"])))
+        needed = batch.select(keys, [], ["global_step"])
+        if old and old != "old_log_probs":
+            needed = needed.rename(old, "old_log_probs")
+        out = self._take(self.actor.update_actor(needed))
         return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def weight_sync(self, batch: DataProto) -> DataProto:

@@ -47,7 +47,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("reward_baseline", "compute_reward_baseline", ("actor", "reward"),
           enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
     Stage("reward", "compute_reward", ("reward",)),
-    Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: not cfg.on_policy_update),
+    Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.old_log_prob_column == "old_log_probs"),
     Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
     Stage("values", "compute_values", ("critic",), enabled=lambda cfg: cfg.use_critic),
     Stage("advantage", "compute_advantage", ()),

@@ -107,14 +107,17 @@ class ActorRolloutRefWorker(TrainableWorker):
         cfg = self.config.actor
         mask = batch.batch["response_mask"].float()
         on_policy = "old_log_probs" not in batch.batch.keys()  # config.on_policy_update: no old_log_prob stage
-        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or on_policy)
+        # without the old_log_prob stage (on-policy, or its log-probs from the rollout) the
+        # entropy metric comes from this forward
+        no_stage = self.config.old_log_prob_column != "old_log_probs"
+        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or no_stage)
         old_log_prob = log_prob.detach() if on_policy else batch.batch["old_log_probs"]
         out = policy_loss(old_log_prob, log_prob, batch.batch["advantages"], mask,
                           clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                           clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
         loss = out["pg_loss"]
         parts = {key: float(out[key]) for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
-        if entropy is not None:  # on-policy: the entropy metric the old_log_prob stage would give
+        if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy_loss

@@ -45,20 +45,42 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 response_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The columns a forward needs: those that are padding in every row (left of the
+    prompts, which are padded to ``data.max_prompt_length``; right of the responses, which
+    are padded to ``rollout.response_length``) are dropped. Exact: attention is causal and
+    the position ids are explicit, so no kept token attends to a dropped one or moves.
+    Returns the trimmed tensors and how many response columns they keep (at least one)."""
+    prompt_width = input_ids.shape[1] - response_length
+    used = attention_mask.bool().any(dim=0).nonzero().flatten().tolist()
+    first = min(used[0], prompt_width - 1) if used else prompt_width - 1
+    end = max(used[-1] + 1, prompt_width + 1) if used else prompt_width + 1
+    return (input_ids[:, first:end], attention_mask[:, first:end], position_ids[:, first:end],
+            end - prompt_width)
+
+
+def _pad_responses(t: torch.Tensor, response_length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, response_length - t.shape[1])) if t.shape[1] < response_length else t
+
+
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                        with_entropy: bool = False):
-    """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``.
+    """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
+    (0 where every row's response has ended: see ``trim_padding``).
 
     Logits are divided by the sampling temperature so the log-probs are those of the
     distribution the responses were sampled from.
     """
+    input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
+                                                                 response_length)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, -response_length - 1:-1].float() / temperature
-    responses = input_ids[:, -response_length:]
+    logits = logits[:, -kept - 1:-1].float() / temperature
+    responses = input_ids[:, -kept:]
     log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return log_probs, entropy
+    entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
+    return _pad_responses(log_probs, response_length), entropy
 
 
 class ValueModel(torch.nn.Module):
@@ -80,8 +102,10 @@ class ValueModel(torch.nn.Module):
 
 def response_values(model, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
     """V(s_t) for each response token t: the value at the position that predicts it."""
+    input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
+                                                                 response_length)
     values = model(input_ids, attention_mask, position_ids)
-    return values[:, -response_length - 1:-1]
+    return _pad_responses(values[:, -kept - 1:-1], response_length)
 
 
 def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool = True) -> torch.nn.Module:

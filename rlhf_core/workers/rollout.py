@@ -140,7 +140,9 @@ class HFRollout:
         was_training = model.training
         model.eval()
         model.config.use_cache = True
-        out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        pad = int(mask.bool().any(dim=0).float().argmax())  # columns of padding in every prompt
+        out = model.generate(input_ids=ids[:, pad:], attention_mask=mask[:, pad:],
                              **(dict(do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p)
                                 if prompts.meta_info.get("do_sample", True) else dict(do_sample=False)),
                              max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
@@ -148,7 +150,7 @@ class HFRollout:
                              synced_gpus=self.synced)
         model.config.use_cache = False
         model.train(was_training)
-        new = out.sequences[:, prompts.batch["input_ids"].shape[1]:]
+        new = out.sequences[:, ids.shape[1] - pad:]
         scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(len(new), 0, 1)
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
         tokens, lps = [], []
