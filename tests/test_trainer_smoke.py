@@ -72,6 +72,15 @@ def check_batch(cfg, batch):
     for key in ("advantages", "returns", "old_log_probs", "token_level_scores", "rollout_log_probs"):
         assert batch.batch[key].shape == responses.shape, key
     assert torch.all(batch.batch["advantages"][mask == 0] == 0), "padding must carry no advantage"
+    # each response's mask is a prefix that ends at its first EOS (kept) or at the length
+    # limit, and the tokens after it are padding
+    eos, pad = 2, 0  # the built-in tokenizer's
+    for row, row_mask in zip(responses.tolist(), mask.tolist()):
+        k = sum(row_mask)
+        assert row_mask == [1] * k + [0] * (len(row) - k), row_mask
+        assert eos not in row[:k - 1] and (row[k - 1] == eos or k == len(row)), (row, row_mask)
+        assert all(t == pad for t in row[k:]), row
+    assert torch.all(batch.batch["rollout_log_probs"][mask == 0] == 0)
     assert torch.all(batch.batch["old_log_probs"][mask == 1] <= 0)
     # every uid appears n times, on consecutive rows
     uids = batch.non_tensor_batch["uid"].tolist()

@@ -18,15 +18,24 @@ from rlhf_core.protocol import DataProto
 
 def _finish(prompts: DataProto, responses: list[list[int]], log_probs: list[list[float]],
             response_length: int, pad_id: int, eos_id: int | None) -> DataProto:
+    """The rollout's output from per-response token and log-prob lists (vLLM's)."""
     n = len(responses)
     resp = torch.full((n, response_length), pad_id, dtype=torch.long)
-    resp_mask = torch.zeros((n, response_length), dtype=torch.long)
     rollout_lp = torch.zeros((n, response_length), dtype=torch.float32)
+    lengths = torch.zeros(n, dtype=torch.long)
     for i, (tokens, lps) in enumerate(zip(responses, log_probs)):
         tokens = tokens[:response_length]
         resp[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        resp_mask[i, :len(tokens)] = 1
         rollout_lp[i, :len(tokens)] = torch.tensor(lps[:len(tokens)], dtype=torch.float32)
+        lengths[i] = len(tokens)
+    return _finish_tensors(prompts, resp, rollout_lp, lengths)
+
+
+def _finish_tensors(prompts: DataProto, resp: torch.Tensor, rollout_lp: torch.Tensor,
+                    lengths: torch.Tensor) -> DataProto:
+    """The rollout's output: responses (padded after ``lengths``), their mask and
+    log-probs, and the full sequences with attention mask and positions."""
+    resp_mask = (torch.arange(resp.shape[1]) < lengths.unsqueeze(1)).long()
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     attention_mask = torch.cat([prompt_mask, resp_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -34,7 +43,7 @@ def _finish(prompts: DataProto, responses: list[list[int]], log_probs: list[list
         "prompts": prompt_ids,
         "responses": resp,
         "response_mask": resp_mask,
-        "rollout_log_probs": rollout_lp,
+        "rollout_log_probs": rollout_lp * resp_mask,
         "input_ids": torch.cat([prompt_ids, resp], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids,
@@ -153,12 +162,16 @@ class HFRollout:
         new = out.sequences[:, ids.shape[1] - pad:]
         scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(len(new), 0, 1)
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        tokens, lps = [], []
-        for row, row_lp in zip(new.tolist(), logp.tolist()):
-            end = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-            tokens.append(row[:end])
-            lps.append(row_lp[:end])
-        return _finish(prompts, tokens, lps, self.config.response_length, self.pad_id, self.eos_id)
+        # a response ends after its first EOS (kept); generate pads the rest
+        width = self.config.response_length
+        is_eos = new == self.eos_id if self.eos_id is not None else torch.zeros_like(new, dtype=torch.bool)
+        first_eos = torch.where(is_eos.any(dim=1), is_eos.float().argmax(dim=1) + 1, new.shape[1])
+        resp = torch.full((len(new), width), self.pad_id, dtype=torch.long)
+        rollout_lp = torch.zeros((len(new), width), dtype=torch.float32)
+        resp[:, :new.shape[1]], rollout_lp[:, :new.shape[1]] = new[:, :width], logp[:, :width]
+        lengths = first_eos.clamp(max=width)
+        resp[torch.arange(width) >= lengths.unsqueeze(1)] = self.pad_id
+        return _finish_tensors(prompts, resp, rollout_lp, lengths)
 
     def update_weights(self, named_tensors) -> None:
         pass  # generates with the training model: always current
