@@ -15,7 +15,6 @@ Registries, so that users add their own without touching the trainer::
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -150,11 +149,15 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
 # --------------------------------------------------------------------- advantages
 
 
-def _group_rows(index) -> dict:
-    groups = defaultdict(list)
-    for row, key in enumerate(np.asarray(index).tolist()):
-        groups[key].append(row)
-    return groups
+def _groups(index) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's group (the rows sharing an ``index`` value, numbered) and each group's
+    size: per-group sums are then one ``index_add_`` instead of a Python loop per group."""
+    _, group, size = np.unique(np.asarray(index), return_inverse=True, return_counts=True)
+    return torch.from_numpy(group.reshape(-1)).long(), torch.from_numpy(size).long()
+
+
+def _group_sum(values: torch.Tensor, group: torch.Tensor, groups: int) -> torch.Tensor:
+    return torch.zeros(groups, dtype=values.dtype).index_add_(0, group, values)
 
 
 @register_adv_est("gae", needs_critic=True)
@@ -196,13 +199,15 @@ def compute_grpo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     ``norm_adv_by_std_in_grpo`` (Dr. GRPO drops the division). Broadcast over tokens."""
     with torch.no_grad():
         scores = _outcome_scores(token_level_rewards)
-        normalized = torch.zeros_like(scores)
-        for rows in _group_rows(index).values():
-            group = scores[rows]
-            if len(rows) == 1:
-                continue  # a lone response has no baseline: advantage 0
-            centred = group - group.mean()
-            normalized[rows] = centred / (group.std() + epsilon) if norm_adv_by_std_in_grpo else centred
+        group, size = _groups(index)
+        count = size.to(scores.dtype)
+        centred = scores - (_group_sum(scores, group, len(size)) / count)[group]
+        normalized = centred
+        if norm_adv_by_std_in_grpo:  # the unbiased std, as torch.std
+            std = (_group_sum(centred ** 2, group, len(size)) / (count - 1).clamp(min=1)).sqrt()
+            normalized = centred / (std[group] + epsilon)
+        # a lone response has no baseline: advantage 0
+        normalized = torch.where(size[group] > 1, normalized, torch.zeros_like(normalized))
         advantages = normalized.unsqueeze(-1) * response_mask
     return advantages, advantages
 
@@ -214,12 +219,11 @@ def compute_rloo_outcome_advantage(token_level_rewards: torch.Tensor, response_m
     responses of the same prompt, ``n/(n-1) * (r - mean)``."""
     with torch.no_grad():
         scores = _outcome_scores(token_level_rewards)
-        out = torch.zeros_like(scores)
-        for rows in _group_rows(index).values():
-            n = len(rows)
-            if n > 1:
-                group = scores[rows]
-                out[rows] = group * n / (n - 1) - group.mean() * n / (n - 1)
+        group, size = _groups(index)
+        n = size.to(scores.dtype)[group]
+        mean = (_group_sum(scores, group, len(size)) / size.to(scores.dtype))[group]
+        out = torch.where(n > 1, scores * n / (n - 1).clamp(min=1) - mean * n / (n - 1).clamp(min=1),
+                          torch.zeros_like(scores))
         advantages = out.unsqueeze(-1) * response_mask
     return advantages, advantages
 

@@ -79,15 +79,14 @@ class RewardWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
         responses, mask = data.batch["responses"], data.batch["response_mask"]
-        texts = [self.tokenizer.decode(r[m.bool()].tolist(), skip_special_tokens=True)
-                 for r, m in zip(responses, mask)]
+        texts = [self.tokenizer.decode([t for t, keep in zip(row, row_mask) if keep], skip_special_tokens=True)
+                 for row, row_mask in zip(responses.tolist(), mask.tolist())]
         nt = data.non_tensor_batch
         scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
                                     nt.get("extra_info", [None] * len(data)), nt["uid"])
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        lengths = mask.sum(dim=1)
-        for i, (score, length) in enumerate(zip(scores, lengths.tolist())):
-            token_level_scores[i, max(length, 1) - 1] = score  # outcome reward on the last token
+        last = (mask.sum(dim=1) - 1).clamp(min=0)  # outcome reward on the last token
+        token_level_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         columns = {"response_text": np.array(texts, dtype=object)}
         for key, values in extras.items():
             columns[f"reward_extra/{key}"] = object_column(values)
