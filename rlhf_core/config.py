@@ -63,7 +63,7 @@ class DataConfig:
     train_files: str = _f("builtin:digits", "parquet/jsonl in verl's format (prompt as chat messages, "
                           "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
                           "ground_truth, data_source), or builtin:<task>")
-    train_batch_size: int = _f(128, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
+    train_batch_size: int = _f(256, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
     max_prompt_length: int = _f(16, "prompt tokens (after the chat template); longer prompts are "
                                 "handled by data.truncation", **POSITIVE)
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
@@ -91,7 +91,7 @@ class ActorConfig:
     lr: float = _f(3e-4, "AdamW learning rate of the policy", **NON_NEGATIVE)
     lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant", **NON_NEGATIVE)
     weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
-    ppo_mini_batch_size: int = _f(16, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_mini_batch_size: int = _f(32, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank; the mini-batch's "
                                            "gradient accumulates over them (0: the whole mini-batch at once)",
@@ -145,7 +145,7 @@ class CriticConfig:
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
-    ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_mini_batch_size: int = _f(16, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank (0: the whole "
                                            "mini-batch)", **NON_NEGATIVE)
     forward_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing values on one rank "

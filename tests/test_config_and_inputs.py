@@ -29,7 +29,7 @@ def test_wrong_type_names_field_expected_and_found():
 
 
 def test_validate_catches_inconsistent_settings():
-    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(128\)"):
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size \(5\) must divide data.train_batch_size \(256\)"):
         apply_overrides(RunConfig(), ["actor.ppo_mini_batch_size=5"]).validate()
     with pytest.raises(ConfigError, match=r"algorithm.adv_estimator: expected a registered name \(.*gae, grpo, .*\); "
                                           r"found 'ppo2'"):
@@ -50,7 +50,7 @@ def test_bypass_mode_needs_log_probs_of_the_distribution_trained():
     assert apply_overrides(RunConfig(), ["rollout.temperature=0.7"]).validate().old_log_prob_column == "rollout_log_probs"
     assert apply_overrides(RunConfig(), ["rollout.top_p=0.9", f"{bypass}=false"]).validate().old_log_prob_column \
         == "old_log_probs"
-    on_policy = apply_overrides(RunConfig(), ["rollout.top_p=0.9", "actor.ppo_mini_batch_size=128"]).validate()
+    on_policy = apply_overrides(RunConfig(), ["rollout.top_p=0.9", "actor.ppo_mini_batch_size=256"]).validate()
     assert on_policy.old_log_prob_column is None
 
 

@@ -141,10 +141,19 @@ class IterationStore:
         from concurrent.futures import ThreadPoolExecutor
 
         uri = self.stage_uri(iteration, stage)
-        copy = batch.select(deepcopy=True)  # later stages may change tensors in place
-        base_uri, delta = None, copy
-        if self._previous is not None and self._previous[0] == iteration and len(self._previous[2]) == len(copy):
-            base_uri, delta = self._previous[1], changed_fields(copy, self._previous[2])
+        previous = self._previous
+        if previous is not None and previous[0] == iteration and len(previous[2]) == len(batch):
+            # copies are needed because later stages may change tensors in place; the
+            # unchanged columns' copies are the previous stage's, so only the delta is copied
+            base_uri, delta = previous[1], changed_fields(batch, previous[2]).select(deepcopy=True)
+            unchanged = previous[2].select([k for k in batch.batch.keys() if k not in delta.batch.keys()],
+                                           [k for k in batch.non_tensor_batch if k not in delta.non_tensor_batch],
+                                           meta_info_keys=[])
+            copy = unchanged.union(delta.select(meta_info_keys=[]))
+            copy.meta_info = delta.meta_info
+        else:
+            base_uri, delta = None, batch.select(deepcopy=True)
+            copy = delta
         self._previous = (iteration, uri, copy)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
