@@ -117,6 +117,11 @@ class TrainableWorker(Worker):
         return finish_sharded(pending)
 
     def _start(self, uri: str, storage_options: dict | None):
+        # The RNG states a checkpoint records must not depend on this process's history:
+        # Ray's own code draws from python's global RNG at moments that depend on timing
+        # (a GCS subscriber's id), so the states are reset from the optimizer steps taken
+        # first. Nothing draws from them before the next update, which seeds its own.
+        self._seed_update(self.scheduler.last_epoch)
         if getattr(self, "_checkpoint_group", None) is None and sharding.world_size() > 1:
             import torch.distributed as dist
 
