@@ -191,13 +191,13 @@ def report(results: list[dict], seeds: list[int], budget: float) -> None:
         runs = [by[(m, s)] for s in seeds]
         print(f"{names[m]:<14}" + "".join(f"{med([at_wall(r, t) for r in runs]):>8}" for t in WALL_MARKS))
     print(f"\nTo a mean of {TARGET} over 5 rounds, and the cost per round")
-    print(f"{'method':<14}{'rounds':>20}{'seconds':>24}{'CPU-seconds':>24}{'s/round':>9}{'CPU-s total':>13}")
+    print(f"{'method':<14}{'rounds':>20}{'seconds':>24}{'CPU-seconds':>24}{'s/round':>9}{'CPU-s total':>20}")
     for m in methods:
         runs = [by[(m, s)] for s in seeds]
         per_round = statistics.median((r["walls"][-1] - r["walls"][0]) / max(1, len(r["walls"]) - 1) for r in runs)
         print(f"{names[m]:<14}{spread([r['first'] for r in runs], '{:.0f}'):>20}"
               f"{spread([r['t_first'] for r in runs], '{:.0f}'):>24}{spread([r['cpu_first'] for r in runs], '{:.0f}'):>24}"
-              f"{per_round:>9.2f}{spread([r['cpu_s'] for r in runs], '{:.0f}'):>13}")
+              f"{per_round:>9.2f}{spread([r['cpu_s'] for r in runs], '{:.0f}'):>20}")
     if "trl" in methods:
         print("\nReward gained per CPU-second (final mean of 5 - first round) / CPU-seconds of the whole process")
         for m in (m for m in methods if m != "trl"):

@@ -171,8 +171,11 @@ def main() -> None:
     model_dir = builtin_model_path(seed=0)
     ours = profile_ours(args.rounds)
     trl = None if args.skip_trl else profile_trl(args.rounds, model_dir, Path(tempfile.mkdtemp(prefix="rlhf-prof-")))
-    print(f"\nOne round (128 prompts x 8 responses, the default config), mean of {args.rounds} after {WARMUP} "
-          f"warm-up; CPU-seconds (wall seconds)\n")
+    from rlhf_core.config import RunConfig
+
+    cfg = RunConfig()
+    print(f"\nOne round ({cfg.data.train_batch_size} prompts x {cfg.rollout.n} responses, the default config), mean "
+          f"of {args.rounds} after {WARMUP} warm-up; CPU-seconds (wall seconds)\n")
     print("ours (stage compute, in-process workers)")
     for stage, seconds in ours["cpu"].items():
         print(f"  {stage:<34}{seconds:7.3f} ({ours['wall'][stage]:.3f})")
