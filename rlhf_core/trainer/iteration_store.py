@@ -172,12 +172,10 @@ class IterationStore:
             info = snapshot_info(uri, storage_options=self.storage_options)
         self._written = {uri: info}  # the only base the next write can name
 
-    def flush(self, in_flight: int = 0) -> None:
-        """Wait until every snapshot ``save`` handed over is committed, except the last
-        ``in_flight`` (still being written); raises the first write that failed (the
-        iteration must then not commit)."""
-        keep = len(self._pending) - in_flight if in_flight else len(self._pending)
-        pending, self._pending = self._pending[:max(0, keep)], self._pending[max(0, keep):]
+    def flush(self) -> None:
+        """Wait until every snapshot ``save`` handed over is committed; raises the first
+        write that failed (the iteration must then not commit)."""
+        pending, self._pending = self._pending, []
         errors = []
         for future in pending:
             try:

@@ -156,13 +156,12 @@ class PPOTrainer:
         return batch
 
     def _stage_done(self, name: str) -> None:
-        """A stage's work is done: the snapshots written in the background are committed
-        now, all but the previous stage's (a short stage such as the reward must not wait
-        for the rollout's snapshot, which is still being written), so at most two stages'
-        snapshots are ever in flight: a crash here loses at most the previous stage's and
-        this one's, which a resume recomputes."""
+        """A stage's work is done: the previous stage's snapshot, written in the background
+        while this stage ran, is committed now, so at most the last stage's snapshot is
+        ever in flight (a crash here loses only this stage's: never an expensive rollout
+        whose next stage was short)."""
         if self.stage_store is not None:
-            self.stage_store.flush(in_flight=1)
+            self.stage_store.flush()
         probes.reached(f"stage:{name}")
 
     def _adopt(self, iteration: int, ahead, timing: dict) -> DataProto:
