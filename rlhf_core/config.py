@@ -145,7 +145,7 @@ class CriticConfig:
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
-    ppo_mini_batch_size: int = _f(16, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
+    ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank (0: the whole "
                                            "mini-batch)", **NON_NEGATIVE)
     forward_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing values on one rank "
