@@ -16,6 +16,7 @@ pipeline_package_path, params, enable_caching, service_account)`` and ``get_run(
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELED", "SKIPPED", "CANCELLED", "ERROR"}
@@ -57,11 +58,14 @@ def _recent_reward(istore, committed: list[int]) -> float | None:
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
           service_account: str | None = None) -> Outcome:
     from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.lease import LeaseKeeper, LeaseLog, holder_id
+    from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
 
     istore = IterationStore(plan.store, plan.run_id)
     lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
     lease = lease_log.acquire(holder_id())
+    # this driver's attempts have lease holders of their own: a driver started again (its
+    # pod retried) must not take over the lease of a child run the one before it left running
+    instance = uuid.uuid4().hex[:8]
     if isinstance(lease, str):
         log(f"[driver] run {plan.run_id} is driven by {lease}; this trigger does nothing")
         return Outcome(f"driven by {lease}", istore.committed_iterations())
@@ -95,13 +99,15 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                 raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
                                  f"{plan.max_retries}); see its runs: {[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
             name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
+            holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+            iteration_lease = istore.lease_log(n, CONTROLLER_TTL_S)
+            if _wait_out(iteration_lease, holder, istore, n, keeper, plan.poll_s, log):
+                continue  # another controller (a child run of a driver before this one) had it
             t0 = time.monotonic()
             kwargs = {"service_account": service_account} if service_account else {}
-            # one lease holder per iteration across the driver's attempts: the driver knows an
-            # attempt that failed is over, so the next takes its lease over at once
             # the checkpoint it starts from, imported by the run (KFP lineage links the runs);
             # the session computes the next iteration ahead unless this is the last one
-            params = {**plan.arguments, "lease_holder": f"driver:{plan.run_id}/iteration-{n}",
+            params = {**plan.arguments, "lease_holder": holder,
                       "parent_model": istore.checkpoint_uri(n), "prefetch_next": n + 1 < target}
             run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
                                       params=params, enable_caching=False, **kwargs)
@@ -110,11 +116,37 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             done = n in istore.committed_iterations()
             runs.append({"iteration": n, "attempt": attempt, "kfp_run_id": run.run_id, "name": name,
                          "state": state, "committed": done, "seconds": round(time.monotonic() - t0, 1)})
-            log(f"[driver] {name}: {state}" + ("" if done else " (not committed: it will be retried)"))
-            if not done:
-                attempts[n] = attempt + 1
+            if done:
+                log(f"[driver] {name}: {state}")
+                continue
+            latest = iteration_lease.latest()
+            if latest is not None and latest[1].get("holder") != holder and not iteration_lease.is_free(latest[1], holder):
+                log(f"[driver] {name}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
+                    f"waiting for it")  # not this attempt's failure: it is not counted
+                continue
+            # the run is over (its state is final), so whatever lease it left is released for
+            # it: the retry, a holder of its own, takes the iteration at once
+            iteration_lease.release_for(holder)
+            log(f"[driver] {name}: {state} (not committed: it will be retried)")
+            attempts[n] = attempt + 1
     finally:
         keeper.close()
+
+
+def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: float, log) -> bool:
+    """Before a submission: wait while another live controller holds iteration ``n`` (a
+    child run a driver before this one left running); whether there was one."""
+    waited = False
+    while n not in istore.committed_iterations():
+        latest = iteration_lease.latest()
+        if latest is None or iteration_lease.is_free(latest[1], holder):
+            break
+        if not waited:
+            log(f"[driver] iteration {n} is being run by {latest[1].get('holder')}; waiting for it to commit or end")
+            waited = True
+        keeper.check()
+        time.sleep(poll_s)
+    return waited
 
 
 def _wait(client, kfp_run_id: str, poll_s: float) -> str:

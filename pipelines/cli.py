@@ -18,7 +18,7 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.report import run_history, write_curve
 
-    from pipelines.local import run_local_iterations
+    from pipelines.local import NothingCommitted, run_local_iterations
 
     run_id = args.run_id
     root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
@@ -29,7 +29,10 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     istore, progress = IterationStore(store, run_id), ProgressLine(iterations, started=args.started)
 
     def show(_k: int) -> None:  # the iteration the run just committed, from the store
-        manifest = istore.read_manifest(len(istore.committed_iterations()) - 1)
+        committed = istore.committed_iterations()
+        if not committed:
+            return
+        manifest = istore.read_manifest(committed[-1])
         line = progress.line(manifest["iteration"], manifest["metrics"]["critic/score/mean"])
         if cfg.trainer.progress:
             print(line, flush=True)
@@ -40,7 +43,10 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
         print(f"[rlhf] {iterations} iteration(s) of run {run_id}, each a pipeline run on the KFP local runner "
               f"(its output: {log_path})", flush=True)
         run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
-                             prefetch_next=not ours or bool(args.keep_session), on_run=show, log_path=log_path)
+                             prefetch_next=not ours or bool(args.keep_session), on_run=show, log_path=log_path,
+                             wait_if_held=True)
+    except NothingCommitted as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
     finally:
         if ours and not args.keep_session:
             ray_head.stop_head(head, head_root)

@@ -24,17 +24,29 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
     return [str(p) for p in gone]
 
 
+class NothingCommitted(RuntimeError):
+    """Pipeline runs ended without committing the iteration and nobody else holds it."""
+
+
 def run_local_iterations(run_id: str, store: str, overrides: list, head_root: str, iterations: int,
                          pipeline_root: str, lease_holder: str = "", parent_model: str = "",
-                         prefetch_next: bool = True, on_run=None, log_path: str | None = None) -> list[dict]:
+                         prefetch_next: bool = True, on_run=None, log_path: str | None = None,
+                         wait_if_held: bool = False, lease_ttl_s: float | None = None) -> list[dict]:
     """``iterations`` runs of the per-iteration pipeline, one after the other, each given
     the checkpoint it continues from (``parent_model`` for the first when the caller
     knows it, else read from the store, as the fine-tune driver does). The session
     computes ahead after every run but the last, and after the last if ``prefetch_next``.
     ``on_run(k)`` is called after the k-th run (0-based) finished. With ``log_path``, what
     the local runner prints (task logs, outputs) is appended to that file instead of the
-    console; when a run fails, the end of it is shown."""
+    console; when a run fails, the end of it is shown.
+
+    ``wait_if_held`` (``rlhf run``): a run that commits nothing because another live
+    controller holds the iteration's lease is followed by a wait until that one commits or
+    its lease frees, then a new run; ``NothingCommitted`` when a run commits nothing with
+    nobody holding it (twice in a row). Without it (one run for the fine-tune driver,
+    which decides itself) the runs are returned as they ended."""
     from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.lease import CONTROLLER_TTL_S
 
     from kfp import local
 
@@ -46,7 +58,9 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     from rlhf_core import probes
 
     runs, istore = [], IterationStore(store, run_id)
-    for k in range(iterations):
+    k, idle = 0, 0
+    while k < iterations:
+        before = len(istore.committed_iterations())
         probes.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
         with _runner_output(log_path):
             task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
@@ -56,9 +70,37 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
         probes.phase("run_end")
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
+        if wait_if_held and len(istore.committed_iterations()) == before:
+            if not _wait_for_holder(istore, before, lease_ttl_s or CONTROLLER_TTL_S):
+                idle += 1
+                if idle >= 2:
+                    raise NothingCommitted(f"run {run_id}: iteration {before}: {idle} pipeline runs in a row ended "
+                                           f"without committing it and nobody holds it; see {log_path or pipeline_root}")
+            continue
+        idle = 0
         if on_run is not None:
             on_run(k)
+        k += 1
     return runs
+
+
+def _wait_for_holder(istore, iteration: int, ttl_s: float, poll_s: float = 1.0) -> bool:
+    """Wait while another live controller holds ``iteration``'s lease (one line says who);
+    whether there was one."""
+    import time
+
+    log = istore.lease_log(iteration, ttl_s)
+    waited = False
+    while iteration not in istore.committed_iterations():
+        latest = log.latest()
+        if latest is None or log.is_free(latest[1], holder=""):
+            break
+        if not waited:
+            print(f"[rlhf] iteration {iteration} of run {istore.run_id} is being run by {latest[1].get('holder')}; "
+                  f"waiting for it to commit or end", flush=True)
+            waited = True
+        time.sleep(poll_s)
+    return waited
 
 
 @contextlib.contextmanager
@@ -72,6 +114,8 @@ def _runner_output(log_path: str | None):
             contextlib.redirect_stderr(log):
         try:
             yield
+        except KeyboardInterrupt:
+            raise  # the user stopped it: the caller says what was kept, in one line
         except BaseException:
             log.flush()
             with open(log_path, encoding="utf-8", errors="replace") as f:

@@ -101,12 +101,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 0
     if committed:
         print(f"run {args.run_id}: {committed} iteration(s) committed, {iterations} to run")
-    if not args.direct:
-        if "pipeline" not in RUN_MODES:
-            raise SystemExit("rlhf: running iterations as pipeline runs needs the `pipelines` package (installed "
-                             "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
-        return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
-    result = run_direct(cfg, iterations, store, args.run_id)
+    if not args.direct and "pipeline" not in RUN_MODES:
+        raise SystemExit("rlhf: running iterations as pipeline runs needs the `pipelines` package (installed "
+                         "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
+    try:
+        if not args.direct:
+            return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
+        result = run_direct(cfg, iterations, store, args.run_id)
+    except KeyboardInterrupt:
+        print(_interrupted(args, cfg, store, committed + iterations), file=sys.stderr)
+        return 130
     rows = result["rows"]
     progress = ProgressLine(len(rows), started=args.started)
     for row in rows:  # the pace the run had, from its rows
@@ -115,6 +119,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     outputs = {name: result[name] for name in ("checkpoint", "metrics", "curve", "snapshots")}
     print(*closing_lines(rows, progress, outputs, training_s=rows[-1]["wall_clock_s"] if rows else None), sep="\n")
     return 0
+
+
+def _interrupted(args, cfg, store: str, total: int) -> str:
+    """The one line a stopped run ends with: what the store kept and how to go on."""
+    import shlex
+
+    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.trainer.stages import persisted_names
+
+    again = ["rlhf", "run", "--run-id", args.run_id, "--iterations", str(total), *(["--direct"] if args.direct else []),
+             *(["--store", args.store] if args.store else []), *args.overrides]
+    try:
+        istore = IterationStore(store, args.run_id)
+        n = len(istore.committed_iterations())
+        stages = [name for name in persisted_names(cfg) if istore.has(n, name)]
+    except Exception as exc:  # noqa: BLE001 - the store is unreachable: say so, the command still holds
+        kept = f"(the store could not be read: {type(exc).__name__})"
+    else:
+        kept = f"{n} committed iteration(s)" + (f" and iteration {n}'s finished stages ({', '.join(stages)})"
+                                               if stages else "")
+    return f"rlhf: interrupted; run {args.run_id} keeps {kept}; continue with: {shlex.join(again)}"
 
 
 def _default_store(cfg) -> str:

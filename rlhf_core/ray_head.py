@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhf_core.net import free_port
-from rlhf_core.processes import pid_alive
+from rlhf_core.processes import pid_alive, process_start_time
 
 
 @dataclass
@@ -66,15 +66,6 @@ def default_head_root(output_dir: str = "runs") -> str:
 
 def head_state_path(root: str | Path) -> Path:
     return Path(root) / "ray-head.json"
-
-
-def process_start_time(pid: int) -> str:
-    """Field 22 of /proc/PID/stat (clock ticks since boot): with the PID, it names one
-    process; "" when there is no such process."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
 
 
 def is_our_head(info: HeadInfo) -> bool:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from rlhf_core import run_layout
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME
+from rlhf_core.trainer.lease import CONTROLLER_TTL_S
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,8 @@ def _children(loc: sfs.Location) -> list[str]:
 
 
 def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
-            storage_options: dict | None = None, now: float | None = None, lease_ttl_s: float = 900.0) -> GcPlan:
+            storage_options: dict | None = None, now: float | None = None,
+            lease_ttl_s: float = CONTROLLER_TTL_S) -> GcPlan:
     """What may go from the run at ``run_uri`` (nothing is removed here). An uncommitted
     iteration whose lease is live (younger than ``lease_ttl_s``, the controllers' TTL) is
     left alone entirely."""

@@ -68,11 +68,34 @@ class SessionRecord:
         self.info.update(changes)
         self.last_used = time.time()
 
-    def weights_at(self, step: int | None, generation: int) -> bool:
+    def claim(self, holder: str) -> dict:
+        """A controller takes the workers: one step, so nothing can come between the
+        step it reads and its dirty mark. Returns the info as it was (``step``: where the
+        workers' weights were) with the new ``claim`` number; every claim before it is
+        void from now on (``committed`` and ``weights_at`` of an older claim are refused)."""
+        self.last_used = time.time()
+        before = dict(self.info)
+        claim = int(self.info.get("claim", 0)) + 1
+        self.info.update(step=None, claim=claim, controller=holder)
+        return {**before, "claim": claim}
+
+    def committed(self, claim: int, step: int) -> bool:
+        """The controller of ``claim`` committed: the weights are at ``step``. A controller
+        whose claim another one has replaced since changes nothing (that one's dirty mark
+        stands)."""
+        self.last_used = time.time()
+        if self.info.get("claim", 0) != claim:
+            return False
+        self.info["step"] = step
+        return True
+
+    def weights_at(self, step: int | None, generation: int, claim: int | None = None) -> bool:
         """Whether the workers are ready with weights at ``step`` (no controller marked
-        them dirty since): the prefetcher asks before it starts computing ahead."""
+        them dirty since) and, with ``claim``, no controller claimed them after the one
+        asking: the prefetcher asks before it starts computing ahead."""
         return (step is not None and self.info.get("status") == "ready" and self.info.get("step") == step
-                and self.info.get("generation") == generation)
+                and self.info.get("generation") == generation
+                and (claim is None or self.info.get("claim", 0) == claim))
 
     def request_rebuild(self) -> None:
         self.rebuild_requested = True

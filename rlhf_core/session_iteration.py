@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlhf_core import session
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer.lease import LeaseHeld, LeaseKeeper, holder_id
+from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseHeld, LeaseKeeper, holder_id
 from rlhf_core.trainer.restore import open_run
 from rlhf_core.trainer.run import finish_outputs, run_iterations
 
@@ -88,9 +88,10 @@ class Heartbeat:
 class SessionAttachment:
     """The session's side of the shared loop (``trainer.run.Attachment``)."""
 
-    def __init__(self, attached: session.AttachedSession, leases: IterationLeases, prefetch, on_stage) -> None:
+    def __init__(self, attached: session.AttachedSession, leases: IterationLeases, prefetch, on_stage,
+                 claimed: dict) -> None:
         self.record, self.leases, self.prefetch, self.on_stage = attached.record, leases, prefetch, on_stage
-        self.workers_at_step = attached.info.get("step")
+        self.workers_at_step, self.claim = claimed.get("step"), claimed["claim"]
 
     def lease(self, iteration: int) -> LeaseKeeper:
         return self.leases.for_iteration(iteration)
@@ -103,11 +104,11 @@ class SessionAttachment:
     def committed(self, step: int) -> None:
         import ray
 
-        ray.get(self.record.update.remote(step=step))
+        ray.get(self.record.committed.remote(self.claim, step))  # refused if another controller claimed since
 
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
-            lease_ttl_s: float = 900.0, prefetch_next: bool | None = None) -> dict:
+            lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
@@ -138,12 +139,13 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         attached = session.ensure(cfg, run_id, store, head)
         info = attached.info
         log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
-        # dirty until this iteration commits; confirmed before anything else, so no computing
-        # ahead can start on the workers once this controller is on them
-        ray.get(attached.record.update.remote(step=None))
-        ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, info.get("step"), info["generation"], log)
-                 if attached.prefetcher is not None else None)
-        attachment = SessionAttachment(attached, leases, ahead, on_stage)
+        # the workers are this controller's (dirty until it commits) before anything else,
+        # so no computing ahead can start on them once it is on them, and a controller
+        # before it can no longer mark them clean
+        claimed = ray.get(attached.record.claim.remote(holder_id()))
+        ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, claimed.get("step"), info["generation"], log,
+                                 claimed["claim"]) if attached.prefetcher is not None else None)
+        attachment = SessionAttachment(attached, leases, ahead, on_stage, claimed)
         with Heartbeat(attached.record, info.get("idle_timeout_s") or cfg.trainer.session_idle_timeout_s):
             rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
                                            attachment=attachment)

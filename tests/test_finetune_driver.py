@@ -106,3 +106,40 @@ def test_a_killed_driver_started_again_continues_from_the_committed_iteration(pl
     assert istore.committed_iterations() == [0, 1]
     assert "2 of 2 iterations committed" in second.stdout
     stop_session(place, "killed")
+
+
+def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_running(place):
+    """The driver's pod dies, its child pipeline run does not: the driver started again
+    (its pod retried) has lease holders of its own, so it cannot take over the live
+    child's lease; it waits until the child commits and goes on from there. One
+    controller ran each iteration: every iteration's lease was acquired once."""
+    store = f"file://{place / 'store'}"
+    argv = [sys.executable, "-m", "pipelines.local_finetune", "--run-id", "orphan", "--store", store,
+            "--head-root", str(place / "head"), "--root", str(place / "kfp-orphan"), "--iterations", "2",
+            *SMALL, f"trainer.output_dir={place / 'out'}"]
+    first = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    leases = place / "store" / "orphan" / "leases"
+    try:
+        deadline = time.monotonic() + 600
+        while not list(leases.glob("iter-000000/*.json")):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        os.kill(first.pid, signal.SIGKILL)  # the driver only: its child run goes on
+        first.wait()
+        second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
+        assert "iteration 0 is being run by driver:orphan/" in second.stdout
+        assert IterationStore(store, "orphan").committed_iterations() == [0, 1]
+        for iteration in (0, 1):
+            records = [json.loads(p.read_text()) for p in sorted(leases.glob(f"iter-{iteration:06d}/*.json"))]
+            acquired = [r["holder"] for r in records if r["state"] == "held" and r["token"] == records.index(r) + 1]
+            assert len(acquired) == 1, records
+        holders = {json.loads(p.read_text())["holder"] for p in leases.glob("iter-*/*.json")}
+        assert len({h.split("/")[1] for h in holders}) == 2  # two driver instances, each its own holders
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        stop_session(place, "orphan")

@@ -174,3 +174,140 @@ def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
         assert list(outcome.values()).count("committed") == 1, outcome
         token = json.loads(sfs.read_bytes(where.child("iter-000000", "MANIFEST.json")))["token"]
         assert token == (first.token if outcome["old"] == "committed" else first.token + 1), (outcome, token)
+
+
+HOLD = """
+import sys, time
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.trainer.lease import LeaseKeeper, LeaseLog
+log = LeaseLog(sfs.resolve(sys.argv[1]), 0, ttl_s=900)
+keeper = LeaseKeeper(log, log.acquire("kfp:run-1/run-iteration"))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_holder_process_that_died_on_this_host_is_taken_over_at_once(tmp_path):
+    """A local `rlhf run` killed with its pipeline run's controller: the next controller,
+    another holder on the same machine, finds that the process that wrote the lease is
+    gone and takes over without waiting out the TTL; while it lives, it keeps its lease."""
+    import signal
+    import subprocess
+    import sys
+
+    run = sfs.resolve(str(tmp_path / "run"))
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        log = LeaseLog(run, 0, ttl_s=900)
+        assert log.latest()[1]["process"]["pid"] == holder.pid
+        assert log.acquire("kfp:run-2/run-iteration") == "kfp:run-1/run-iteration"  # alive: it keeps it
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(30)
+    lease = LeaseLog(run, 0, ttl_s=900).acquire("kfp:run-2/run-iteration")
+    assert isinstance(lease, Lease) and lease.holder == "kfp:run-2/run-iteration"
+
+
+def _record_from(run, process: dict) -> LeaseLog:
+    log = LeaseLog(run, 0, ttl_s=900)
+    sfs.put_create_only(log.folder.child("00000001.json"), json.dumps(
+        {"holder": "kfp:old/run-iteration", "token": 1, "state": "held", "at": time.time(),
+         "process": process}).encode())
+    return log
+
+
+def test_only_a_process_that_can_see_the_holder_declares_it_dead(tmp_path):
+    """The same PID on another host, after a reboot or in another PID namespace (another
+    container with the same host name) says nothing about the holder: only the TTL frees
+    it. A PID that now names a process started at another time (reused) is a dead holder."""
+    import os
+
+    from rlhf_core.processes import this_process
+
+    dead_pid = 2 ** 22 + 17  # beyond pid_max: no process has it
+    here = this_process()
+    for n, elsewhere in enumerate([{"host": "another-host"}, {"boot": "another-boot"}, {"pid_ns": "pid:[1]"}]):
+        log = _record_from(sfs.resolve(str(tmp_path / f"far-{n}")), {**here, "pid": dead_pid, **elsewhere})
+        assert log.acquire("kfp:new/run-iteration") == "kfp:old/run-iteration", elsewhere
+    log = _record_from(sfs.resolve(str(tmp_path / "gone")), {**here, "pid": dead_pid})
+    assert isinstance(log.acquire("kfp:new/run-iteration"), Lease)
+    log = _record_from(sfs.resolve(str(tmp_path / "reused")), {**here, "pid": os.getpid(), "started": "1"})
+    assert isinstance(log.acquire("kfp:new/run-iteration"), Lease)
+    log = _record_from(sfs.resolve(str(tmp_path / "alive")), here)
+    assert log.acquire("kfp:new/run-iteration") == "kfp:old/run-iteration"
+
+
+class _Contended:
+    """A KFP client whose every run finds iteration 0 taken by another live controller
+    (it wins the race between the driver's look and the run's start), which commits a
+    moment later; the run itself ends SUCCEEDED having done nothing (the component's -1)."""
+
+    def __init__(self, run) -> None:
+        self.run, self.submitted = run, []
+
+    def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
+        from types import SimpleNamespace
+
+        self.submitted.append(params["lease_holder"])
+        if len(self.submitted) == 1:
+            log = LeaseLog(self.run, 0, ttl_s=900)
+            other = log.acquire("kfp:other/run-iteration")
+
+            def commit_later():
+                time.sleep(1.0)
+                sfs.put_create_only(self.run.child("iter-000000", "MANIFEST.json"), b"{}")
+                log.release(other)
+
+            threading.Thread(target=commit_later).start()
+        return SimpleNamespace(run_id=f"kfp-{len(self.submitted)}")
+
+    def get_run(self, run_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state="SUCCEEDED")
+
+
+def test_a_run_that_found_its_iteration_held_is_not_a_failed_attempt(tmp_path):
+    """The driver's run found the iteration's lease with another live controller: that is
+    not a failure of the iteration (no retry is spent, no DriveError); the driver waits
+    for the other controller and goes on from what it committed."""
+    from components.driver import Plan, drive
+
+    store = f"file://{tmp_path / 'store'}"
+    client = _Contended(sfs.resolve(str(tmp_path / "store" / "r")))
+    lines = []
+    outcome = drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=1, max_retries=0,
+                                 poll_s=0.1), "", "e", log=lines.append)
+    assert outcome.committed == [0] and outcome.reason == "1 of 1 iterations committed", lines
+    assert len(client.submitted) == 1 and any("kfp:other/run-iteration runs the iteration" in line for line in lines)
+
+
+def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):
+    """A retried attempt, and a driver started again, never share a lease holder with an
+    attempt before them (a shared holder takes a live lease over at once). A failed
+    attempt's lease is released for it, so the retry starts at once."""
+    from types import SimpleNamespace
+
+    from components.driver import DriveError, Plan, drive
+
+    store = f"file://{tmp_path / 'store'}"
+    run = sfs.resolve(str(tmp_path / "store" / "r"))
+
+    class Failing:  # every run takes the lease and dies without committing or releasing
+        submitted: list = []
+
+        def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
+            self.submitted.append(params["lease_holder"])
+            assert isinstance(LeaseLog(run, 0, ttl_s=900).acquire(params["lease_holder"]), Lease)
+            return SimpleNamespace(run_id="x")
+
+        def get_run(self, run_id):
+            return SimpleNamespace(state="FAILED")
+
+    client = Failing()
+    for _ in range(2):  # a driver, then one started again
+        with pytest.raises(DriveError, match="iteration 0 failed 2 times"):
+            drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=1, max_retries=1, poll_s=0.1),
+                  "", "e", log=lambda *a: None)
+    assert len(client.submitted) == 4 and len(set(client.submitted)) == 4, client.submitted

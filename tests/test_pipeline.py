@@ -97,3 +97,53 @@ def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):
     finally:
         subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
                        capture_output=True, timeout=120)
+
+
+def _pipeline_run(out: Path, run_id: str, env: dict, **popen):
+    return subprocess.Popen(
+        [sys.executable, "-m", "rlhf_core.cli", "run", "--iterations", "2", "--run-id", run_id, *SMALL,
+         f"trainer.output_dir={out}"], cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, **popen)
+
+
+SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
+
+
+def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_bit_identical(tmp_path):
+    """`rlhf run` SIGKILLed with its whole process group while iteration 0's controller runs
+    (a stage committed, the lease held by the dead controller): the same command again
+    takes the dead controller's lease over at once (it can see the process is gone: no
+    waiting out the TTL), resumes at the next stage and ends with the same bytes as a run
+    nobody interrupted."""
+    import signal
+    import time
+
+    from tests.helpers import fingerprint
+
+    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
+    env.pop("RAY_ADDRESS", None)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", "--direct", "--iterations", "2", "--run-id", "r",
+                    *SMALL, f"trainer.output_dir={ref}"], cwd=tmp_path, env=env, check=True, capture_output=True,
+                   timeout=600)
+    first = _pipeline_run(out, "r", env, start_new_session=True)
+    try:
+        rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
+        deadline = time.monotonic() + 600
+        while not rollout.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rollout.exists(), first.communicate(timeout=60)
+        os.killpg(first.pid, signal.SIGKILL)  # the command, the local runner and the controller
+        first.wait(30)
+        assert not (out / "store" / "r" / "iter-000000" / "MANIFEST.json").exists()
+        t0 = time.monotonic()
+        again = _pipeline_run(out, "r", env)
+        stdout, stderr = again.communicate(timeout=900)
+        assert again.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        assert "being run by" not in stdout + stderr  # nobody waited for the dead controller
+        assert time.monotonic() - t0 < 600
+        assert fingerprint(out / "store", "r") == fingerprint(ref / "store", "r")
+    finally:
+        for root in (out / "head", ref / "head"):
+            subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(root)],
+                           capture_output=True, timeout=120)

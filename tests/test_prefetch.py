@@ -96,3 +96,44 @@ def test_take_for_another_state_cancels_and_drains_the_work(parts):
     assert result is None and why.startswith("prefetched for another state (iteration: 5 != 6")
     assert probe.cancelled_seen and not probe.running and prefetcher.job is None
     assert prefetcher.take(key_for(cfg, 6)) == (None, "nothing was prefetched")
+
+
+def test_a_controller_that_committed_cannot_start_work_under_the_next_ones_claim(parts):
+    """The old controller ends (commit: the record's step, then computing ahead) while the
+    next one claims the workers, the two at the same time, many rounds. Whatever the
+    order, nothing runs ahead on workers the new controller reloads: either its claim saw
+    the committed step (it loads nothing and adopts the work), or the old one's step and
+    start were refused and the record stays dirty."""
+    import ray
+
+    cfg, record, prefetcher, probe = parts
+    probe.release.set()  # the work ends at once: each round starts from an idle prefetcher
+    seen = {"reload": 0, "adopt": 0}
+    for round_ in range(30):
+        step = 6 + round_
+        old = ray.get(record.claim.remote(f"old-{round_}"))
+        barrier, out = threading.Barrier(2), {}
+
+        def old_controller():
+            barrier.wait()
+            out["committed"] = ray.get(record.committed.remote(old["claim"], step))
+            out["start"] = prefetcher.start(key_for(cfg, step), {"global_step": step}, old["claim"])
+
+        def new_controller():
+            barrier.wait()
+            out["claimed"] = ray.get(record.claim.remote(f"new-{round_}"))
+
+        threads = [threading.Thread(target=old_controller), threading.Thread(target=new_controller)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if out["claimed"]["step"] == step:  # the claim came after the commit: nothing to reload
+            seen["adopt"] += 1
+        else:  # the new controller reloads: the old one changed nothing and started nothing
+            seen["reload"] += 1
+            assert out["claimed"]["step"] is None and not out["committed"], out
+            assert out["start"] == "refused: a controller is changing the weights", out
+            assert ray.get(record.get.remote())["step"] is None
+        prefetcher.take(key_for(cfg, step))  # the new controller drains whatever was started
+    assert seen["adopt"] + seen["reload"] == 30

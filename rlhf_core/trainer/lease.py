@@ -4,7 +4,7 @@ renewed in the background, and checked as a fencing token before anything is wri
 The scheme needs only the one primitive every store here honours: create-only writes
 (``If-None-Match: *`` on S3, ``link()`` on disk). A lease is a log of numbered records::
 
-    {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at"}
+    {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at", "process"}
 
 (the path grammar: ``rlhf_core.run_layout``).
 
@@ -16,8 +16,12 @@ latest record names its holder and token and is not released. No read-modify-wri
 delete: it is correct on S3 (strongly consistent LIST and create-only PUT) and on disk.
 
 A lease is free to take when its latest record is released, older than the TTL, held by
-a process on this host that no longer exists, or held by the same holder id (a KFP retry
-of the same task: the pod before it is gone).
+the same holder id (a KFP retry of the same task: the pod before it is gone), or written
+by a process that has certainly ended: each record names the process that wrote it (host,
+boot, PID namespace, PID, start time), and a contender that can see that process table
+(the same machine and container: a local ``rlhf run`` and its pipeline runs' controllers)
+and finds no such process takes over at once instead of waiting out the TTL. Pods on a
+cluster have their own hosts, so there the KFP task rule and the TTL decide.
 """
 
 from __future__ import annotations
@@ -30,9 +34,14 @@ import time
 from dataclasses import dataclass
 
 from rlhf_core import run_layout
-from rlhf_core.processes import pid_alive
+from rlhf_core.processes import known_dead, this_process
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
+
+
+#: How long a controller's lease lasts without a renewal (it renews every third of it):
+#: a controller that died where nobody can see its process is taken over after this.
+CONTROLLER_TTL_S = 900.0
 
 
 class LeaseLost(RuntimeError):
@@ -96,9 +105,7 @@ class LeaseLog:
             return True
         if time.time() - float(record.get("at", 0)) >= self.ttl_s:
             return True
-        kind, _, rest = str(record.get("holder", "")).partition(":")
-        host, _, pid = rest.rpartition(":")
-        return kind == "local" and host == socket.gethostname() and pid.isdigit() and not pid_alive(int(pid))
+        return known_dead(record.get("process"))
 
     def acquire(self, holder: str, attempts: int = 20) -> Lease | str:
         """The lease, or who holds it now (a fresh lease of another holder)."""
@@ -107,7 +114,8 @@ class LeaseLog:
             if latest is not None and not self.is_free(latest[1], holder):
                 return str(latest[1].get("holder"))
             generation = 1 if latest is None else latest[0] + 1
-            if self._write(generation, {"holder": holder, "token": generation, "state": "held", "at": time.time()}):
+            if self._write(generation, {"holder": holder, "token": generation, "state": "held", "at": time.time(),
+                                        "process": this_process()}):
                 return Lease(self.iteration, holder, generation)
         return "another contender (lost the race repeatedly)"
 
@@ -124,7 +132,7 @@ class LeaseLog:
                     or latest[1].get("state") != "held":
                 return False
             if self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "held",
-                                           "at": time.time()}):
+                                           "at": time.time(), "process": this_process()}):
                 return True
         return False
 
@@ -133,6 +141,16 @@ class LeaseLog:
         if latest is not None and latest[1].get("holder") == lease.holder and latest[1].get("token") == lease.token:
             self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "released",
                                         "at": time.time()})
+
+
+    def release_for(self, holder: str) -> bool:
+        """Release the lease ``holder`` holds, on its behalf: for whoever knows that holder
+        has ended (the fine-tune driver, once the run it submitted is in a final state)."""
+        latest = self.latest()
+        if latest is None or latest[1].get("holder") != holder or latest[1].get("state") != "held":
+            return False
+        return self._write(latest[0] + 1, {"holder": holder, "token": latest[1].get("token"), "state": "released",
+                                           "at": time.time()})
 
 
 class LeaseKeeper:

@@ -14,12 +14,16 @@ Prefetching only reads worker state and writes nothing to the store, so it takes
 lease. It must never overlap a controller's stages, which the two actors of a session
 guarantee together:
 
-* a controller marks the weights dirty on the session record (``step=None``) before it
-  runs anything, and takes (drains) the prefetcher before its first stage; a prefetch
-  that does not match is cancelled at its next stage boundary and dropped;
-* the prefetcher starts only after the record confirms, under the prefetcher's lock,
-  that the weights are at the key's step and generation; a start that loses the race to
-  a controller's dirty mark is refused, one that wins it is drained by that controller.
+* a controller claims the workers on the session record before it runs anything (one
+  call: it reads the step the weights are at, marks them dirty and voids every earlier
+  claim), and takes (drains) the prefetcher before its first stage; a prefetch that does
+  not match is cancelled at its next stage boundary and dropped;
+* a controller's commit sets the record's step only while its claim is the latest, and
+  the prefetcher starts only after the record confirms, under the prefetcher's lock, that
+  the weights are at the key's step and generation and the claim that asks is still the
+  latest. A start that loses the race to the next controller's claim is refused; one
+  that wins it ran on weights that claim saw at the committed step, so that controller
+  loads nothing and drains (adopts) it.
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ class Prefetcher:
             self.generation = generation
             self.workers = WorkerSet.attach(self.cfg, worker_names, namespace=self.namespace, role=self.worker_role)
 
-    def start(self, key: dict, state: dict) -> str:
+    def start(self, key: dict, state: dict, claim: int | None = None) -> str:
         """Begin computing iteration ``state``'s inference stages in the background;
         returns "started" or why not."""
         import ray
@@ -139,7 +143,7 @@ class Prefetcher:
             if self.workers is None or key.get("generation") != self.generation:
                 return f"refused: the session is at generation {self.generation}, the key says {key.get('generation')}"
             record = ray.get_actor(self.record_name, namespace=self.namespace)
-            if not ray.get(record.weights_at.remote(key["weights_step"], key["generation"])):
+            if not ray.get(record.weights_at.remote(key["weights_step"], key["generation"], claim)):
                 return "refused: a controller is changing the weights"
             cancel = threading.Event()
             job = _Job(key, cancel, threading.Thread(target=lambda: None, daemon=True))
@@ -184,8 +188,8 @@ class SessionPrefetch:
     knows, the session's answer, a log line."""
 
     def __init__(self, cfg: RunConfig, run_id: str, prefetcher, weights_step: int | None, generation: int,
-                 log=print) -> None:
-        self.cfg, self.run_id, self.prefetcher = cfg, run_id, prefetcher
+                 log=print, claim: int | None = None) -> None:
+        self.cfg, self.run_id, self.prefetcher, self.claim = cfg, run_id, prefetcher, claim
         self.weights_step, self.generation, self.log = weights_step, generation, log
         self.notes: list[str] = []  # one line per decision, for the caller's summary
 
@@ -211,7 +215,8 @@ class SessionPrefetch:
 
         key = prefetch_key(self.cfg, self.run_id, state, state.global_step, self.generation)
         status = ray.get(self.prefetcher.start.remote(key, {"global_step": state.global_step,
-                                                          "cursor": dict(state.cursor), "kl_coef": state.kl_coef}))
+                                                          "cursor": dict(state.cursor), "kl_coef": state.kl_coef},
+                                                         self.claim))
         self.notes.append(f"computing iteration {state.global_step} ahead: {status}")
         self.log(f"[rlhf] {self.notes[-1]}")
         return status
