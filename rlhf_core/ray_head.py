@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhf_core.net import free_port
-from rlhf_core.processes import pid_alive, process_start_time
+from rlhf_core.processes import known_dead, pid_alive, process_start_time, this_process
 
 
 @dataclass
@@ -120,8 +120,7 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     root.mkdir(parents=True, exist_ok=True)
     token_path = root / "ray-token"
     if not token_path.exists():
-        token_path.write_text(secrets.token_hex(32))
-        token_path.chmod(0o600)
+        write_private(token_path, secrets.token_hex(32))
     temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
     port, dashboard_port = free_port(), free_port()
     env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
@@ -157,12 +156,30 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     return info
 
 
+def write_private(path: str | Path, text: str) -> None:
+    """A file only this user can read, from its first byte (created with mode 0600, then
+    renamed into place: no moment with the default permissions, no half-written file)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def stop_head(info: HeadInfo | None, root: str | Path | None = None) -> None:
     """End the head and every process of it, by PID, once its identity is checked (a
     recorded PID now belonging to another process is left alone), remove its temp dir,
-    and forget it (``root``: where its state file lives)."""
+    and forget it (``root``: where its state file lives, and any object-store credentials
+    a session of it did not take)."""
     if root is not None:
         head_state_path(root).unlink(missing_ok=True)
+        for left in Path(root).glob(CREDENTIALS_GLOB):
+            left.unlink(missing_ok=True)
     if info is None or not info.temp_dir:
         return
     if is_our_head(info):
@@ -295,14 +312,50 @@ def disconnect() -> None:
         ray.shutdown()
 
 
+#: The object-store credentials a session submission leaves for its serve job (which
+#: removes the file once it has read it).
+CREDENTIALS_GLOB = "object-store-credentials-*.json"
+LOCAL_RAY_PREFIX = "rlhf-ray-"
+LOCAL_RAY_OWNER = "rlhf-owner.json"
+
+
 def start_local_ray(num_cpus: int | None = None) -> None:
-    """A Ray of this process's own (direct runs, replay): loopback only, token auth."""
+    """A Ray of this process's own (direct runs, replay): loopback only, token auth. Its
+    temp dir goes when this process ends; one a killed process left is removed by the
+    next start (the folder names its owner: only a process known to be dead is cleaned
+    up after)."""
     local_ray_env()
+    import atexit
+
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    remove_orphan_local_rays()
+    temp_dir = tempfile.mkdtemp(prefix=LOCAL_RAY_PREFIX)
+    (Path(temp_dir) / LOCAL_RAY_OWNER).write_text(json.dumps(this_process()))
     ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="rlhf-ray-"), log_to_driver=False,
+             _temp_dir=temp_dir, log_to_driver=False,
              configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
+
+    def end() -> None:  # Ray's processes write into the folder until they are gone
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    atexit.register(end)
+
+
+def remove_orphan_local_rays(where: str | None = None) -> list[str]:
+    """Remove the temp dirs of local Rays whose owning process has ended (SIGKILLed: no
+    exit handler ran) and that no process uses any more; returns what went."""
+    gone = []
+    for folder in Path(where or tempfile.gettempdir()).glob(LOCAL_RAY_PREFIX + "*"):
+        try:
+            owner = json.loads((folder / LOCAL_RAY_OWNER).read_text())
+        except (OSError, ValueError):
+            continue  # not a folder of ours (a head's, or someone else's): left alone
+        if known_dead(owner) and not _pids_with(str(folder)):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(str(folder))
+    return gone

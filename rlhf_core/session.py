@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from rlhf_core.config import RunConfig
@@ -207,7 +208,6 @@ def find_job(client, run_id: str):
 FORWARDED_ENV = ("RLHF_CACHE", "PYTHONPATH", "HF_HOME", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION")
 #: Secrets never travel in the job's runtime_env (Ray logs it and the Jobs API returns it).
 SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-CREDENTIALS_FILE = "object-store-credentials.json"
 
 
 def session_entrypoint(run_id: str, store: str) -> str:
@@ -224,28 +224,29 @@ def session_entrypoint(run_id: str, store: str) -> str:
 
 def write_credentials_file(directory: str) -> str | None:
     """The object-store secrets of this environment in a file only this user can read
-    (``directory`` is the local head's folder); None when there are none. On KubeRay the
-    Ray pods get them from the Kubernetes secret instead."""
+    (``directory`` is the local head's folder; one file per submission, which its serve
+    job removes once read, and stopping the head removes what is left); None when there
+    are none. On KubeRay the Ray pods get them from the Kubernetes secret instead."""
+    from rlhf_core.ray_head import CREDENTIALS_GLOB, write_private
+
     secrets = {k: os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
     if not secrets:
         return None
-    path = os.path.join(directory, CREDENTIALS_FILE)
-    fd = os.open(path + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(secrets, f)
-    os.replace(path + ".tmp", path)
+    path = os.path.join(directory, CREDENTIALS_GLOB.replace("*", uuid.uuid4().hex[:12]))
+    write_private(path, json.dumps(secrets))
     return path
 
 
 def load_credentials_file(path: str | None) -> None:
     """In the serve job: take the secrets the submitter left (never overriding what the
-    pod's own environment already has)."""
+    pod's own environment already has), and remove the file: they live in this process now."""
     if not path or not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
         for key, value in json.load(f).items():
             if key in SECRET_ENV:
                 os.environ.setdefault(key, value)
+    os.unlink(path)
 
 
 def submit_job(client, cfg: RunConfig, run_id: str, store: str, head=None) -> str:

@@ -103,6 +103,7 @@ def test_job_runtime_env_carries_no_secret(tmp_path, monkeypatch):
         monkeypatch.delenv(key)
     session.load_credentials_file(str(path))
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == "very-secret" and os.environ["AWS_SESSION_TOKEN"] == "session-secret"
+    assert not path.exists()  # read once, by the serve job: the secrets live in its process only
 
 
 # ------------------------------------------------------------------ config ranges
@@ -225,3 +226,92 @@ def test_local_pipeline_run_folders_are_pruned(tmp_path):
         os.utime(tmp_path / f"ppo-iteration-{i}", (i, i))
     gone = prune_run_folders(str(tmp_path), keep=5)
     assert len(gone) == 3 and sorted(p.name for p in tmp_path.iterdir()) == [f"ppo-iteration-{i}" for i in range(3, 8)]
+
+
+# ------------------------------------------------------------ private files, temp dirs
+
+def test_the_ray_token_and_the_credentials_are_private_from_their_first_byte(tmp_path, monkeypatch):
+    """Whenever the head's token file or a credentials file is opened, it is already
+    readable by this user only (the file is created with mode 0600, not chmod'ed after)."""
+    import io
+
+    seen: list[tuple[str, int]] = []
+    real_io_open, real_os_open = io.open, os.open
+
+    def look(path) -> None:
+        name = os.path.basename(str(path))
+        if "ray-token" in name or "credentials" in name:
+            seen.append((name, os.stat(path).st_mode & 0o777))
+
+    def io_open(file, *args, **kwargs):
+        handle = real_io_open(file, *args, **kwargs)
+        look(file)
+        return handle
+
+    def os_open(path, *args, **kwargs):
+        fd = real_os_open(path, *args, **kwargs)
+        look(path)
+        return fd
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_a, **_k):
+        raise Stop()
+
+    monkeypatch.setattr(io, "open", io_open)
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(ray_head, "free_port", stop)  # the first step after the token is written
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    umask = os.umask(0o022)
+    try:
+        with pytest.raises(Stop):
+            ray_head.start_head(tmp_path / "head")
+        session.write_credentials_file(str(tmp_path))
+    finally:
+        os.umask(umask)
+        monkeypatch.undo()
+    assert any("ray-token" in n for n, _ in seen), seen
+    assert any("credentials" in n for n, _ in seen) and all(mode == 0o600 for _, mode in seen), seen
+    assert (tmp_path / "head" / "ray-token").stat().st_mode & 0o777 == 0o600
+
+
+def test_no_local_ray_temp_dir_outlives_its_process():
+    """A process that started a local Ray of its own (direct runs, replay) leaves no temp
+    dir when it ends; one SIGKILLed leaves it, and the next start removes it (its owner is
+    known dead), while a folder whose owner lives, or that is not ours, stays."""
+    import shutil
+    import signal
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="rt-"))  # short: Ray's socket paths must fit 107 bytes
+    try:
+        _temp_dirs_in(tmp_path, signal)
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _temp_dirs_in(tmp_path: Path, signal) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    code = "from rlhf_core.ray_head import start_local_ray; start_local_ray(num_cpus=1); print('up', flush=True)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0 and "up" in done.stdout, done.stderr[-2000:]
+    assert not list(tmp_path.glob("rlhf-ray-*"))  # ended normally: cleaned at exit
+    killed = subprocess.Popen([sys.executable, "-c", code + "; import time; time.sleep(300)"], env=env,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert killed.stdout.readline().strip() == "up"
+    finally:
+        os.killpg(killed.pid, signal.SIGKILL)  # the process and its Ray: no exit handler runs
+        killed.wait(30)
+    time.sleep(1)
+    left = list(tmp_path.glob("rlhf-ray-*"))
+    assert len(left) == 1
+    alive = tmp_path / "rlhf-ray-alive"
+    alive.mkdir()
+    (alive / ray_head.LOCAL_RAY_OWNER).write_text(json.dumps(__import__("rlhf_core.processes").processes.this_process()))
+    foreign = tmp_path / "rlhf-ray-foreign"
+    foreign.mkdir()
+    assert ray_head.remove_orphan_local_rays(str(tmp_path)) == [str(left[0])]
+    assert alive.exists() and foreign.exists() and not left[0].exists()

@@ -147,3 +147,43 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
         for root in (out / "head", ref / "head"):
             subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(root)],
                            capture_output=True, timeout=120)
+
+
+def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continue(tmp_path):
+    """SIGINT to the foreground group (Ctrl-C) while iteration 0 runs: `rlhf run` ends with
+    exit code 130 and one line saying what the store kept and the command that continues;
+    no traceback, no dump of the runner's output. That command finishes the run."""
+    import shlex
+    import signal
+    import time
+
+    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "out"
+    first = _pipeline_run(out, "r", env, start_new_session=True)
+    try:
+        rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
+        deadline = time.monotonic() + 600
+        while not rollout.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.killpg(first.pid, signal.SIGINT)
+        stdout, stderr = first.communicate(timeout=300)
+        assert first.returncode == 130, stdout[-2000:] + stderr[-3000:]
+        assert "Traceback" not in stdout + stderr and "the pipeline run failed" not in stdout + stderr
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("rlhf: interrupted; run r keeps 0 committed iteration(s) and iteration 0's finished "
+                               "stages (rollout"), last
+        command = last.split("continue with: ", 1)[1]
+        argv = shlex.split(command)
+        assert argv[:6] == ["rlhf", "run", "--run-id", "r", "--iterations", "2"], command
+        again = subprocess.run([sys.executable, "-m", "rlhf_core.cli", *argv[1:]], cwd=out.parent, env=env,
+                               capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+        assert (out / "store" / "r" / "iter-000001" / "MANIFEST.json").exists()
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
+                       capture_output=True, timeout=120)
