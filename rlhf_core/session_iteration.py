@@ -16,49 +16,9 @@ from pathlib import Path
 
 from rlhf_core import session
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseHeld, LeaseKeeper, holder_id
+from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld, holder_id
 from rlhf_core.trainer.restore import open_run
 from rlhf_core.trainer.run import finish_outputs, run_iterations
-
-
-class IterationLeases:
-    """The leases of this controller's iterations, one ``LeaseKeeper`` per iteration. The
-    first is taken up front (``take_first``), before anything touches the workers: a
-    controller that lost the race must not restore (reload) weights under the winner's
-    running stages."""
-
-    def __init__(self, istore, ttl_s: float) -> None:
-        self.istore, self.ttl_s, self.me = istore, ttl_s, holder_id()
-        self._first: LeaseKeeper | None = None
-
-    def take(self, iteration: int) -> LeaseKeeper:
-        """The iteration's lease, or ``LeaseHeld`` naming who has it."""
-        log = self.istore.lease_log(iteration, self.ttl_s)
-        lease = log.acquire(self.me)
-        if isinstance(lease, str):
-            raise LeaseHeld(lease)
-        if iteration in self.istore.committed_iterations():  # a holder committed it, then released
-            log.release(lease)
-            raise LeaseHeld("nobody: it is committed already")
-        return LeaseKeeper(log, lease)
-
-    def take_first(self, iteration: int) -> None:
-        self._first = self.take(iteration)
-
-    def for_iteration(self, iteration: int) -> LeaseKeeper:
-        """The loop's lease for ``iteration``: the one taken up front, then new ones."""
-        first, self._first = self._first, None
-        if first is not None and first.lease.iteration == iteration:
-            return first
-        if first is not None:  # taken for another iteration: give it back
-            first.close()
-        return self.take(iteration)
-
-    def close(self) -> None:
-        """Release the up-front lease if the loop never used it (attaching failed)."""
-        if self._first is not None:
-            self._first.close()
-            self._first = None
 
 
 class Heartbeat:
@@ -88,13 +48,9 @@ class Heartbeat:
 class SessionAttachment:
     """The session's side of the shared loop (``trainer.run.Attachment``)."""
 
-    def __init__(self, attached: session.AttachedSession, leases: IterationLeases, prefetch, on_stage,
-                 claimed: dict) -> None:
-        self.record, self.leases, self.prefetch, self.on_stage = attached.record, leases, prefetch, on_stage
+    def __init__(self, attached: session.AttachedSession, prefetch, on_stage, claimed: dict) -> None:
+        self.record, self.prefetch, self.on_stage = attached.record, prefetch, on_stage
         self.workers_at_step, self.claim = claimed.get("step"), claimed["claim"]
-
-    def lease(self, iteration: int) -> LeaseKeeper:
-        return self.leases.for_iteration(iteration)
 
     def stage_started(self, step: int, name: str) -> None:
         self.record.update.remote(stage=name)  # the session sees it is in use
@@ -145,10 +101,10 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         claimed = ray.get(attached.record.claim.remote(holder_id()))
         ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, claimed.get("step"), info["generation"], log,
                                  claimed["claim"]) if attached.prefetcher is not None else None)
-        attachment = SessionAttachment(attached, leases, ahead, on_stage, claimed)
+        attachment = SessionAttachment(attached, ahead, on_stage, claimed)
         with Heartbeat(attached.record, info.get("idle_timeout_s") or cfg.trainer.session_idle_timeout_s):
             rows, trainer = run_iterations(cfg, attached.workers, istore, state, iterations, run_dir,
-                                           attachment=attachment)
+                                           attachment=attachment, leases=leases)
             if rows and ahead is not None and cfg.trainer.prefetch and prefetch_next is not False:
                 ahead.start_next(trainer.state)
     except LeaseHeld as held:  # a later iteration's (this controller committed the ones before)

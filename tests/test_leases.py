@@ -311,3 +311,21 @@ def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):
             drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=1, max_retries=1, poll_s=0.1),
                   "", "e", log=lambda *a: None)
     assert len(client.submitted) == 4 and len(set(client.submitted)) == 4, client.submitted
+
+
+def test_a_direct_run_takes_the_iterations_lease_and_leaves_a_held_one_alone(tmp_path, capsys):
+    """`rlhf run --direct` writes what a session's controller writes, so it runs under the
+    same leases: while another live controller holds the next iteration it ends in one
+    line and writes nothing."""
+    from rlhf_core.cli import main
+
+    run = sfs.resolve(str(tmp_path / "store" / "r"))
+    other = LeaseLog(run, 0, ttl_s=900).acquire("kfp:other/run-iteration")
+    assert isinstance(other, Lease)
+    with pytest.raises(SystemExit) as stopped:
+        main(["run", "--direct", "--run-id", "r", "--store", f"file://{tmp_path / 'store'}", "--iterations", "1",
+              f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=false"])
+    assert str(stopped.value).startswith("rlhf: iteration 0 of run r is being run by kfp:other/run-iteration; "
+                                         "nothing was written")
+    assert not (tmp_path / "store" / "r" / "iter-000000").exists()
+    assert not list((tmp_path / "store" / "r").glob("checkpoints/*"))

@@ -56,6 +56,7 @@ def test_interrupted_run_resumes_bit_identical(tmp_path):
     assert manifest["parent_iteration"] == 0 and manifest["global_step"] == 2
     assert manifest["checkpoint"].endswith("checkpoints/step-000002")
     assert "rollout" in manifest["snapshots"] and manifest["code_version"]["source_sha256"]
+    assert manifest["lease"]["holder"].startswith("local:")  # a direct run commits under a lease too
 
 
 def test_continuing_with_another_config_is_refused(tmp_path):

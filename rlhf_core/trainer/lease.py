@@ -187,3 +187,43 @@ class LeaseKeeper:
         self._thread.join(timeout=5)
         if release and not self.lost.is_set():
             self.log.release(self.lease)
+
+
+class IterationLeases:
+    """The leases of this controller's iterations, one ``LeaseKeeper`` per iteration. The
+    first is taken up front (``take_first``), before anything touches the workers: a
+    controller that lost the race must not restore (reload) weights under the winner's
+    running stages."""
+
+    def __init__(self, istore, ttl_s: float) -> None:
+        self.istore, self.ttl_s, self.me = istore, ttl_s, holder_id()
+        self._first: LeaseKeeper | None = None
+
+    def take(self, iteration: int) -> LeaseKeeper:
+        """The iteration's lease, or ``LeaseHeld`` naming who has it."""
+        log = self.istore.lease_log(iteration, self.ttl_s)
+        lease = log.acquire(self.me)
+        if isinstance(lease, str):
+            raise LeaseHeld(lease)
+        if iteration in self.istore.committed_iterations():  # a holder committed it, then released
+            log.release(lease)
+            raise LeaseHeld("nobody: it is committed already")
+        return LeaseKeeper(log, lease)
+
+    def take_first(self, iteration: int) -> None:
+        self._first = self.take(iteration)
+
+    def for_iteration(self, iteration: int) -> LeaseKeeper:
+        """The loop's lease for ``iteration``: the one taken up front, then new ones."""
+        first, self._first = self._first, None
+        if first is not None and first.lease.iteration == iteration:
+            return first
+        if first is not None:  # taken for another iteration: give it back
+            first.close()
+        return self.take(iteration)
+
+    def close(self) -> None:
+        """Release the up-front lease if the loop never used it (attaching failed)."""
+        if self._first is not None:
+            self._first.close()
+            self._first = None

@@ -20,6 +20,7 @@ from typing import Callable, Protocol
 
 from rlhf_core.config import RunConfig, describe
 from rlhf_core.ray_head import start_local_ray
+from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
 from rlhf_core.trainer.restore import (
@@ -35,9 +36,6 @@ class Attachment(Protocol):
 
     workers_at_step: int | None   # the step the session's workers are known to be at
     prefetch: object              # the session's computed-ahead stages, or None
-
-    def lease(self, iteration: int):
-        """The iteration's ``LeaseKeeper`` (raises ``LeaseHeld``)."""
 
     def stage_started(self, step: int, name: str) -> None: ...
 
@@ -87,13 +85,15 @@ class IterationCommit:
 
 def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_dir: Path,
                    attachment: Attachment | None = None, on_stage: Callable[[int, str], None] | None = None,
-                   stop: StopRule | None = None, checkpoint_last: bool = False) -> tuple[list[dict], object]:
+                   stop: StopRule | None = None, checkpoint_last: bool = False,
+                   leases: IterationLeases | None = None) -> tuple[list[dict], object]:
     """The iteration loop shared by direct runs and session-attached controllers:
     restore (or initialize) the workers, then per iteration the stages (resuming at the
     first uncommitted one) and the commit (checkpoint when due, then MANIFEST.json).
 
-    ``attachment``: the session's side (its workers' known step, its computed-ahead stages,
-    a lease per iteration checked right before the checkpoint and the commit).
+    ``attachment``: the session's side (its workers' known step, its computed-ahead stages).
+    ``leases``: a lease per iteration, checked right before the checkpoint and the commit
+    (raises ``LeaseHeld`` when another controller has one).
     ``checkpoint_last``: the last iteration writes a checkpoint even between
     ``trainer.checkpoint_every`` steps (a direct run: its workers end with it).
     """
@@ -124,7 +124,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for k in range(iterations):
                 iteration = trainer.state.global_step
-                this = IterationCommit(keeper=attachment.lease(iteration) if attachment else None,
+                this = IterationCommit(keeper=leases.for_iteration(iteration) if leases else None,
                                        force_checkpoint=checkpoint_last and k == iterations - 1)
                 try:
                     metrics = trainer.run_iteration()
@@ -237,13 +237,21 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     log(f"[rlhf] run {run_id}: config (hash {cfg.config_hash()[:12]}):\n{describe(cfg)}")
-    start_local_ray()
-    t0 = time.perf_counter()
-    workers = WorkerSet.build(cfg)
-    log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
+    # a direct run writes what a session's controller writes: under the same leases (a
+    # controller of the run elsewhere, or a second direct run, waits its turn or is told)
+    leases = IterationLeases(istore, CONTROLLER_TTL_S)
+    leases.take_first(state.global_step)
     try:
-        rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
-                                       stop=StopRule(time_budget_s, stop_at_reward), checkpoint_last=True)
+        start_local_ray()
+        t0 = time.perf_counter()
+        workers = WorkerSet.build(cfg)
+        log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
+        try:
+            rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
+                                           stop=StopRule(time_budget_s, stop_at_reward), checkpoint_last=True,
+                                           leases=leases)
+        finally:
+            workers.kill()
     finally:
-        workers.kill()
+        leases.close()
     return {**finish_outputs(cfg, run_dir, rows, istore, trainer), "started": trainer.started_at}
