@@ -59,6 +59,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
           service_account: str | None = None) -> Outcome:
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
+    from rlhf_core.trainer.restore import weights_checkpoint
 
     istore = IterationStore(plan.store, plan.run_id)
     lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
@@ -105,10 +106,11 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                 continue  # another controller (a child run of a driver before this one) had it
             t0 = time.monotonic()
             kwargs = {"service_account": service_account} if service_account else {}
-            # the checkpoint it starts from, imported by the run (KFP lineage links the runs);
+            # the checkpoint it starts from (none before the run's initial one is written),
+            # imported by the run (KFP lineage links the runs);
             # the session computes the next iteration ahead unless this is the last one
             params = {**plan.arguments, "lease_holder": holder,
-                      "parent_model": istore.checkpoint_uri(n), "prefetch_next": n + 1 < target}
+                      "parent_model": weights_checkpoint(istore, n) or "", "prefetch_next": n + 1 < target}
             run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
                                       params=params, enable_caching=False, **kwargs)
             log(f"[driver] submitted {name}: {run.run_id}")

@@ -52,11 +52,13 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     probes.pod_started()  # no-op unless a benchmark simulates pod scheduling
 
     if parent is not None:
+        from rlhf_core.trainer.restore import weights_checkpoint
+
         istore = IterationStore(store, run_id)
-        starts_from = istore.checkpoint_uri(len(istore.committed_iterations()))
-        if parent.uri.rstrip("/") != starts_from:
-            raise ValueError(f"parent_model: expected the checkpoint run {run_id} continues from, {starts_from}; "
-                             f"found {parent.uri}")
+        starts_from = weights_checkpoint(istore, len(istore.committed_iterations()))
+        if parent.uri.rstrip("/") != (starts_from or ""):
+            raise ValueError(f"parent_model: expected the checkpoint run {run_id} continues from, "
+                             f"{starts_from or 'none yet (its initial checkpoint is not written)'}; found {parent.uri}")
 
     if lease_holder:
         os.environ["RLHF_LEASE_HOLDER"] = lease_holder

@@ -125,7 +125,9 @@ def _runner_output(log_path: str | None):
 
 
 def _next_parent(istore) -> str:
-    return istore.checkpoint_uri(len(istore.committed_iterations()))
+    from rlhf_core.trainer.restore import weights_checkpoint
+
+    return weights_checkpoint(istore, len(istore.committed_iterations())) or ""
 
 
 class LocalKfpStandIn:

@@ -13,8 +13,9 @@ committed iterations with no live lease:
 - manifests are always kept, so lineage, metrics and config of every iteration remain.
 
 Garbage regardless of the policy, once older than the grace period: ``data-*`` prefixes
-no manifest names (a writer that crashed or lost a race), and lease logs of committed
-iterations. Nothing under an uncommitted iteration is touched while its lease is live.
+and checkpoint folders no manifest names (a writer that crashed or lost a race), and
+lease logs of committed iterations. Nothing under an uncommitted iteration is touched
+while its lease is live, nor the checkpoint such an iteration may be writing.
 """
 
 from __future__ import annotations
@@ -109,15 +110,29 @@ def _children(loc: sfs.Location) -> list[str]:
     return sorted(names)
 
 
+def _committed_checkpoints(istore, committed: list[int]) -> dict[str, int]:
+    """{folder name: step} of every checkpoint a committed record names: the run's
+    initial one and each iteration's weights (``restore.weights_checkpoint``)."""
+    from rlhf_core.trainer.restore import weights_checkpoint
+
+    named = {}
+    for step in [0, *(n + 1 for n in committed)]:
+        uri = weights_checkpoint(istore, step)
+        if uri is not None:
+            name = uri.rstrip("/").rsplit("/", 1)[-1]
+            named[name] = run_layout.step_of_checkpoint_dir(name)
+    return named
+
+
 def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
             storage_options: dict | None = None, now: float | None = None,
             lease_ttl_s: float = CONTROLLER_TTL_S) -> GcPlan:
     """What may go from the run at ``run_uri`` (nothing is removed here). An uncommitted
-    iteration whose lease is live (younger than ``lease_ttl_s``, the controllers' TTL) is
-    left alone entirely."""
+    iteration whose lease is live (``lease_ttl_s``: the controllers' TTL) is left alone
+    entirely, and so is a checkpoint it may be writing."""
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import LeaseLog
-    from rlhf_core.trainer.restore import weights_plan
+    from rlhf_core.trainer.restore import weights_checkpoint, weights_plan
 
     now = time.time() if now is None else now
     run = sfs.resolve(run_uri, storage_options)
@@ -126,29 +141,42 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     store_uri, run_id = run_layout.split_run_uri(run.uri)
     istore = IterationStore(store_uri, run_id, storage_options)
     committed = istore.committed_iterations()
+    committed_set = set(committed)
     plan = GcPlan()
     newest = committed[-1] if committed else -1
+
+    def writing(iteration: int) -> bool:
+        """Whether a controller holds the uncommitted ``iteration``: it may be writing now."""
+        if iteration in committed_set:
+            return False
+        log = LeaseLog(istore.run, iteration, ttl_s=lease_ttl_s)
+        latest = log.latest()
+        return latest is not None and not log.is_free(latest[1], holder="rlhf-gc")
+
     # what the newest weights are made of: a checkpoint and the iterations redone after it
-    needed_step, redo = weights_plan(istore, newest + 1) if committed else (0, [])
-    steps = {run_layout.step_of_checkpoint_dir(n): n for n in _children(run.child(run_layout.CHECKPOINTS))
-             if run_layout.step_of_checkpoint_dir(n) is not None}
-    # a checkpoint no committed iteration produced yet may be an iteration's in-flight write
-    finished = [step for step in steps if step <= newest + 1]
-    kept = policy.kept_checkpoints(finished) | {needed_step}
-    for step in sorted(finished):
-        if step not in kept:
-            plan.checkpoints.append(run.child(run_layout.CHECKPOINTS, steps[step]).uri)
-    committed_set = set(committed)
+    redo = weights_plan(istore, newest + 1)[1] if committed else []
+    needed = weights_checkpoint(istore, newest + 1)
+    named = _committed_checkpoints(istore, committed)
+    kept = policy.kept_checkpoints(sorted(set(named.values())))
+    for name in _children(run.child(run_layout.CHECKPOINTS)):
+        step = run_layout.step_of_checkpoint_dir(name)
+        if step is None:
+            continue
+        loc = run.child(run_layout.CHECKPOINTS, name)
+        if name in named:  # committed: the policy decides, the newest weights' stays
+            if step not in kept and loc.uri != (needed or "").rstrip("/"):
+                plan.checkpoints.append(loc.uri)
+        # named by nothing: a writer that crashed or lost a race, unless the iteration
+        # that writes it (step S: iteration S - 1; the initial one: iteration 0) is live
+        elif not writing(max(step - 1, 0)) and _age_s(loc, now) >= grace_s:
+            plan.orphans.append(loc.uri)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)
         if iteration is None:
             continue
         it_loc = run.child(name)
-        if iteration not in committed_set:
-            log = LeaseLog(istore.run, iteration, ttl_s=lease_ttl_s)
-            latest = log.latest()
-            if latest is not None and not log.is_free(latest[1], holder="rlhf-gc"):
-                continue  # a controller holds it: it may be writing right now
+        if writing(iteration):
+            continue  # a controller holds it: it may be writing right now
         drop_stages = (iteration in committed_set and not policy.keeps_snapshots(iteration, newest)
                        and iteration not in redo)  # a redo needs its iteration's stage inputs
         for stage in _children(it_loc):

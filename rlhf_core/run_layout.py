@@ -2,11 +2,17 @@
 
     {store}/{run_id}/iter-{N:06d}/{stage}/         a stage's snapshot (its SNAPSHOT.json last)
     {store}/{run_id}/iter-{N:06d}/MANIFEST.json    the iteration, committed last (create-only)
-    {store}/{run_id}/checkpoints/step-{S:06d}/     worker + controller state after S iterations
-                                 .../trainer_state.json   the checkpoint's commit marker, last
+    {store}/{run_id}/checkpoints/step-{S:06d}-{A}/ worker + controller state after S iterations,
+                                 .../trainer_state.json   written by one writer (attempt A), marker last
+    {store}/{run_id}/checkpoints/INITIAL.json      which step-0 checkpoint the run starts from (create-only)
     {store}/{run_id}/leases/iter-{N:06d}/{G:08d}.json   who runs iteration N (a log of records)
     {store}/{run_id}/leases/{job}/{G:08d}.json     the lease of another exclusive job (a driver)
     {store}/{run_id}/replays/iter-{N:06d}/{stage}-{stamp}/   what-if replays, apart from the originals
+
+Every checkpoint write goes to a fresh prefix (its attempt id), so no writer overwrites a
+committed checkpoint: the manifest that commits an iteration names the one it wrote (its
+``weights.checkpoint``), and readers use that URI, never one recomputed from the step.
+Runs written before attempt ids have ``step-{S:06d}`` folders; their manifests name them.
 
 An iteration exists once its MANIFEST.json does; everything else under it is either a
 finished stage (committed snapshot) of an interrupted iteration, or garbage of a writer
@@ -26,23 +32,26 @@ SNAPSHOT_MARKER = MANIFEST_NAME  # a stage's commit marker (the snapshot format'
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS, LEASES, REPLAYS = "checkpoints", "leases", "replays"
 TRAINER_STATE_FILE = "trainer_state.json"
+INITIAL_CHECKPOINT = "INITIAL.json"
 _ITERATION_DIR = re.compile(r"^iter-(\d{6})$")
-_CHECKPOINT_DIR = re.compile(r"^step-(\d{6})$")
+_CHECKPOINT_DIR = re.compile(r"^step-(\d{6})(?:-[0-9a-f]+)?$")
 _LEASE_RECORD = re.compile(r"^(\d{8})\.json$")
 _LOCATION = re.compile(r"^(?P<run>.+?)/(?:iter-(?P<iter>\d{6})(?:/(?P<rest>.*))?"
-                       rf"|{CHECKPOINTS}/step-(?P<step>\d{{6}})(?:/.*)?)$")
+                       rf"|{CHECKPOINTS}/step-(?P<step>\d{{6}})(?:-[0-9a-f]+)?(?:/.*)?)$")
 
 
 def iteration_dir(iteration: int) -> str:
     return f"iter-{iteration:06d}"
 
 
-def checkpoint_dir(step: int) -> str:
-    return f"{CHECKPOINTS}/step-{step:06d}"
+def checkpoint_dir(step: int, attempt: str | None = None) -> str:
+    """The folder of one write of step S's checkpoint (``attempt``: the writer's unique id;
+    None: the fixed name runs used before attempt ids, read only)."""
+    return f"{CHECKPOINTS}/step-{step:06d}" + (f"-{attempt}" if attempt else "")
 
 
 def step_of_checkpoint_dir(name: str) -> int | None:
-    """S for a folder named ``step-SSSSSS`` (inside ``checkpoints/``), else None."""
+    """S for a folder named ``step-SSSSSS`` or ``step-SSSSSS-A`` (inside ``checkpoints/``), else None."""
     return _number(_CHECKPOINT_DIR, name)
 
 

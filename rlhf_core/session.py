@@ -181,11 +181,13 @@ def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
 def _restore(cfg: RunConfig, store: str, run_id: str, workers: WorkerSet, log) -> int | None:
     """Load the last committed checkpoint; the step the weights are at (None: fresh,
     the controller writes step 0's checkpoint itself)."""
-    from rlhf_core.trainer.restore import load_checkpoint, open_run
+    from rlhf_core.trainer.restore import load_checkpoint, open_run, weights_checkpoint, weights_plan
 
     istore, state = open_run(cfg, store, run_id, log=lambda *a: None)
-    uri = istore.checkpoint_uri(state.global_step)
-    if state.global_step == 0 or not checkpoint_exists(uri):
+    if state.global_step == 0 or weights_plan(istore, state.global_step)[1]:
+        return None  # fresh, or a checkpoint plus a redo (the controller has the trainer for it)
+    uri = weights_checkpoint(istore, state.global_step)
+    if not checkpoint_exists(uri):
         return None
     load_checkpoint(workers, istore, state.global_step)
     log(f"[rlhf] restored {uri}", flush=True)

@@ -23,8 +23,23 @@ def fingerprint(store: Path, run_id: str) -> dict:
         rel = str(manifest.parent.relative_to(root))
         out[rel] = json.loads(manifest.read_text())["objects"]
     # the shards and every rank's schedule + RNG file (DCP's .metadata also records where
-    # it was written, so it differs between two stores by design)
-    for ckpt in sorted([*root.glob("checkpoints/step-*/*/__*.distcp"), *root.glob("checkpoints/step-*/*/rank-*.pt")]):
-        out[str(ckpt.relative_to(root))] = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+    # it was written, so it differs between two stores by design) of the checkpoints the
+    # run's records name, by step (each write has its own prefix, a lost write is garbage)
+    for folder in committed_checkpoints(root):
+        step = folder.name.split("-")[1]
+        for ckpt in sorted([*folder.glob("*/__*.distcp"), *folder.glob("*/rank-*.pt")]):
+            out[f"checkpoints/step-{step}/{ckpt.relative_to(folder)}"] = hashlib.sha256(ckpt.read_bytes()).hexdigest()
     assert any(k.endswith(".distcp") for k in out), "the checkpoints hold shard files"
     return out
+
+
+def committed_checkpoints(run: Path) -> list[Path]:
+    """The checkpoint folders of a local run that its INITIAL.json and manifests name."""
+    named = []
+    initial = run / "checkpoints" / "INITIAL.json"
+    if initial.exists():
+        named.append(json.loads(initial.read_text())["checkpoint"])
+    for manifest in sorted(run.glob("iter-*/MANIFEST.json")):
+        body = json.loads(manifest.read_text())
+        named.append((body.get("weights") or {}).get("checkpoint") or body["checkpoint"])
+    return sorted({run / "checkpoints" / uri.rstrip("/").rsplit("/", 1)[-1] for uri in named})

@@ -4,12 +4,14 @@ back to the start; the store can be listed and a sample shown."""
 
 import json
 import os
+import re
 
 import pytest
 
 from rlhf_core.cli import main
 from rlhf_core.config import ConfigError, apply_overrides
 from rlhf_core.lineage import LineageError, chain, format_lineage
+from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot import snapshot_info
 from rlhf_core.trainer.replay import ReplayError, replay
 from rlhf_core.trainer.run import run_direct
@@ -51,7 +53,7 @@ def test_iterations_are_exported_to_mlflow(run, monkeypatch):
     history = client.get_metric_history(found.info.run_id, "critic/score/mean")
     assert [m.step for m in history] == [0, 1]  # both iterations, one MLflow run
     assert found.data.params["algorithm.adv_estimator"] == "gae"
-    assert found.data.tags["rlhf.last_checkpoint"].endswith("checkpoints/step-000002")
+    assert re.search(r"/checkpoints/step-000002-[0-9a-f]+$", found.data.tags["rlhf.last_checkpoint"])
     lineage = mlflow.artifacts.load_dict(f"{found.info.artifact_uri}/lineage/iter-000001.json")
     assert lineage["parent_iteration"] == 0 and lineage["config_hash"] == found.data.tags["rlhf.config_hash"]
 
@@ -102,7 +104,9 @@ def test_bad_replays_are_refused_with_the_reason(run):
 
 
 def test_lineage_walks_back_from_a_checkpoint(run, capsys):
-    rows = chain(f"{run}/checkpoints/step-000002")
+    checkpoint = json.loads(sfs.read_bytes(sfs.resolve(f"{run}/iter-000001/MANIFEST.json")))["checkpoint"]
+    assert re.search(r"/checkpoints/step-000002-[0-9a-f]+$", checkpoint)
+    rows = chain(checkpoint)
     assert [r["iteration"] for r in rows] == [1, 0] and rows[0]["parent_iteration"] == 0
     assert rows[0]["config"]["algorithm"]["adv_estimator"] == "gae" and rows[0]["code_version"]["source_sha256"]
     assert [r["iteration"] for r in chain(f"{run}/iter-000001/advantage")] == [1, 0]

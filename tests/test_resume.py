@@ -4,6 +4,7 @@ where an uninterrupted run ends (weights and every committed snapshot bit-identi
 import hashlib
 import json
 import os
+import re
 
 import pytest
 
@@ -54,7 +55,7 @@ def test_interrupted_run_resumes_bit_identical(tmp_path):
     assert not different, f"differs after resume: {different}"
     manifest = json.loads((store_b / "run/iter-000001/MANIFEST.json").read_text())
     assert manifest["parent_iteration"] == 0 and manifest["global_step"] == 2
-    assert manifest["checkpoint"].endswith("checkpoints/step-000002")
+    assert re.search(r"/checkpoints/step-000002-[0-9a-f]+$", manifest["checkpoint"])
     assert "rollout" in manifest["snapshots"] and manifest["code_version"]["source_sha256"]
     assert manifest["lease"]["holder"].startswith("local:")  # a direct run commits under a lease too
 
@@ -81,7 +82,7 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     store = tmp_path / "s"
     run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
     manifest = json.loads((store / "run/iter-000000/MANIFEST.json").read_text())
-    ckpt = store / "run/checkpoints/step-000001"
+    ckpt = store / "run/checkpoints" / manifest["checkpoint"].rsplit("/", 1)[-1]
     assert set(manifest["checkpoint_sha256"]) >= {"actor/.metadata", "actor/__0_0.distcp", "actor/rank-00000.pt",
                                                   "trainer_state.json"}
     assert manifest["checkpoint_sha256"]["actor/__0_0.distcp"] == hashlib.sha256(
@@ -136,11 +137,11 @@ def test_checkpoint_every_k_and_a_redo_of_the_rest_resume_bit_identically(tmp_pa
     run_direct(cfg(), 5, f"file://{store_a}", "run", log=quiet)
     with pytest.raises(Crash):
         run_direct(cfg(), 5, f"file://{store_b}", "run", log=quiet, on_stage=crash_at(4, "old_log_prob"))
-    steps = sorted(p.name for p in (store_b / "run/checkpoints").iterdir())
+    steps = sorted(p.name.rsplit("-", 1)[0] for p in (store_b / "run/checkpoints").glob("step-*"))
     assert steps == ["step-000000", "step-000003"], steps
     weights = json.loads((store_b / "run/iter-000003/MANIFEST.json").read_text())["weights"]
-    assert weights == {"checkpoint_step": 3, "checkpoint": f"file://{store_b}/run/checkpoints/step-000003",
-                       "redo": [3]}
+    assert weights["checkpoint_step"] == 3 and weights["redo"] == [3]
+    assert re.fullmatch(rf"file://{store_b}/run/checkpoints/step-000003-[0-9a-f]+", weights["checkpoint"])
     manifest = json.loads((store_b / "run/iter-000001/MANIFEST.json").read_text())
     assert manifest["weights"]["redo"] == [0, 1] and manifest["checkpoint_sha256"] == {}
 

@@ -37,7 +37,8 @@ def _iteration(istore: IterationStore, it: int, commit: bool = True) -> None:
         batch.batch[f"{stage}_out"] = torch.full((len(batch), 4), float(it))
         istore.save(it, stage, batch)
     istore.flush()
-    ckpt = sfs.resolve(istore.checkpoint_uri(it + 1), istore.storage_options)
+    # the fixed step-N folders and manifests without "weights" of runs written before attempt ids
+    ckpt = sfs.resolve(istore.legacy_checkpoint_uri(it + 1), istore.storage_options)
     sfs.write_durably(ckpt.uri, {"actor_model.safetensors": b"w" * 1000, "trainer_state.json": b"{}"},
                       istore.storage_options)
     if commit:
@@ -193,7 +194,7 @@ def test_gc_racing_a_writer_never_removes_what_it_commits(run_store):
     for it in (6, 7):
         for stage in STAGES:
             verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
-    assert sfs.read_bytes(sfs.resolve(f"{fresh.checkpoint_uri(8)}/trainer_state.json", opts)) is not None
+    assert sfs.read_bytes(sfs.resolve(f"{fresh.legacy_checkpoint_uri(8)}/trainer_state.json", opts)) is not None
 
 
 def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):
@@ -223,8 +224,8 @@ def test_gc_keeps_the_checkpoint_and_the_stage_inputs_a_redo_needs(tmp_path):
             istore.save(it, stage, batch)
         step = it + 1
         if step % 4 == 0:
-            sfs.write_durably(istore.checkpoint_uri(step), {"trainer_state.json": b"{}"})
-            weights = {"checkpoint_step": step, "redo": []}
+            sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
+            weights = {"checkpoint_step": step, "redo": []}  # without "checkpoint": the step's fixed folder
         else:
             weights = {"checkpoint_step": step - step % 4, "redo": list(range(step - step % 4, step))}
         istore.commit_iteration(it, {"config": RunConfig().to_dict(), "global_step": step, "weights": weights})
@@ -232,3 +233,42 @@ def test_gc_keeps_the_checkpoint_and_the_stage_inputs_a_redo_needs(tmp_path):
     assert plan.checkpoints == []  # step 4 is the only one, and the newest weights start from it
     dropped = sorted({u.rsplit("/", 2)[-2] for u in plan.snapshots})
     assert dropped == [f"iter-{i:06d}" for i in range(4)], dropped
+
+
+def test_gc_removes_checkpoints_no_record_names(run_store):
+    """Every checkpoint write has a prefix of its own and the record that commits it
+    (an iteration's manifest, the run's INITIAL.json) names it. A prefix nothing names (a
+    writer that lost to the committed one, or died) goes after the grace period; the
+    named ones follow the policy; one that a live controller of an uncommitted iteration
+    may be writing stays."""
+    store, opts = run_store
+    istore = IterationStore(store, "run-h", opts)
+
+    def checkpoint(step: int) -> str:
+        uri = istore.new_checkpoint_uri(step)
+        sfs.write_durably(uri, {"__0_0.distcp": b"w" * 100, "trainer_state.json": b"{}"}, opts)
+        return uri
+
+    initial, lost = checkpoint(0), [checkpoint(0)]  # two controllers started the run
+    assert istore.commit_initial_checkpoint(initial, {}) == initial
+    assert istore.commit_initial_checkpoint(lost[0], {}) == initial, "the first record wins"
+    named = [initial]
+    for it in range(2):
+        batch = _batch(it)
+        istore.save(it, "rollout", batch)
+        named.append(checkpoint(it + 1))
+        lost.append(checkpoint(it + 1))
+        istore.commit_iteration(it, {"config": RunConfig().to_dict(), "global_step": it + 1, "checkpoint": named[-1],
+                                     "weights": {"checkpoint_step": it + 1, "checkpoint": named[-1], "redo": []}})
+    assert LeaseLog(istore.run, 2, ttl_s=900).acquire("task-2").token >= 0
+    inflight = checkpoint(3)  # iteration 2's controller holds its lease: it may be writing
+    lost.append(checkpoint(4))  # iteration 3 has no live controller: a crashed writer's
+
+    plan = collect(istore.run_uri, RetentionPolicy(keep_checkpoints=1), storage_options=opts, grace_s=0)
+    assert sorted(plan.orphans) == sorted(lost)
+    assert plan.checkpoints == named[:2]  # the policy keeps the newest named one
+    if hasattr(istore.run.fs, "invalidate_cache"):
+        istore.run.fs.invalidate_cache()
+    left = {p.split("/")[-2] for p in istore.run.fs.find(istore.run.child("checkpoints").path)}  # objects
+    assert left >= {named[2].rsplit("/", 1)[-1], inflight.rsplit("/", 1)[-1]}
+    assert not left & {u.rsplit("/", 1)[-1] for u in lost + named[:2]}

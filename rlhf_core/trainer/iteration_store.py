@@ -9,6 +9,7 @@ import datetime as _dt
 import hashlib
 import json
 import subprocess
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -106,8 +107,44 @@ class IterationStore:
     def stage_uri(self, iteration: int, stage: str) -> str:
         return f"{self.iteration_uri(iteration)}/{stage}"
 
-    def checkpoint_uri(self, step: int) -> str:
+    def new_checkpoint_uri(self, step: int) -> str:
+        """A fresh prefix for one write of the checkpoint after ``step`` iterations. A
+        retried or second writer on the run (a direct run next to a session) gets its
+        own, so a committed checkpoint is never overwritten; the manifest that commits it
+        names it, and readers take it from there (``restore.weights_checkpoint``)."""
+        return f"{self.run.uri}/{checkpoint_dir(step, uuid.uuid4().hex[:12])}"
+
+    def legacy_checkpoint_uri(self, step: int) -> str:
+        """Where runs before attempt ids wrote step S's checkpoint; nothing writes there now."""
         return f"{self.run.uri}/{checkpoint_dir(step)}"
+
+    def initial_checkpoint(self) -> tuple[str, dict | None] | None:
+        """(URI, {file: sha256}) of the step-0 checkpoint the run starts from, as
+        ``commit_initial_checkpoint`` recorded it; a run from before that record has its
+        ``step-000000`` folder (no checksums); None when there is neither yet."""
+        loc = self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT)
+        if hasattr(loc.fs, "invalidate_cache"):
+            loc.fs.invalidate_cache()
+        raw = sfs.read_bytes(loc)
+        if raw is not None:
+            body = json.loads(raw)
+            return body["checkpoint"], body.get("checkpoint_sha256")
+        legacy = self.legacy_checkpoint_uri(0)
+        if sfs.read_bytes(sfs.resolve(f"{legacy}/{run_layout.TRAINER_STATE_FILE}", self.storage_options)) is not None:
+            return legacy, None
+        return None
+
+    def commit_initial_checkpoint(self, uri: str, checksums: dict) -> str:
+        """Record ``uri`` (written and complete) as the run's step-0 checkpoint,
+        create-only: of two controllers starting the run, the first record wins (both
+        wrote the same initial state); returns the URI the record names."""
+        body = {"checkpoint": uri, "checkpoint_sha256": checksums}
+        try:
+            sfs.put_create_only(self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT),
+                                json.dumps(body, indent=1, sort_keys=True).encode())
+        except SnapshotExistsError:
+            pass  # another controller's initial checkpoint is the run's; ours is garbage for gc
+        return self.initial_checkpoint()[0]
 
     # ---------------------------------------------------------------- stages
 

@@ -87,9 +87,11 @@ def finish_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
 
 def committed_checksums(istore, step: int) -> dict | None:
     """{file: sha256} of the checkpoint after ``step`` iterations, as the iteration that
-    wrote it committed them (None: step 0, or a manifest from before checksums)."""
+    wrote it committed them (step 0: as the run's initial record has them; None: a run
+    from before checksums)."""
     if step == 0:
-        return None
+        initial = istore.initial_checkpoint()
+        return initial[1] if initial else None
     return istore.read_manifest(step - 1).get("checkpoint_sha256")
 
 
@@ -111,6 +113,24 @@ def weights_plan(istore, step: int) -> tuple[int, list[int]]:
     return int(weights["checkpoint_step"]), [int(i) for i in weights["redo"]]
 
 
+def weights_checkpoint(istore, step: int) -> str | None:
+    """The URI of the checkpoint ``weights_plan(istore, step)`` starts from, as the
+    committed record names it (every write has its own prefix, so it is never recomputed
+    from the step): iteration ``step - 1``'s manifest, or at step 0 the run's initial
+    checkpoint (None before one is committed)."""
+    if step == 0:
+        initial = istore.initial_checkpoint()
+        return initial[0] if initial else None
+    manifest = istore.read_manifest(step - 1)
+    weights = manifest.get("weights")
+    if weights is None:  # written before checkpoints could be skipped: its own, one per iteration
+        return manifest["checkpoint"]
+    if weights.get("checkpoint"):
+        return weights["checkpoint"]
+    start = int(weights["checkpoint_step"])
+    return weights_checkpoint(istore, 0) if start == 0 else istore.legacy_checkpoint_uri(start)
+
+
 def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list[int]:
     """Restore the workers to the state after ``step`` iterations, refusing any file that
     differs from what was committed: the newest checkpoint at or before it, then a redo of
@@ -118,7 +138,11 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
     CPU bit-identical to having trained them; ``trainer`` runs the stages). Returns the
     iterations redone."""
     start, redo = weights_plan(istore, step)
-    workers.load_checkpoint(istore.checkpoint_uri(start), expected=committed_checksums(istore, start))
+    uri = weights_checkpoint(istore, step)
+    if uri is None:
+        raise FileNotFoundError(f"run {istore.run_id}: no initial checkpoint is committed "
+                                f"({istore.run_uri}/checkpoints/INITIAL.json missing)")
+    workers.load_checkpoint(uri, expected=committed_checksums(istore, start))
     if redo and trainer is None:
         raise ValueError(f"step {step} is checkpoint step {start} plus a redo of iterations {redo}: pass the trainer")
     for iteration in redo:
@@ -147,12 +171,12 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
     0 write the initial checkpoint (so iteration 0 can be resumed too)."""
     if workers_at_step == state.global_step:
         return
-    start, _ = weights_plan(istore, state.global_step)
-    uri = istore.checkpoint_uri(start)
-    if checkpoint_exists(uri):
+    uri = weights_checkpoint(istore, state.global_step)
+    if uri is not None and checkpoint_exists(uri):
         load_checkpoint(workers, istore, state.global_step, trainer)
-    elif state.global_step == 0:
-        save_checkpoint(workers, state, cfg, uri)
+    elif state.global_step == 0:  # a fresh prefix, then the record that makes it the run's
+        uri = istore.new_checkpoint_uri(0)
+        istore.commit_initial_checkpoint(uri, save_checkpoint(workers, state, cfg, uri))
     else:
         raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but the checkpoint it "
                                 f"starts from, {uri}, is missing")

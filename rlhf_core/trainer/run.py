@@ -24,7 +24,8 @@ from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
 from rlhf_core.trainer.restore import (
-    checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_plan,
+    checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_checkpoint,
+    weights_plan,
 )
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
@@ -64,7 +65,8 @@ class IterationCommit:
 
     keeper: object = None                  # LeaseKeeper, or None (a direct run)
     force_checkpoint: bool = False
-    started: str | None = None             # the checkpoint URI the workers are writing
+    started: str | None = None             # the checkpoint URI the workers are writing (a fresh prefix)
+    started_step: int | None = None        # ... of the state after this many iterations
 
     def check(self) -> None:
         if self.keeper is not None:
@@ -75,8 +77,8 @@ class IterationCommit:
         (weight sync and the controller's bookkeeping overlap it; the commit waits)."""
         if checkpoint_due(cfg, step) or self.force_checkpoint:
             self.check()
-            workers.start_checkpoint(istore.checkpoint_uri(step))
-            self.started = istore.checkpoint_uri(step)
+            self.started, self.started_step = istore.new_checkpoint_uri(step), step
+            workers.start_checkpoint(self.started)
 
     def close(self) -> None:
         if self.keeper is not None:
@@ -181,19 +183,23 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
 
     check, keeper = this.check, this.keeper
     step = trainer.state.global_step
-    checkpoint = istore.checkpoint_uri(step)
     check()
     t0 = time.perf_counter()
-    if this.started == checkpoint:  # begun in the background after the update stages
+    if this.started is not None and this.started_step == step:  # begun after the update stages
+        checkpoint = this.started
         checksums = finish_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     elif checkpoint_due(cfg, step) or this.force_checkpoint:
+        checkpoint = istore.new_checkpoint_uri(step)  # its own prefix: nothing committed is overwritten
         checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     else:  # the weights after this iteration: the last checkpoint plus a redo of what followed it
         start, redo = weights_plan(istore, iteration)
         checksums = {}
-        weights = {"checkpoint_step": start, "checkpoint": istore.checkpoint_uri(start), "redo": redo + [iteration]}
+        # no checkpoint of its own: "checkpoint" keeps naming the step's (unwritten) fixed folder
+        checkpoint = istore.legacy_checkpoint_uri(step)
+        weights = {"checkpoint_step": start, "checkpoint": weights_checkpoint(istore, iteration),
+                   "redo": redo + [iteration]}
     checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
     probes.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
@@ -215,8 +221,15 @@ def finish_outputs(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trai
     if all_rows and plot:  # a per-iteration controller leaves the curve to the report step
         write_curve(all_rows, curve)
     return {"run_id": istore.run_id, "metrics": str(run_dir / "metrics.jsonl"), "curve": str(curve),
-            "rows": rows, "checkpoint": istore.checkpoint_uri(trainer.state.global_step),
+            "rows": rows, "checkpoint": last_checkpoint(istore, trainer.state.global_step),
             "snapshots": istore.run_uri}
+
+
+def last_checkpoint(istore, step: int) -> str:
+    """The checkpoint the manifest of iteration ``step - 1`` names (at step 0: the initial one)."""
+    if step == 0:
+        return (istore.initial_checkpoint() or ("",))[0]
+    return istore.read_manifest(step - 1)["checkpoint"]
 
 
 def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,

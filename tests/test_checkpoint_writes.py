@@ -1,0 +1,117 @@
+"""Checkpoint writes: each goes to a prefix of its own and becomes visible only through
+the record that commits it (an iteration's manifest, the run's INITIAL.json), so no
+writer overwrites a committed checkpoint; readers take the URI from the record, and runs
+written before attempt ids (fixed ``step-N`` folders) still read. The workers are
+stand-ins that write a checkpoint's files the way a WorkerSet does; no Ray."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from rlhf_core.config import RunConfig
+from rlhf_core.snapshot import fs as sfs
+from rlhf_core.snapshot.errors import SnapshotExistsError
+from rlhf_core.trainer.iteration_store import IterationStore
+from rlhf_core.trainer.ppo import TrainerState
+from rlhf_core.trainer.restore import restore_or_init, weights_checkpoint
+from rlhf_core.trainer.run import IterationCommit, commit
+
+
+class StandInWorkers:
+    """Writes a checkpoint in two steps like ``WorkerSet`` (started, then finished), with
+    bytes of its own; remembers what it loaded."""
+
+    def __init__(self, tag: bytes) -> None:
+        self.tag, self.writing, self.loaded = tag, None, []
+
+    def start_checkpoint(self, uri: str, storage_options=None) -> None:
+        self.writing = uri
+
+    def finish_checkpoint(self) -> dict:
+        return sfs.write_durably(self.writing, {"actor.distcp": self.tag * 4096})
+
+    def load_checkpoint(self, uri: str, storage_options=None, expected=None) -> None:
+        self.loaded.append((uri, expected))
+
+
+def changed_files(uri: str, checksums: dict) -> list[str]:
+    """The files of the checkpoint at ``uri`` whose bytes differ from ``checksums``."""
+    return [name for name, digest in checksums.items()
+            if hashlib.sha256(sfs.read_bytes(sfs.resolve(f"{uri}/{name}")) or b"").hexdigest() != digest]
+
+
+def end_iteration_0(istore, workers) -> None:
+    trainer = SimpleNamespace(state=TrainerState(global_step=1), adopted=[])
+    commit(RunConfig(), workers, istore, trainer, 0, {}, {}, IterationCommit())
+
+
+def test_a_late_writer_never_overwrites_a_committed_checkpoint(tmp_path):
+    """Two controllers end iteration 0 of one run. A commits. B's lease lapsed while its
+    checkpoint was being written (a fencing token cannot stop a write already under way),
+    so B writes its checkpoint, other bytes, and only then is its commit refused. A's
+    committed checkpoint keeps every byte A's manifest records, B's lies in a prefix of
+    its own, and readers take A's from the manifest."""
+    store = f"file://{tmp_path}/store"
+    end_iteration_0(IterationStore(store, "run"), StandInWorkers(b"A"))
+    with pytest.raises(SnapshotExistsError, match="MANIFEST.json already exists"):
+        end_iteration_0(IterationStore(store, "run"), StandInWorkers(b"B"))
+    istore = IterationStore(store, "run")
+    manifest = istore.read_manifest(0)
+    assert manifest["weights"]["checkpoint"] == manifest["checkpoint"]
+    assert not changed_files(manifest["checkpoint"], manifest["checkpoint_sha256"]), "B overwrote A's checkpoint"
+    assert weights_checkpoint(istore, 1) == manifest["checkpoint"]
+    assert len(list((tmp_path / "store/run/checkpoints").glob("step-000001*"))) == 2
+
+
+def test_controllers_starting_a_run_at_once_agree_on_its_initial_checkpoint(tmp_path):
+    """Two controllers start a fresh run at the same time: each writes the initial
+    checkpoint under a prefix of its own, one record (create-only) names the first; it
+    is intact, and a third controller loads exactly it, checked against its checksums."""
+    store = f"file://{tmp_path}/store"
+    barrier, errors = threading.Barrier(2), []
+
+    def start(tag: bytes) -> None:
+        try:
+            barrier.wait(timeout=30)
+            restore_or_init(StandInWorkers(tag), IterationStore(store, "run"), TrainerState(), RunConfig(), None)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(tag,)) for tag in (b"A", b"B")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    record = json.loads((tmp_path / "store/run/checkpoints/INITIAL.json").read_text())
+    assert not changed_files(record["checkpoint"], record["checkpoint_sha256"]), "the initial checkpoint was overwritten"
+    third = StandInWorkers(b"C")
+    restore_or_init(third, IterationStore(store, "run"), TrainerState(), RunConfig(), None)
+    assert third.loaded == [(record["checkpoint"], record["checkpoint_sha256"])]
+
+
+def test_runs_written_before_attempt_ids_still_read(tmp_path):
+    """A run from before: fixed ``step-N`` folders, no INITIAL.json, a manifest without
+    ``weights`` and one with. Readers find each checkpoint where its record says, and a
+    controller continuing the run writes its next checkpoint under a prefix of its own."""
+    istore = IterationStore(f"file://{tmp_path}/store", "old")
+    for step in (0, 1):
+        sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
+    istore.commit_iteration(0, {"config": {}, "global_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1)})
+    istore.commit_iteration(1, {"config": {}, "global_step": 2, "checkpoint": istore.legacy_checkpoint_uri(2),
+                                "weights": {"checkpoint_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1),
+                                            "redo": [1]}})
+    assert weights_checkpoint(istore, 0) == istore.legacy_checkpoint_uri(0)
+    assert weights_checkpoint(istore, 1) == weights_checkpoint(istore, 2) == istore.legacy_checkpoint_uri(1)
+    workers = StandInWorkers(b"D")
+    restore_or_init(workers, istore, TrainerState(global_step=1), RunConfig(), None)
+    assert workers.loaded == [(istore.legacy_checkpoint_uri(1), None)]
+    trainer = SimpleNamespace(state=TrainerState(global_step=3), adopted=[])
+    commit(RunConfig(), workers, istore, trainer, 2, {}, {}, IterationCommit())
+    written = istore.read_manifest(2)["checkpoint"]
+    assert written.startswith(f"{istore.run_uri}/checkpoints/step-000003-") and weights_checkpoint(istore, 3) == written
