@@ -305,6 +305,9 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
     uri = args.uri.rstrip("/")
     store, run_id = run_layout.split_run_uri(uri)
+    if not args.grace_s >= retention.MIN_GRACE_S:  # before anything is read: a refusal, not a plan
+        raise SystemExit(f"rlhf: --grace-s: expected at least {retention.MIN_GRACE_S:g} (anything younger may "
+                         f"be a write still under way); found {args.grace_s:g}")
     try:
         istore = IterationStore(store, run_id)
         committed = istore.committed_iterations()
@@ -405,13 +408,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="a new or empty folder")
     export.set_defaults(func=_cmd_export)
 
+    from rlhf_core.retention import MIN_GRACE_S
+
     gc = sub.add_parser("gc", help="remove what a run's retention policy lets go, orphaned writes, dead leases")
     gc.add_argument("uri", help="a run URI: {store}/{run_id}")
     gc.add_argument("overrides", nargs="*", help="policy overrides, e.g. trainer.keep_checkpoints=2 "
                                                  "(default: the run's own config)")
     gc.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
     gc.add_argument("--grace-s", type=float, default=3600.0,
-                    help="orphaned writer prefixes and leases younger than this stay (a writer may be live)")
+                    help="orphaned writer prefixes, scratch files, incomplete uploads and leases younger "
+                         f"than this stay (a writer may be live); at least {MIN_GRACE_S:g}, by the store's clock")
     gc.set_defaults(func=_cmd_gc)
 
     config = sub.add_parser("config", help="print the run config with documentation")

@@ -13,20 +13,34 @@ committed iterations with no live lease:
 - manifests are always kept, so lineage, metrics and config of every iteration remain.
 
 Garbage regardless of the policy, once older than the grace period: ``data-*`` prefixes
-and checkpoint folders no manifest names (a writer that crashed or lost a race), and
-lease logs of committed iterations. Nothing under an uncommitted iteration is touched
-while its lease is live, nor the checkpoint such an iteration may be writing.
+and checkpoint folders no manifest names (a writer that crashed or lost a race), lease
+logs of committed iterations, writers' scratch files (``.tmp-*``) and incomplete multipart
+uploads under the run. Nothing under an uncommitted iteration is touched while its lease
+is live, nor the checkpoint such an iteration may be writing.
+
+Ages are the store's: object times (mtime on disk, LastModified on S3) against the
+store's present time (the ``Date`` of an S3 answer; on disk the time of a scratch file
+made for it), so the clock of the machine running gc does not matter. The grace period
+cannot go below ``MIN_GRACE_S``: what is younger may be a write still under way.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 
 from rlhf_core import run_layout
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME
+from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME, TMP_PREFIX
 from rlhf_core.trainer.lease import CONTROLLER_TTL_S
+
+#: The shortest grace period gc accepts (seconds). A writer's newest object is at most
+#: one object's write old while it writes (a checkpoint shard of a large model on a slow
+#: store: minutes); anything younger than this may be such a write.
+MIN_GRACE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -64,10 +78,37 @@ class GcPlan:
     snapshots: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
     leases: list[str] = field(default_factory=list)
+    scratch: list[str] = field(default_factory=list)   # writers' .tmp-* files left behind
+    uploads: list[tuple[str, str]] = field(default_factory=list)  # incomplete multipart: (key URI, upload id)
     bytes: int = 0
 
     def all(self) -> list[str]:
-        return self.checkpoints + self.snapshots + self.orphans + self.leases
+        """What is removed by deleting it (``uploads`` are aborted instead)."""
+        return self.checkpoints + self.snapshots + self.orphans + self.leases + self.scratch
+
+
+def store_now(run: sfs.Location) -> float:
+    """The store's present time, as the clock that stamps its objects has it: on S3 the
+    ``Date`` of its answer to a HEAD of the bucket; on disk the mtime of a scratch file
+    made in the run's folder (a network filesystem stamps with the server's clock). This
+    machine's clock only when the store gives none."""
+    try:
+        if run.protocol == "s3":
+            answer = run.fs.call_s3("head_bucket", Bucket=run.path.split("/", 1)[0])
+            date = (answer.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+            if date:
+                return parsedate_to_datetime(date).timestamp()
+        elif run.is_local and os.path.isdir(run.path):
+            probe = os.path.join(run.path, f"{TMP_PREFIX}clock-{uuid.uuid4().hex}")
+            with open(probe, "wb"):
+                pass
+            try:
+                return os.stat(probe).st_mtime
+            finally:
+                os.unlink(probe)
+    except OSError:
+        pass
+    return time.time()
 
 
 def _age_s(loc: sfs.Location, now: float) -> float:
@@ -78,11 +119,7 @@ def _age_s(loc: sfs.Location, now: float) -> float:
     except FileNotFoundError:
         return 0.0
     for info in infos.values():
-        stamp = info.get("mtime") or info.get("LastModified") or info.get("created")
-        if hasattr(stamp, "timestamp"):
-            stamp = stamp.timestamp()
-        if stamp:
-            newest = max(newest, float(stamp))
+        newest = max(newest, _stamp(info))
     return now - newest if newest else 0.0
 
 
@@ -110,6 +147,13 @@ def _children(loc: sfs.Location) -> list[str]:
     return sorted(names)
 
 
+def check_grace(grace_s: float) -> float:
+    if not grace_s >= MIN_GRACE_S:
+        raise ValueError(f"grace_s: expected at least {MIN_GRACE_S:g} seconds (anything younger may be a write "
+                         f"still under way); found {grace_s:g}")
+    return grace_s
+
+
 def _committed_checkpoints(istore, committed: list[int]) -> dict[str, int]:
     """{folder name: step} of every checkpoint a committed record names: the run's
     initial one and each iteration's weights (``restore.weights_checkpoint``)."""
@@ -129,15 +173,17 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
             lease_ttl_s: float = CONTROLLER_TTL_S) -> GcPlan:
     """What may go from the run at ``run_uri`` (nothing is removed here). An uncommitted
     iteration whose lease is live (``lease_ttl_s``: the controllers' TTL) is left alone
-    entirely, and so is a checkpoint it may be writing."""
+    entirely, and so is a checkpoint it may be writing. ``now``: the store's present
+    time (default: asked of the store, ``store_now``); ``grace_s`` >= ``MIN_GRACE_S``."""
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import LeaseLog
     from rlhf_core.trainer.restore import weights_checkpoint, weights_plan
 
-    now = time.time() if now is None else now
+    check_grace(grace_s)
     run = sfs.resolve(run_uri, storage_options)
     if hasattr(run.fs, "invalidate_cache"):
         run.fs.invalidate_cache()
+    now = store_now(run) if now is None else now
     store_uri, run_id = run_layout.split_run_uri(run.uri)
     istore = IterationStore(store_uri, run_id, storage_options)
     committed = istore.committed_iterations()
@@ -180,7 +226,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         drop_stages = (iteration in committed_set and not policy.keeps_snapshots(iteration, newest)
                        and iteration not in redo)  # a redo needs its iteration's stage inputs
         for stage in _children(it_loc):
-            if stage == run_layout.MANIFEST:
+            if stage == run_layout.MANIFEST or stage.startswith(TMP_PREFIX):
                 continue
             stage_loc = it_loc.child(stage)
             if drop_stages:
@@ -192,8 +238,44 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         lease_loc = run.child(run_layout.LEASES, name)
         if iteration in committed_set and _age_s(lease_loc, now) >= grace_s:
             plan.leases.append(lease_loc.uri)
+    plan.scratch = _stale_scratch(run, grace_s, now)
+    plan.uploads = _stale_uploads(run, grace_s, now)
     plan.bytes = sum(_size(sfs.resolve(uri, storage_options)) for uri in plan.all())
     return plan
+
+
+def _stamp(info: dict) -> float:
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("Initiated") or info.get("created")
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp or 0)
+
+
+def _stale_scratch(run: sfs.Location, grace_s: float, now: float) -> list[str]:
+    """Writers' ``.tmp-*`` objects under the run (a create-only write's temp file, a
+    create-only probe) older than the grace period: their writer died before removing them."""
+    try:
+        found = run.fs.find(run.path, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(run.child(path[len(run.path):]).uri for path, info in found.items()
+                  if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX) and now - _stamp(info) >= grace_s)
+
+
+def _stale_uploads(run: sfs.Location, grace_s: float, now: float) -> list[tuple[str, str]]:
+    """Multipart uploads under the run that were begun longer than the grace period ago
+    and never completed (a writer killed mid-file): the store keeps their parts, unseen
+    and billed, until they are aborted."""
+    if run.protocol != "s3":
+        return []
+    bucket, _, prefix = run.path.partition("/")
+    out, markers = [], {}
+    while True:
+        answer = run.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/", **markers)
+        for upload in answer.get("Uploads") or []:
+            if now - _stamp(upload) >= grace_s:
+                out.append((f"s3://{bucket}/{upload['Key']}", upload["UploadId"]))
+        if not answer.get("IsTruncated"):
+            return sorted(out)
+        markers = {"KeyMarker": answer.get("NextKeyMarker", ""), "UploadIdMarker": answer.get("NextUploadIdMarker", "")}
 
 
 def _orphans(stage_loc: sfs.Location, grace_s: float, now: float) -> list[str]:
@@ -211,13 +293,17 @@ def _orphans(stage_loc: sfs.Location, grace_s: float, now: float) -> list[str]:
 
 
 def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_run: bool = False,
-            storage_options: dict | None = None) -> GcPlan:
+            storage_options: dict | None = None, now: float | None = None) -> GcPlan:
     """Plan, then (unless ``dry_run``) remove. Checkpoints and stage folders are removed
     manifest-last where they have one (a reader never sees half of a committed thing as
-    committed: without its marker it is simply gone)."""
-    plan = plan_gc(run_uri, policy, grace_s, storage_options)
+    committed: without its marker it is simply gone); incomplete uploads are aborted."""
+    plan = plan_gc(run_uri, policy, grace_s, storage_options, now)
     if dry_run:
         return plan
+    for key_uri, upload_id in plan.uploads:
+        loc = sfs.resolve(key_uri, storage_options)
+        bucket, _, key = loc.path.partition("/")
+        loc.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
     for uri in plan.all():
         loc = sfs.resolve(uri, storage_options)
         for marker in (MANIFEST_NAME, run_layout.TRAINER_STATE_FILE):  # the commit markers go first
@@ -243,5 +329,7 @@ def format_plan(plan: GcPlan, dry_run: bool, run_uri: str) -> str:
     lines += [f"{verb} stage snapshots: {it} ({', '.join(names)})" for it, names in stages.items()]
     lines += [f"{verb} orphaned writer prefix: {rel(u)}" for u in plan.orphans]
     lines += [f"{verb} dead lease: {rel(u)}" for u in plan.leases]
-    lines.append(f"{verb} {len(plan.all())} item(s), {plan.bytes / 2**20:.1f} MiB")
+    lines += [f"{verb} scratch file: {rel(u)}" for u in plan.scratch]
+    lines += [f"{'would abort' if dry_run else 'aborted'} incomplete upload: {rel(u)}" for u, _ in plan.uploads]
+    lines.append(f"{verb} {len(plan.all()) + len(plan.uploads)} item(s), {plan.bytes / 2**20:.1f} MiB")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ import fsspec
 from rlhf_core.snapshot.errors import (
     CommitConflictError, SnapshotAccessError, SnapshotExistsError, UnsupportedStoreError,
 )
+from rlhf_core.snapshot.layout import TMP_PREFIX
 
 # Fail fast instead of hanging when an endpoint is unreachable or refuses us.
 _S3_CONFIG = {"connect_timeout": 5, "read_timeout": 120,
@@ -115,7 +116,7 @@ def put_create_only(loc: Location, data: bytes) -> None:
     if loc.is_local:
         directory = os.path.dirname(loc.path)
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -174,13 +175,15 @@ def _conflict(exc: OSError) -> bool:
 def check_create_only(loc: Location) -> None:
     """Once per store (bucket and endpoint): write a probe object twice with
     ``If-None-Match: *``; the second write must be refused. A store that accepts it would
-    let two commits overwrite each other, so it is refused for commits."""
+    let two commits overwrite each other, so it is refused for commits. The probe goes
+    next to the object to commit (credentials may cover only the run's prefix, not the
+    bucket root), named as scratch (``rlhf gc`` removes one a killed writer left)."""
     bucket = loc.path.split("/", 1)[0]
     endpoint = (loc.storage_options.get("client_kwargs") or {}).get("endpoint_url", "")
     key = (loc.protocol, endpoint, bucket)
     if _PROBED.get(key):
         return
-    probe = f"{bucket}/.rlhf-create-only-probe/{uuid.uuid4().hex}"
+    probe = f"{loc.path.rsplit('/', 1)[0]}/{TMP_PREFIX}create-only-probe-{uuid.uuid4().hex}"
     try:
         loc.fs.pipe_file(probe, b"1", mode="create")
         try:

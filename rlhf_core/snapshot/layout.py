@@ -30,6 +30,9 @@ FORMAT = "rlhf.snapshot"
 SCHEMA_VERSION = 2  # 2: delta snapshots (a "base" reference); 1 is still read
 MANIFEST_NAME = "SNAPSHOT.json"
 DATA_PREFIX = "data-"
+#: A writer's private scratch object (a create-only write's temp file, the create-only
+#: probe): never read; ``rlhf gc`` removes one its writer left behind.
+TMP_PREFIX = ".tmp-"
 
 #: zarr v3 data types a reader accepts: plain numbers, bool, and UTF-8 strings.
 SAFE_DATA_TYPES = {
