@@ -6,12 +6,14 @@ import json
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
-from rlhf_core.trainer.lease import Lease, LeaseKeeper, LeaseLog, LeaseLost
+from rlhf_core.trainer import lease as lease_module
+from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, Lease, LeaseKeeper, LeaseLog, LeaseLost
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -98,7 +100,8 @@ def test_a_live_holder_slower_than_the_ttl_keeps_its_lease(run):
         keeper.close()
 
 
-def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run):
+def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run, monkeypatch):
+    monkeypatch.setattr(lease_module, "CLOCK_SKEW_MARGIN_S", 0.0)  # the margin has its own test below
     dead = LeaseLog(run, 0, ttl_s=900).acquire("local:another-host:4242")  # it never renews: that host is gone
     assert isinstance(dead, Lease)
     assert LeaseLog(run, 0, ttl_s=900).acquire("local:this-host-b:1") == "local:another-host:4242"  # fresh: not yet
@@ -107,6 +110,29 @@ def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run):
     assert sorted(outcome.values())[0] in ("already committed", "committed") and \
         list(outcome.values()).count("committed") == 1, outcome
     assert committed(run)["token"] > dead.token
+
+
+def test_a_holder_whose_clock_is_behind_keeps_its_lease(run, monkeypatch):
+    """A record's time is its writer's clock, its age is read on the reader's. A holder
+    whose clock is behind by more than the TTL has just written its record, which looks
+    older than the TTL to a contender: within the skew margin it keeps its lease; a
+    record older than TTL + margin is stale and taken."""
+    ttl, real = 30.0, time.time
+
+    def written_with_clock_behind(skew: float, change):
+        monkeypatch.setattr(lease_module, "time", SimpleNamespace(time=lambda: real() - skew))
+        try:
+            return change()
+        finally:
+            monkeypatch.setattr(lease_module, "time", time)
+
+    log = LeaseLog(run, 0, ttl)
+    behind = written_with_clock_behind(ttl + CLOCK_SKEW_MARGIN_S / 2, lambda: log.acquire("kfp:behind/run-iteration"))
+    assert isinstance(behind, Lease)
+    assert LeaseLog(run, 0, ttl).acquire("kfp:other/run-iteration") == "kfp:behind/run-iteration"
+    assert written_with_clock_behind(ttl + CLOCK_SKEW_MARGIN_S + 1, lambda: log.renew(behind))
+    taken = LeaseLog(run, 0, ttl).acquire("kfp:other/run-iteration")
+    assert isinstance(taken, Lease) and not log.holds(behind)
 
 
 def test_a_retried_task_takes_over_at_once_and_the_old_pod_cannot_commit(run):

@@ -43,6 +43,13 @@ from rlhf_core.snapshot.errors import SnapshotExistsError
 #: a controller that died where nobody can see its process is taken over after this.
 CONTROLLER_TTL_S = 900.0
 
+#: "Older than the TTL" means older than TTL + this margin. A record's time ("at") is its
+#: writer's clock and its age is read on the reader's, so a writer whose clock is behind
+#: looks older than it is: renewed every TTL/3, it keeps its lease while the skew stays
+#: below TTL * 2/3 + this margin. The scheme assumes hosts' clocks agree that well (NTP
+#: keeps them within far less); docs/kubeflow.md, "Leases".
+CLOCK_SKEW_MARGIN_S = 60.0
+
 
 class LeaseLost(RuntimeError):
     """This controller no longer holds the iteration's lease: it must not write."""
@@ -103,7 +110,7 @@ class LeaseLog:
         """Whether ``holder`` may take the lease whose latest record is ``record``."""
         if record.get("state") == "released" or record.get("holder") == holder:
             return True
-        if time.time() - float(record.get("at", 0)) >= self.ttl_s:
+        if time.time() - float(record.get("at", 0)) >= self.ttl_s + CLOCK_SKEW_MARGIN_S:
             return True
         return known_dead(record.get("process"))
 
