@@ -79,7 +79,7 @@ def _new_run_id() -> str:
 def _cmd_run(args: argparse.Namespace) -> int:
     args.started = time.monotonic()  # wall time reported at the end counts from here
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
-    from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseHeld
+    from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, CONTROLLER_TTL_S, LeaseHeld
     from rlhf_core.trainer.restore import iterations_to_run
     from rlhf_core.trainer.run import run_direct
 
@@ -115,7 +115,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except LeaseHeld as held:
         raise SystemExit(f"rlhf: iteration {committed} of run {args.run_id} is being run by {held}; nothing was "
                          f"written: run again once it has ended (a holder that stopped renewing its lease loses it "
-                         f"after {CONTROLLER_TTL_S:.0f}s)") from None
+                         f"after {CONTROLLER_TTL_S + CLOCK_SKEW_MARGIN_S:.0f}s)") from None
     rows = result["rows"]
     progress = ProgressLine(len(rows), started=args.started)
     for row in rows:  # the pace the run had, from its rows
