@@ -24,6 +24,38 @@ def _is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
+def local_device_index(gpu_ids: list[str], visible_devices: str | None) -> int | None:
+    """The CUDA device index of this worker's GPU, as this process numbers its devices.
+
+    ``gpu_ids`` are the GPU ids Ray assigned the worker (its runtime context's accelerator
+    ids); ``visible_devices`` is the process's ``CUDA_VISIBLE_DEVICES``. Ray narrows that
+    variable to the assigned ids, so a one-GPU worker's device is 0 whatever its
+    placement-group bundle; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it is left
+    as the node's list (or unset), and the device is the id's place in it (or the id
+    itself). None when Ray assigned no GPU (CPU pools, custom accelerator resources).
+    """
+    if not gpu_ids:
+        return None
+    if not visible_devices:
+        return min(int(i) for i in gpu_ids)  # no mask: Ray's ids are the devices' own indices
+    visible = [v.strip() for v in visible_devices.split(",")]
+    missing = [i for i in gpu_ids if i not in visible]
+    if missing:
+        raise RuntimeError(f"CUDA_VISIBLE_DEVICES: expected Ray's GPU ids {sorted(gpu_ids)} among the visible "
+                           f"devices; found {visible_devices!r}")
+    return min(visible.index(i) for i in gpu_ids)
+
+
+def _ray_gpu_ids() -> list[str]:
+    """The GPU ids Ray assigned this process ([] outside a Ray worker, and for a driver)."""
+    import sys
+
+    ray = sys.modules.get("ray")  # a Ray worker process has imported it; anything else is no Ray actor
+    if ray is None or not ray.is_initialized():
+        return []
+    return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
+
+
 def node_ip() -> str:
     import ray
 
@@ -42,6 +74,19 @@ class Worker:
         self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self._dispatch_info: dict[str, int] = {}
         self._collect_info: dict[str, bool] = {}
+        self._bind_gpu()
+
+    def _bind_gpu(self) -> None:
+        """Point LOCAL_RANK (and torch's current device) at the GPU Ray gave this worker:
+        torch's DeviceMesh and vLLM's external launcher call ``set_device(LOCAL_RANK)``."""
+        index = local_device_index(_ray_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if index is None:
+            return  # no GPU from Ray: torchrun's LOCAL_RANK, or a CPU pool's bundle index, stands
+        os.environ["LOCAL_RANK"] = str(index)
+        import torch
+
+        if torch.cuda.is_available():  # without CUDA, training's init_model names the node
+            torch.cuda.set_device(index)
 
     # ---------------------------------------------------------------- identity
 

@@ -159,7 +159,11 @@ class RayWorkerGroup:
         rendezvous = uuid.uuid4().hex
         for rank, (pg, bundle) in enumerate(slots):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), RENDEZVOUS_ENV: rendezvous,
-                   "LOCAL_RANK": str(bundle), "RAY_LOCAL_WORLD_SIZE": str(len(slots))}
+                   "RAY_LOCAL_WORLD_SIZE": str(len(slots))}
+            if not (pool.use_gpu and pool.accelerator_resource == "GPU"):
+                # a GPU worker sets LOCAL_RANK itself, from the GPU Ray gave it (Worker._bind_gpu):
+                # the bundle index is no device index once Ray narrows CUDA_VISIBLE_DEVICES
+                env["LOCAL_RANK"] = str(bundle)
             if master_addr is not None:
                 env.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             options = {
