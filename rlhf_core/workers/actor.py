@@ -39,7 +39,8 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
         reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.use_reference else None
-        self.policy = modeling.init_distributed_model(self, policy, sharding.ShardingSpec.from_config(cfg))
+        self.policy = modeling.init_distributed_model(self, policy, sharding.ShardingSpec.from_config(cfg),
+                                                      resources=cfg.resources)
         self.reference = None
         if reference is not None:
             ref_spec = sharding.ShardingSpec.from_config(cfg, param_offload=cfg.actor.fsdp_config.ref_param_offload)

@@ -21,7 +21,7 @@ class CriticWorker(TrainableWorker):
         self._seed_init()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
-                                                      sharding.ShardingSpec.from_config(cfg))
+                                                      sharding.ShardingSpec.from_config(cfg), resources=cfg.resources)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
