@@ -1,19 +1,33 @@
-"""The GPU path, checked on the CPU: which device a Ray worker binds, that a GPU pool
-refuses a node without CUDA, and the process-group backend FSDP's CPU offload needs.
+"""The GPU path, checked on the CPU: which device a Ray worker binds, that every stage moves
+its batch to the worker's device and hands CPU tensors back, that a GPU pool refuses a node
+without CUDA, and the process-group backend FSDP's CPU offload needs.
+
+Device discipline runs the real workers under ``StandIn``: a second device played on the
+CPU. Model parameters and whatever the worker moves with ``.to(sharding.device())`` are "on
+the device" (and say so through ``.device``); the batch the controller sent and tensors
+made without a device are "on the host". An op given both raises, as CUDA does (a 0-dim
+host tensor is a scalar, and a host index may index a device tensor, as CUDA allows).
+The ``meta`` device alone would not do: ``Embedding`` and ``gather`` accept a CPU tensor
+with a meta one, and a meta tensor has no values for ``.item()`` or ``nonzero``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.controller import Worker
 from rlhf_core.controller import worker as worker_module
 from rlhf_core.controller.worker import local_device_index
+from rlhf_core.protocol import DataProto
 from rlhf_core.workers import devices, modeling, sharding
 
 PROMPT, RESPONSE, ROWS = 6, 4, 4
@@ -133,3 +147,221 @@ def test_a_worker_joins_with_the_backend_its_offload_needs(monkeypatch, offload,
     monkeypatch.setattr(sharding, "wrap", lambda model, spec, trainable=True: model)
     modeling.init_distributed_model(Worker(), torch.nn.Linear(2, 2), sharding.ShardingSpec(param_offload=offload))
     assert joined == [expected]
+
+
+# ------------------------------------------------------------------ device discipline of every stage
+
+STANDIN = torch.device("meta")  # what sharding.device() answers under the stand-in
+DEVICE, HOST = "device", "host"
+MOVES = {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+
+
+class DeviceMismatch(AssertionError):
+    pass
+
+
+def _device_arg(value):
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError:
+            return None
+    return None
+
+
+class StandIn(TorchFunctionMode):
+    """A second device played on the CPU (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.place = WeakTensorKeyDictionary()
+
+    def put(self, tensors, place: str) -> None:
+        for t in tensors:
+            self.place[t] = place
+
+    def where(self, t: torch.Tensor) -> str:
+        """A tensor nothing put on the device is on the host: also those made where no mode
+        sees them (``torch.from_numpy``, tensors from before), as on a real machine."""
+        return self.place.get(t, HOST)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch.Tensor.device:  # the .device property
+            return STANDIN if self.where(args[0]) == DEVICE else func(*args, **kwargs)
+        target = self._target(func, args, kwargs)
+        if target is not None:
+            args, kwargs = tree_map(lambda x: torch.device("cpu") if _device_arg(x) == STANDIN else x, (args, kwargs))
+        inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        if target is None:
+            self._check(func, args, inputs)
+        out = func(*args, **kwargs)
+        if target is not None:
+            place = target
+        elif func is torch.Tensor.__getitem__:
+            place = self.where(args[0])
+        else:  # a tensor made without a device is made on the CPU
+            place = DEVICE if any(self.where(t) == DEVICE for t in inputs) else HOST
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                if any(t is i for i in inputs):
+                    if target is None:
+                        continue  # in place: the tensor stays where it is
+                    t = out = t.clone()  # a move copies
+                self.place[t] = place
+        return out
+
+    @staticmethod
+    def _target(func, args, kwargs):
+        """Where a move or a factory's ``device=`` puts its result (None: follows its inputs)."""
+        if func is torch.Tensor.cpu:
+            return HOST
+        if func is torch.Tensor.cuda:
+            return DEVICE
+        candidates = [kwargs.get("device")] + (list(args[1:]) if func is torch.Tensor.to else [])
+        for value in candidates:
+            device = _device_arg(value)
+            if device is not None:
+                return DEVICE if device == STANDIN or device.type == "cuda" else HOST
+        return None
+
+    def _check(self, func, args, inputs) -> None:
+        if func in INDEXING:  # a host index may index a device tensor; not the other way round
+            index = [t for t in tree_flatten(args[1])[0] if isinstance(t, torch.Tensor)]
+            if self.where(args[0]) == HOST and any(self.where(t) == DEVICE for t in index):
+                raise DeviceMismatch(f"{func.__name__}: a device index into a host tensor")
+            return
+        device = [t for t in inputs if self.where(t) == DEVICE]
+        host = [t for t in inputs if self.where(t) == HOST and t.dim() > 0]
+        if device and host:
+            raise DeviceMismatch(f"{getattr(func, '__name__', func)}: host tensor {tuple(host[0].shape)} meets "
+                                 f"device tensor {tuple(device[0].shape)}")
+
+
+def test_the_stand_in_refuses_what_cuda_refuses():
+    """Embedding and gather (which the meta device lets through) and elementwise ops."""
+    mode = StandIn()
+    weight, ids = torch.randn(5, 3), torch.tensor([[1, 2]])
+    mode.put([weight], DEVICE)
+    with mode:
+        with pytest.raises(DeviceMismatch, match="embedding"):
+            torch.nn.functional.embedding(ids, weight)
+        with pytest.raises(DeviceMismatch, match="gather"):
+            weight.gather(-1, torch.zeros(5, 1, dtype=torch.long))  # made without a device: host
+        with pytest.raises(DeviceMismatch):
+            _ = weight[:1, :2] * ids
+        moved = ids.to(STANDIN)
+        out = torch.nn.functional.embedding(moved, weight)  # moved first: fine
+        assert out.device == STANDIN and ids.device.type == "cpu"
+        assert torch.arange(2, device=moved.device).device == STANDIN  # follows a device tensor
+        assert (weight * torch.tensor(2.0)).device == STANDIN  # a host scalar is a scalar
+        back = out.cpu()
+        assert back.device.type == "cpu" and mode.where(back) == HOST
+        with pytest.raises(DeviceMismatch):  # made where no mode sees it: on the host
+            _ = weight + torch.from_numpy(weight.detach().numpy().copy())
+
+
+PROMPT_MASK = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * PROMPT, [0, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]])
+
+
+def _prompts() -> DataProto:
+    """Left-padded prompts, one row per response to sample."""
+    ids = torch.randint(3, 100, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0)) * PROMPT_MASK
+    return DataProto.from_dict({"input_ids": ids, "attention_mask": PROMPT_MASK.clone(),
+                                "sample_seed": torch.arange(ROWS)})
+
+
+def _batch() -> DataProto:
+    """A rollout's output plus what later stages add: responses padded after their end,
+    every column the log-prob, value and update stages read."""
+    g = torch.Generator().manual_seed(1)
+    prompt_mask, prompts = PROMPT_MASK, _prompts().batch["input_ids"]
+    response_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    responses = torch.randint(3, 100, (ROWS, RESPONSE), generator=g) * response_mask
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    lp = -torch.rand(ROWS, RESPONSE, generator=g)
+    data = DataProto.from_dict({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+        "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
+        "old_log_probs": lp, "ref_log_prob": lp - 0.1, "advantages": torch.randn(ROWS, RESPONSE, generator=g),
+        "values": torch.randn(ROWS, RESPONSE, generator=g), "returns": torch.randn(ROWS, RESPONSE, generator=g)})
+    data.meta_info["global_step"] = 1
+    return data
+
+
+def _on_stand_in(monkeypatch, *models) -> StandIn:
+    """The models' parameters and buffers on the stand-in device; ``sharding.device()`` it."""
+    mode = StandIn()
+    monkeypatch.setattr(sharding, "device", lambda: STANDIN)
+    mode.put(itertools.chain.from_iterable(itertools.chain(m.parameters(), m.buffers()) for m in models), DEVICE)
+    return mode
+
+
+def _run_stage(mode: StandIn, method, data: DataProto) -> DataProto:
+    with mode:  # what the controller sent is on the host
+        out = method(data)
+    on_device = [k for k, v in (out.batch.items() if out.batch is not None else ()) if mode.where(v) == DEVICE]
+    assert not on_device, f"{method.__name__} returned device tensors {on_device}; the controller expects CPU ones"
+    return out
+
+
+@pytest.fixture(scope="module")
+def actor(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Worker, "init_process_group", lambda self, backend=None: backend)
+    worker = _actor(tmp_path_factory.mktemp("actor"))
+    worker.init_model()
+    mp.undo()
+    return worker
+
+
+@pytest.fixture(scope="module")
+def critic(tmp_path_factory):
+    from rlhf_core.workers.critic import CriticWorker
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Worker, "init_process_group", lambda self, backend=None: backend)
+    worker = CriticWorker(_config(tmp_path_factory.mktemp("critic")))
+    worker.init_model()
+    mp.undo()
+    return worker
+
+
+@pytest.mark.parametrize("stage", ["compute_log_prob", "compute_ref_log_prob", "update_actor"])
+def test_actor_stages_move_the_batch_to_the_device_and_return_cpu_tensors(actor, monkeypatch, stage):
+    mode = _on_stand_in(monkeypatch, actor.policy, actor.reference)
+    out = _run_stage(mode, getattr(actor, stage), _batch())
+    if stage == "update_actor":
+        assert len(out.meta_info["metrics"]["actor/pg_loss"]) == 2  # the update ran: 2 mini-batches
+    else:
+        assert out.batch.batch_size[0] == ROWS and torch.isfinite(out.batch[list(out.batch.keys())[0]]).all()
+
+
+def test_hf_rollout_generates_on_the_device_and_returns_cpu_tensors(actor, monkeypatch):
+    assert actor.config.rollout.name == "hf"
+    mode = _on_stand_in(monkeypatch, actor.policy)
+    out = _run_stage(mode, actor.generate_sequences, _prompts())
+    assert out.batch["responses"].shape == (ROWS, RESPONSE) and out.batch["response_mask"].sum() > 0
+
+
+@pytest.mark.parametrize("stage", ["compute_values", "update_critic"])
+def test_critic_stages_move_the_batch_to_the_device_and_return_cpu_tensors(critic, monkeypatch, stage):
+    mode = _on_stand_in(monkeypatch, critic.critic)
+    out = _run_stage(mode, getattr(critic, stage), _batch())
+    if stage == "update_critic":
+        assert len(out.meta_info["metrics"]["critic/vf_loss"]) == 2
+    else:
+        assert out.batch["values"].shape == (ROWS, RESPONSE)
+
+
+def test_on_a_cpu_worker_the_moves_are_the_same_tensors():
+    """CPU runs compute what they computed before: no copy, no new DataProto."""
+    data = _batch()
+    assert devices.to_device(data) is data
+    t = torch.zeros(2)
+    assert devices.to_host({"t": t, "none": None}) == {"t": t, "none": None}
+    assert devices.to_host({"t": t})["t"] is t

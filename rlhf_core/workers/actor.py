@@ -17,7 +17,7 @@ from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import modeling, sharding
+from rlhf_core.workers import devices, modeling, sharding
 from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 from rlhf_core.workers.trainable import TrainableWorker
 
@@ -80,21 +80,23 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
+        data = devices.to_device(data)
         with torch.no_grad():
             log_probs, entropy = modeling.forward_in_chunks(
                 lambda part: self._log_probs(sharding.unwrap(self.policy), part, with_entropy=True),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu)
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        return DataProto.from_dict(devices.to_host({"old_log_probs": log_probs, "entropys": entropy}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         if self.reference is None:
             raise RuntimeError("no reference model: enable actor.use_kl_loss or algorithm.use_kl_in_reward")
+        data = devices.to_device(data)
         with torch.no_grad():
             log_probs, _ = modeling.forward_in_chunks(
                 lambda part: self._log_probs(self.reference, part, with_entropy=False),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu)
-        return DataProto.from_dict({"ref_log_prob": log_probs})
+        return DataProto.from_dict(devices.to_host({"ref_log_prob": log_probs}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

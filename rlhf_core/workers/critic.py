@@ -7,7 +7,7 @@ import torch
 from rlhf_core.algorithms import compute_value_loss, masked_mean
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import modeling, sharding
+from rlhf_core.workers import devices, modeling, sharding
 from rlhf_core.workers.trainable import TrainableWorker
 
 
@@ -32,11 +32,12 @@ class CriticWorker(TrainableWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
+        data = devices.to_device(data)
         with torch.no_grad():
             (values,) = modeling.forward_in_chunks(lambda part: (self._values(sharding.unwrap(self.critic), part),),
                                                    data, self.config.critic.forward_micro_batch_size_per_gpu)
             values = values * data.batch["response_mask"]
-        return DataProto.from_dict({"values": values})
+        return DataProto.from_dict(devices.to_host({"values": values}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:

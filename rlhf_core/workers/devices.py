@@ -1,10 +1,35 @@
-"""What a worker's device requires: CUDA in a GPU pool (or a one-line error naming the
-node) and the process-group backend its sharding needs.
+"""Where a worker's tensors live: batches in on the worker's device, results out on the host.
+
+The controller sends and receives CPU tensors (Ray serializes them; the driver may have no
+GPU). A worker moves a stage's input batch to its device before the forward and hands its
+outputs back on the CPU. On a CPU worker both moves are no-ops (the same tensor objects),
+so CPU runs compute exactly what they computed before.
+
+Also here: what a GPU pool requires of a worker (CUDA, or a one-line error naming the node)
+and the process-group backend its sharding needs.
 """
 
 from __future__ import annotations
 
 import torch
+
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import sharding
+
+
+def to_device(data: DataProto) -> DataProto:
+    """``data`` with its tensors on this worker's device (``sharding.device()``): a new
+    DataProto sharing the object columns and meta_info; ``data`` itself on a CPU worker."""
+    device = sharding.device()
+    if device.type == "cpu" or data.batch is None:
+        return data
+    tensors = {key: value.to(device, non_blocking=True) for key, value in data.batch.items()}
+    return DataProto.from_dict(tensors, data.non_tensor_batch, data.meta_info)
+
+
+def to_host(tensors: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """The tensors on the CPU, for the controller (the same objects when already there)."""
+    return {key: None if value is None else value.cpu() for key, value in tensors.items()}
 
 
 def require_cuda(gpus_per_node: int, accelerator_resource: str, cuda_available: bool, node: str) -> None:

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from rlhf_core.protocol import DataProto
+from rlhf_core.workers import devices
 
 
 def _finish(prompts: DataProto, responses: list[list[int]], log_probs: list[list[float]],
@@ -149,7 +150,8 @@ class HFRollout:
         was_training = model.training
         model.eval()
         model.config.use_cache = True
-        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        on_device = devices.to_device(prompts)  # the model's device; the outputs come back to the host
+        ids, mask = on_device.batch["input_ids"], on_device.batch["attention_mask"]
         pad = int(mask.bool().any(dim=0).float().argmax())  # columns of padding in every prompt
         out = model.generate(input_ids=ids[:, pad:], attention_mask=mask[:, pad:],
                              **(dict(do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p)
@@ -160,8 +162,10 @@ class HFRollout:
         model.config.use_cache = False
         model.train(was_training)
         new = out.sequences[:, ids.shape[1] - pad:]
-        scores = torch.stack(out.scores, dim=1).float() if out.scores else torch.zeros(len(new), 0, 1)
+        scores = (torch.stack(out.scores, dim=1).float() if out.scores
+                  else torch.zeros(len(new), 0, 1, device=new.device))
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        new, logp = new.cpu(), logp.cpu()
         # a response ends after its first EOS (kept); generate pads the rest
         width = self.config.response_length
         is_eos = new == self.eos_id if self.eos_id is not None else torch.zeros_like(new, dtype=torch.bool)

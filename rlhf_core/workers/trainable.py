@@ -11,7 +11,7 @@ import torch
 from rlhf_core.config import RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import modeling, sharding
+from rlhf_core.workers import devices, modeling, sharding
 
 
 class TrainableWorker(Worker):
@@ -61,6 +61,7 @@ class TrainableWorker(Worker):
         the schedule does) and counted in ``{prefix}/nonfinite_grad_steps``. Returns the
         metrics, one list entry per optimizer step."""
         model = self._trained_model()
+        data = devices.to_device(data)  # the whole batch once; mini-batches index it there
         step_no = int(data.meta_info.get("global_step", 0))
         mini = modeling.mini_batch_rows(role_cfg.ppo_mini_batch_size, self.config.rollout.n, self.world_size, len(data))
         metrics: dict[str, list] = {}
