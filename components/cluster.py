@@ -23,14 +23,17 @@ def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout
 
     from components.kuberay.launcher import Launcher, kube_apis
     from components.kuberay.render import render_raycluster
-    from components.kuberay.spec import DeploymentPolicy, spec_from_dict
+    from components.kuberay.spec import spec_from_dict
     from rlhf_core.config import RunConfig, apply_overrides
 
     cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
-    # the image and account come from a run parameter: only what the deployment allows
-    spec = DeploymentPolicy.from_env().check(spec_from_dict(kube_spec))
+    spec = spec_from_dict(kube_spec)
     custom, core = kube_apis()
-    address = Launcher(custom, core, spec.namespace).ensure(render_raycluster(cfg, spec, run_id), timeout_s)
+    launcher = Launcher(custom, core, spec.namespace)
+    # kube_spec is a run parameter: its namespace, image, account, secrets and node choices
+    # only among what that namespace's policy (set by the platform, not the run) allows
+    launcher.policy().check(spec)
+    address = launcher.ensure(render_raycluster(cfg, spec, run_id), timeout_s)
     return namedtuple("Cluster", ["name", "ray_address", "dashboard_url"])(
         address.name, address.ray_address, address.dashboard_url)
 

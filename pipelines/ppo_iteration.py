@@ -16,9 +16,7 @@ from kfp import compiler, dsl, kubernetes
 from components.cluster import launch_cluster, teardown_cluster
 from components.finetune import drive_finetune
 from components.iteration import run_iteration
-from components.kuberay.spec import (
-    OBJECT_STORE_SECRET, POLICY_ACCOUNTS_ENV, POLICY_CONFIG_MAP, POLICY_IMAGES_ENV, RAY_TOKEN_SECRET,
-)
+from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
 
 HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
@@ -110,9 +108,8 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         cluster = launch_cluster(run_id=run_id, config_overrides=config_overrides, kube_spec=kube_spec,
                                  timeout_s=launch_timeout_s)
         _pod_settings(cluster, small=True)
-        # which images and accounts kube_spec may choose: the deployment's, not the run's
-        kubernetes.use_config_map_as_env(cluster, config_map_name=POLICY_CONFIG_MAP, config_map_key_to_env={
-            "allowed_images": POLICY_IMAGES_ENV, "allowed_service_accounts": POLICY_ACCOUNTS_ENV})
+        # what kube_spec may choose is not given to this pod: launch_cluster reads the policy
+        # from the Ray namespace (where profile users cannot edit it), not from the profile's
         controllers = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
                                  cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next)
         for step in controllers:  # they talk to the token-authenticated Ray cluster

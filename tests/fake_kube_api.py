@@ -1,11 +1,14 @@
 """A fake Kubernetes API server, in process, for the cluster launcher's tests.
 
 It is not Kubernetes: it stores ray.io RayClusters in a dict, speaks just the REST paths
-the launcher uses (custom objects get/create/delete, pods and events lists), and plays the
-KubeRay operator by a script: a new cluster turns "ready" after a number of polls, or
-never does while its pods sit Pending with a scheduling event. It proves the launcher's
-logic (create vs reuse, wait, timeout with a useful report, teardown policy), not that a
-real API server or operator behaves this way.
+the launcher uses (custom objects get/create/patch/delete, pods and events lists, the
+deployment policy ConfigMap, creating the head's ServiceAccount / Role / RoleBinding), and
+plays the KubeRay operator by a script: a new cluster turns "ready" after a number of
+polls, or never does while its pods sit Pending with a scheduling event. Namespaces other
+than ``namespaces`` answer 403, as they do to a pipeline whose Role is bound only there.
+It checks no RBAC: tests/test_manifests.py checks each recorded request against the Role.
+It proves the launcher's logic (create vs reuse, wait, timeout with a useful report,
+teardown policy), not that a real API server or operator behaves this way.
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from json_http import JSONServer
 
 CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/?]+))?$")
 CORE = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|events)$")
+NAMESPACED = re.compile(r"^/apis?/(?:v1|rbac\.authorization\.k8s\.io/v1|ray\.io/v1)/namespaces/([^/]+)/")
+#: the other objects the launcher creates (POST) or reads (GET by name)
+OBJECTS = re.compile(r"^/api(?:s/rbac\.authorization\.k8s\.io)?/v1/namespaces/([^/]+)/"
+                     r"(serviceaccounts|configmaps|roles|rolebindings)(?:/([^/?]+))?$")
 
 
 class FakeKubeAPI:
-    def __init__(self, ready_after_polls: int | None = 2) -> None:
+    def __init__(self, ready_after_polls: int | None = 2, namespaces=("rlhf",)) -> None:
         self.ready_after_polls = ready_after_polls  # None: never ready
+        self.namespaces = set(namespaces)
         self.clusters: dict[tuple[str, str], dict] = {}
+        #: (plural, namespace, name) -> object: config maps, accounts, roles, role bindings
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self._uids = 0
         self.polls: dict[str, int] = {}
         # the API server's writes are atomic (etcd): two creators cannot both get a 201
         self._lock = threading.Lock()
@@ -39,8 +50,20 @@ class FakeKubeAPI:
     def __exit__(self, *exc):
         self.close()
 
-    def verbs(self, method: str) -> list[str]:
-        return [r["path"] for r in self._http.requests if r["method"] == method]
+    def verbs(self, method: str, resource: str = "rayclusters") -> list[str]:
+        """Paths of the requests with this method to this resource (None: to any)."""
+        return [r["path"] for r in self._http.requests
+                if r["method"] == method and (resource is None or f"/{resource}" in r["path"])]
+
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, path) of every request so far, in order."""
+        return [(r["method"], r["path"]) for r in self._http.requests]
+
+    def set_policy(self, namespace: str, text: str) -> None:
+        """The deployment policy ConfigMap (manifests/base/deployment-policy.yaml) of a namespace."""
+        self.objects[("configmaps", namespace, "rlhf-deployment-policy")] = {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "rlhf-deployment-policy", "namespace": namespace}, "data": {"policy.yaml": text}}
 
     # ------------------------------------------------------------ the "operator"
 
@@ -81,6 +104,20 @@ class FakeKubeAPI:
         from urllib.parse import unquote
 
         params = {k: unquote(v) for k, v in params.items()}
+        if (m := NAMESPACED.match(route)) and m.group(1) not in self.namespaces:
+            return 403, _status(403, "Forbidden", f"no rights in namespace {m.group(1)}")
+        if m := OBJECTS.match(route):
+            namespace, plural, name = m.groups()
+            if method == "GET" and name:
+                if (plural, namespace, name) not in self.objects:
+                    return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+                return 200, self.objects[(plural, namespace, name)]
+            if method == "POST" and not name:
+                key = (plural, namespace, body["metadata"]["name"])
+                if key in self.objects:
+                    return 409, _status(409, "AlreadyExists", f'{plural} "{key[2]}" already exists')
+                self.objects[key] = dict(body)
+                return 201, body
         if m := CLUSTERS.match(route):
             namespace, name = m.groups()
             key = (namespace, name)
@@ -92,7 +129,9 @@ class FakeKubeAPI:
                 name = body["metadata"]["name"]
                 if (namespace, name) in self.clusters:
                     return 409, _status(409, "AlreadyExists", f'rayclusters.ray.io "{name}" already exists')
-                self.clusters[(namespace, name)] = dict(body)
+                self._uids += 1
+                body = dict(body, metadata=dict(body["metadata"], uid=f"uid-{self._uids}"))
+                self.clusters[(namespace, name)] = body
                 return 201, body
             if method == "PATCH" and name:  # a JSON merge patch (lists are replaced whole)
                 if key not in self.clusters:

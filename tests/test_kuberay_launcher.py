@@ -3,6 +3,7 @@ in-process FAKE Kubernetes API server (tests/fake_kube_api.py): no real API serv
 KubeRay operator can run here."""
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -134,3 +135,103 @@ def test_gpu_workers_scaled_to_zero_while_idle_come_back_at_the_next_launch():
         assert "RayCluster rlhf-nightly: worker group(s) ['train'] scaled back up" in logs
         launcher(fake).ensure(body(), timeout_s=30)  # at size: nothing to patch
         assert len(fake.verbs("PATCH")) == 1
+
+
+def test_each_run_head_gets_its_own_account_owned_by_its_cluster():
+    """The launcher creates the head's Role and RoleBinding before its account (KubeRay
+    makes a namespace-wide Role of the cluster's name only while none exists, and waits for
+    the account), each owned by the RayCluster so that they are deleted with it; a second
+    run gets another account, whose Role names only its own cluster."""
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        run = launcher(fake)
+        run.ensure(body("a"), timeout_s=5)
+        assert [p.rsplit("/", 1)[1] for p in fake.verbs("POST", None)] == \
+            ["rayclusters", "roles", "rolebindings", "serviceaccounts"]
+        run.ensure(body("b"), timeout_s=5)
+        for name in ("rlhf-a", "rlhf-b"):
+            uid = fake.clusters[("rlhf", name)]["metadata"]["uid"]
+            role = fake.objects[("roles", "rlhf", name)]
+            binding = fake.objects[("rolebindings", "rlhf", name)]
+            account = fake.objects[("serviceaccounts", "rlhf", f"{name}-head")]
+            for obj in (role, binding, account):
+                assert obj["metadata"]["ownerReferences"] == [
+                    {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": name, "uid": uid}]
+            assert binding["subjects"] == [{"kind": "ServiceAccount", "name": f"{name}-head", "namespace": "rlhf"}]
+            assert binding["roleRef"]["name"] == name
+            (clusters,) = [r for r in role["rules"] if "rayclusters" in r["resources"]]
+            assert clusters["resourceNames"] == [name] and set(clusters["verbs"]) == {"get", "patch"}
+            assert not any("patch" in r["verbs"] for r in role["rules"] if r["resources"] == ["pods"])
+            head = fake.clusters[("rlhf", name)]["spec"]["headGroupSpec"]["template"]["spec"]
+            assert head["serviceAccountName"] == f"{name}-head"
+        # a launch that died before the account: the next one (a reuse) creates it
+        del fake.objects[("serviceaccounts", "rlhf", "rlhf-a-head")]
+        assert run.ensure(body("a"), timeout_s=5).reused
+        assert ("serviceaccounts", "rlhf", "rlhf-a-head") in fake.objects
+
+
+POLICY = """
+images: ["ghcr.io/rlhf-core/rlhf-core:*"]
+service_accounts: [rlhf-ray]
+object_store_secrets: [rlhf-object-store]
+ray_token_secrets: [rlhf-ray-token]
+priority_classes: [rlhf-training]
+node_selectors: ["nvidia.com/gpu.product=*"]
+tolerations:
+  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+"""
+
+
+def launch_component(fake, monkeypatch, kube_spec, env=None):
+    from components import cluster
+    from components.kuberay import launcher as module
+
+    real = module.kube_apis
+    monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    return cluster.launch_cluster.python_func(run_id="nightly", config_overrides=[], kube_spec=kube_spec,
+                                              timeout_s=5)
+
+
+@pytest.mark.parametrize("choice, refusal", [
+    ({"object_store_secret": "team-b-s3-creds"}, "kubernetes.object_store_secret: expected one of the deployment's "
+                                                 "allowed secrets \\['rlhf-object-store'\\]; found 'team-b-s3-creds'"),
+    ({"ray_token_secret": "other-run-token"}, "kubernetes.ray_token_secret: .* found 'other-run-token'"),
+    ({"namespace": "kube-system"}, "kubernetes.namespace: expected a namespace set up for rlhf runs .* found "
+                                   "'kube-system' \\(403 Forbidden\\)"),
+    ({"namespace": "team-b"}, "kubernetes.namespace: .* found 'team-b' \\(404 Not Found\\)"),
+    ({"tolerations": [{"operator": "Exists"}]}, "kubernetes.tolerations: .* found {'operator': 'Exists'}"),
+    ({"priority_class": "system-node-critical"}, "kubernetes.priority_class: expected one of the deployment's "
+                                                 "allowed priority classes \\['rlhf-training'\\]"),
+    ({"node_selector": {"node-role.kubernetes.io/control-plane": ""}},
+     "kubernetes.node_selector: .* found 'node-role.kubernetes.io/control-plane='"),
+    ({"service_account": "default"}, "kubernetes.service_account: .* found 'default'"),
+    ({"image": "docker.io/attacker/miner:latest"}, "kubernetes.image: .* found 'docker.io/attacker/miner:latest'"),
+])
+def test_launch_refuses_what_the_ray_namespace_policy_does_not_allow(monkeypatch, choice, refusal):
+    """What the issue's run parameters chose, each refused in one line naming the field,
+    before anything is created. The policy comes from the Ray namespace through the API:
+    the old environment allow-lists (which a profile's ConfigMap fed) no longer count."""
+    from components.kuberay.spec import DeploySpecError
+
+    with FakeKubeAPI(ready_after_polls=0, namespaces=("rlhf", "team-b")) as fake:
+        fake.set_policy("rlhf", POLICY)
+        with pytest.raises(DeploySpecError, match=refusal) as err:
+            launch_component(fake, monkeypatch, choice, env={"RLHF_ALLOWED_IMAGES": "docker.io/attacker/miner:*",
+                                                             "RLHF_ALLOWED_SERVICE_ACCOUNTS": "default"})
+        assert "\n" not in str(err.value)
+        assert not fake.verbs("POST", None) and not fake.verbs("PATCH", None)
+
+
+def test_launch_accepts_the_example_deployments_under_the_default_policy(monkeypatch):
+    import dataclasses
+
+    from components.kuberay.spec import load_deployment
+
+    _, gpu = load_deployment(Path(__file__).resolve().parents[1] / "manifests/configs/gpu.yaml")
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", POLICY)
+        out = launch_component(fake, monkeypatch, dataclasses.asdict(gpu))
+        assert out.name == "rlhf-nightly" and fake.verbs("POST") == [PATH]
+        pod = fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+        assert pod["priorityClassName"] == "rlhf-training" and pod["tolerations"] == gpu.tolerations

@@ -32,8 +32,7 @@ def crds_present():
 def test_example_configs_render_valid_objects(path):
     cfg, spec = load_deployment(path)
     objects = render_all(cfg, spec, "nightly-ppo", "s3://bucket/runs")
-    for obj in objects.values():
-        crd.validate(obj, CRDS)
+    validate_all(objects)
     cluster, job = objects["raycluster.yaml"], objects["rayjob.yaml"]
     group = cluster["spec"]["workerGroupSpecs"][0]
     assert group["replicas"] == cfg.resources.nnodes
@@ -42,6 +41,19 @@ def test_example_configs_render_valid_objects(path):
     assert job["spec"]["rayClusterSpec"] == cluster["spec"]
     assert job["spec"]["shutdownAfterJobFinishes"] is True and job["spec"]["metadata"]["kind"] == "session"
     assert job["spec"]["entrypoint"].startswith("rlhf serve --foreground --run-id nightly-ppo")
+
+
+def validate_all(objects: dict) -> None:
+    """KubeRay kinds against the CRDs; the head's account and RBAC against Kubernetes' schema."""
+    import kubernetes_validate
+
+    for obj in objects.values():
+        if obj["kind"] == "List":
+            assert [o["kind"] for o in obj["items"]] == ["Role", "RoleBinding", "ServiceAccount"]
+            for item in obj["items"]:
+                kubernetes_validate.validate(item, kubernetes_validate.latest_version(), strict=True)
+        else:
+            crd.validate(obj, CRDS)
 
 
 def test_the_validator_is_strict():
@@ -75,9 +87,12 @@ def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, m
                                         "trainer.cpus_per_worker=1", f"actor.world_size={nnodes}"]).validate()
     spec = KubeSpec(node_gpus=8, node_selector={"pool": "train"},
                     tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]).validate()
-    for obj in render_all(cfg, spec, run_id, "s3://b/runs").values():
-        crd.validate(obj, CRDS)
+    objects = render_all(cfg, spec, run_id, "s3://b/runs")
+    validate_all(objects)
+    for obj in (objects["raycluster.yaml"], objects["rayjob.yaml"]):
         assert is_dns1035_label(obj["metadata"]["name"], limit=40)
+    for item in objects["head-account.yaml"]["items"]:
+        assert is_dns1035_label(item["metadata"]["name"], limit=45)
 
 
 @given(a=run_ids, b=run_ids)
@@ -117,6 +132,10 @@ def test_bad_deployments_are_refused_with_the_field(tmp_path):
 def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
     assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "Dev_Run",
                  "--out", str(tmp_path), "--crds", str(CRDS)]) == 0
+    account = yaml.safe_load((tmp_path / "head-account.yaml").read_text())
+    assert account["items"][2] == {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
+                                   "metadata": {**account["items"][2]["metadata"], "name": cluster_name("Dev_Run")
+                                                + "-head"}}
     cluster = yaml.safe_load((tmp_path / "raycluster.yaml").read_text())
     job = yaml.safe_load((tmp_path / "rayjob.yaml").read_text())
     assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("Dev_Run")
@@ -138,6 +157,8 @@ def test_every_ray_pod_meets_restricted_pod_security():
     writable emptyDirs where Ray writes, no service-account token mounted."""
     cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
     for obj in render_all(cfg, kube, "hardened", "s3://b/runs").values():
+        if obj["kind"] == "List":
+            continue
         crd.validate(obj, CRDS)
         templates = list(_pod_templates(obj))
         assert len(templates) == (3 if obj["kind"] == "RayJob" else 2)
@@ -145,8 +166,7 @@ def test_every_ray_pod_meets_restricted_pod_security():
             pod = template["spec"]
             assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["seccompProfile"] == \
                 {"type": "RuntimeDefault"}
-            # only the head mounts a token: its autoscaler sidecar scales the worker groups
-            assert pod["automountServiceAccountToken"] is (template is templates[0])
+            assert pod["automountServiceAccountToken"] is False
             for container in pod["containers"]:
                 sc = container["securityContext"]
                 assert sc["capabilities"] == {"drop": ["ALL"]} and sc["readOnlyRootFilesystem"] is True
@@ -157,30 +177,66 @@ def test_every_ray_pod_meets_restricted_pod_security():
                 assert all("emptyDir" in volumes[m["name"]] for m in container["volumeMounts"])
 
 
-def test_kube_spec_cannot_choose_an_image_or_account_the_deployment_does_not_allow():
-    from components.kuberay.spec import DeploymentPolicy
+def test_each_run_head_has_its_own_account_and_only_the_autoscaler_holds_its_token():
+    """The container that runs every Jobs-API job holds no Kubernetes credentials; the
+    autoscaler sidecar (which KubeRay adds from autoscalerOptions) mounts the head's token;
+    two runs' heads never share an account; workers keep the deployment's account."""
+    cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
+    heads = {}
+    for run_id in ("run-a", "run-b"):
+        spec = render_all(cfg, kube, run_id, "s3://b/runs")["raycluster.yaml"]["spec"]
+        head = spec["headGroupSpec"]["template"]["spec"]
+        heads[run_id] = head["serviceAccountName"]
+        assert head["serviceAccountName"] == cluster_name(run_id) + "-head"
+        assert head["automountServiceAccountToken"] is False
+        (token,) = [v for v in head["volumes"] if "projected" in v]
+        assert [s for s in token["projected"]["sources"] if "serviceAccountToken" in s]
+        assert spec["autoscalerOptions"]["volumeMounts"] == [
+            {"name": token["name"], "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}]
+        assert all(m["name"] != token["name"] for c in head["containers"] for m in c["volumeMounts"])
+        for group in spec["workerGroupSpecs"]:
+            assert group["template"]["spec"]["serviceAccountName"] == kube.service_account
+    assert heads["run-a"] != heads["run-b"]
 
-    policy = DeploymentPolicy.from_env({"RLHF_ALLOWED_IMAGES": "registry.example.com/rlhf-core:*, "
-                                                               "ghcr.io/rlhf-core/rlhf-core:0.1.0",
-                                        "RLHF_ALLOWED_SERVICE_ACCOUNTS": "rlhf-ray"})
+
+def test_the_policy_decides_every_choice_that_reaches_past_the_run():
+    from components.kuberay.policy import DeploymentPolicy
+
+    policy = DeploymentPolicy.from_yaml(yaml.safe_dump({
+        "images": ["registry.example.com/rlhf-core:*", "ghcr.io/rlhf-core/rlhf-core:0.1.0"],
+        "node_selectors": ["pool=train", "nvidia.com/gpu.product=*"], "priority_classes": ["rlhf-training"],
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "dedicated", "value": "rlhf", "effect": "NoSchedule"}]}), namespace="rlhf")
     policy.check(KubeSpec(image="registry.example.com/rlhf-core:0.2.0-cuda"))
-    policy.check(KubeSpec())
-    for image in ("docker.io/attacker/miner:latest", "registry.example.com/rlhf-core:0.2/../../x",
-                  "registry.example.com/rlhf-core-evil:1", "registry.example.com/rlhf-core@sha256:abc"):
-        with pytest.raises(DeploySpecError, match="kubernetes.image: expected one of the deployment's allowed"):
-            policy.check(KubeSpec(image=image))
-    with pytest.raises(DeploySpecError, match="kubernetes.service_account: expected one of .* found 'default'"):
-        policy.check(KubeSpec(service_account="default"))
-    # with no policy set, only this project's image and the Ray account
-    with pytest.raises(DeploySpecError):
-        DeploymentPolicy.from_env({}).check(KubeSpec(image="busybox"))
+    policy.check(KubeSpec(node_selector={"pool": "train", "nvidia.com/gpu.product": "H100"},
+                          priority_class="rlhf-training",
+                          tolerations=[{"key": "dedicated", "operator": "Equal", "value": "rlhf",
+                                        "effect": "NoSchedule"}]))
+    refused = [
+        (KubeSpec(image="registry.example.com/rlhf-core:0.2/../../x"), "kubernetes.image"),
+        (KubeSpec(image="registry.example.com/rlhf-core-evil:1"), "kubernetes.image"),
+        (KubeSpec(image="registry.example.com/rlhf-core@sha256:abc"), "kubernetes.image"),
+        (KubeSpec(namespace="kube-system"), "kubernetes.namespace: expected one of .* \\['rlhf'\\]"),
+        (KubeSpec(object_store_secret="team-b-s3-creds"), "kubernetes.object_store_secret"),
+        (KubeSpec(ray_token_secret="other-run-token"), "kubernetes.ray_token_secret"),
+        (KubeSpec(priority_class="system-node-critical"), "kubernetes.priority_class"),
+        (KubeSpec(node_selector={"pool": "other"}), "kubernetes.node_selector: .* found 'pool=other'"),
+        (KubeSpec(node_selector={"node-role.kubernetes.io/control-plane": ""}), "kubernetes.node_selector"),
+        (KubeSpec(tolerations=[{"operator": "Exists"}]), "kubernetes.tolerations"),
+        (KubeSpec(tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}]), "kubernetes.tolerations"),
+        (KubeSpec(service_account="default"), "kubernetes.service_account")]
+    for spec, field in refused:
+        with pytest.raises(DeploySpecError, match=field):
+            policy.check(spec)
+    with pytest.raises(DeploySpecError, match=r"policy.yaml: unknown key\(s\) \['image'\]"):
+        DeploymentPolicy.from_yaml("image: [x]", namespace="rlhf")
 
 
-def test_the_cluster_pipeline_reads_the_policy_from_the_deployment_and_sets_pod_identity():
+def test_the_cluster_pipeline_takes_no_policy_from_the_profile_namespace_and_sets_pod_identity():
     doc = list(yaml.safe_load_all((ROOT / "pipelines/ppo_iteration_kuberay.yaml").read_text()))
     executors = doc[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
-    launch = executors["exec-launch-cluster"]
-    assert launch["configMapAsEnv"][0]["configMapName"] == "rlhf-deployment-policy"
+    # a ConfigMap of the pipeline's own (profile) namespace is one its users can edit
+    assert not any("configMapAsEnv" in executor for executor in executors.values())
     for name, executor in executors.items():
         assert executor["securityContext"] == {"runAsUser": "1000", "runAsGroup": "1000", "runAsNonRoot": True} \
             or executor["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}, name
@@ -192,8 +248,7 @@ def test_a_critic_pool_of_its_own_renders_a_worker_group_of_its_own():
                                         "resources.critic_nnodes=1"]).validate()
     spec = KubeSpec(node_gpus=8).validate()
     objects = render_all(cfg, spec, "ppo-7b", "s3://b/runs")
-    for obj in objects.values():
-        crd.validate(obj, CRDS)
+    validate_all(objects)
     groups = {g["groupName"]: g for g in objects["raycluster.yaml"]["spec"]["workerGroupSpecs"]}
     assert {name: g["replicas"] for name, g in groups.items()} == {"train": 2, "critic": 1}
     assert groups["critic"]["rayStartParams"]["num-gpus"] == "8"

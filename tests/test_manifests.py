@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import kustomize_lite
+import rbac_lite
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -28,10 +29,22 @@ def test_overlay_builds_and_every_object_validates(overlay):
     namespace = next(o for o in objects if o["kind"] == "Namespace")["metadata"]["name"]
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] not in kustomize_lite.CLUSTER_SCOPED} \
         == {namespace}
+    # the binding names the account pipeline pods run as: in the profile namespace, not this one
+    (profile_account,) = _profile()
     binding = next(o for o in objects if o["kind"] == "RoleBinding")
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "rlhf-pipeline", "namespace": namespace}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": profile_account["metadata"]["name"],
+                                    "namespace": profile_account["metadata"]["namespace"]}]
+    assert profile_account["metadata"]["namespace"] != namespace
     assert next(o for o in objects if o["kind"] == "Namespace")["metadata"]["labels"]["rlhf.io/accelerator"] == \
         ("cpu" if overlay == "cpu-dev" else "gpu")
+
+
+def _profile() -> list[dict]:
+    """manifests/profile: what a profile namespace that runs the pipelines needs."""
+    objects = kustomize_lite.build(ROOT / "manifests" / "profile")
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    return objects
 
 
 def test_strict_validation_catches_a_typo():
@@ -42,35 +55,93 @@ def test_strict_validation_catches_a_typo():
         kubernetes_validate.validate(role, K8S_VERSION, strict=True)
 
 
-def test_the_role_grants_every_call_the_launcher_makes():
-    """Each Kubernetes API call in components/kuberay/launcher.py (verb and resource, read
-    from its client calls) is granted by the pipeline's Role: a verb the launcher uses
-    and the Role lacks is a 403 on a real cluster (the fake API server checks no RBAC)."""
-    import re
+def _role(overlay="gpu"):
+    (role,) = [o for o in kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay) if o["kind"] == "Role"]
+    return role
 
-    objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / "gpu")
-    (role,) = [o for o in objects if o["kind"] == "Role"]
-    granted = {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
-    source = (ROOT / "components" / "kuberay" / "launcher.py").read_text()
-    calls = set(re.findall(r"\.(get|list|create|patch|delete|replace)_namespaced_(custom_object|pod|event)\b", source))
-    assert ("patch", "custom_object") in calls and len(calls) >= 5, calls
-    resource = {"custom_object": "rayclusters", "pod": "pods", "event": "events"}
-    missing = sorted((resource[kind], verb) for verb, kind in calls if (resource[kind], verb) not in granted)
-    assert not missing, f"the Role does not grant {missing}"
+
+def _component_calls(monkeypatch) -> list[tuple[str, str]]:
+    """Every request the cluster components make against the fake API server on each of
+    their paths: create and wait, reuse and scale back up, a launch that times out (pods
+    and events read to explain it), teardown."""
+    from types import SimpleNamespace
+
+    from fake_kube_api import FakeKubeAPI
+
+    from components import cluster
+    from components.kuberay import launcher
+
+    policy = yaml.safe_load((ROOT / "manifests/base/deployment-policy.yaml").read_text())["data"]["policy.yaml"]
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", policy)
+        real = launcher.kube_apis
+        monkeypatch.setattr(launcher, "kube_apis", lambda: real(host=fake.url))
+        launch = lambda run_id, timeout_s=30: cluster.launch_cluster.python_func(
+            run_id=run_id, config_overrides=[], kube_spec={}, timeout_s=timeout_s)
+        launch("nightly")
+        fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["replicas"] = 0  # idled out
+        launch("nightly")
+        fake.ready_after_polls = None
+        with pytest.raises(launcher.ClusterLaunchError, match="not ready"):
+            launch("stuck", timeout_s=0)
+        cluster.teardown_cluster.python_func(run_id="nightly", kube_spec={}, policy="delete",
+                                             status=SimpleNamespace(state="SUCCEEDED"))
+        calls = fake.requests()
+    kinds = {(m, rbac_lite.attributes(m, p)["resource"]) for m, p in calls}
+    assert {("PATCH", "rayclusters"), ("DELETE", "rayclusters"), ("GET", "events"), ("GET", "configmaps"),
+            ("POST", "serviceaccounts")} <= kinds, kinds  # every path above was taken
+    return calls
+
+
+def test_the_role_grants_every_call_the_components_make_and_nothing_else(monkeypatch):
+    """RBAC matches the code: each request the launcher and the cluster components make
+    (recorded by the fake API server, which checks no RBAC itself) is allowed by the
+    pipeline's Role, and the Role grants nothing that no request uses, except what the
+    API server requires of whoever creates the head's Role (it may grant only what its
+    creator holds)."""
+    from components.kuberay.head_account import autoscaler_rules
+
+    rules = _role()["rules"]
+    calls = _component_calls(monkeypatch)
+    denied = sorted({f"{m} {p.partition('?')[0]}" for m, p in calls
+                     if not rbac_lite.allows(rules, rbac_lite.attributes(m, p))})
+    assert not denied, f"the Role does not allow {denied}"
+    used = {(a["group"], a["resource"], a["verb"]) for a in (rbac_lite.attributes(m, p) for m, p in calls)}
+    escalation = {(g, r, v) for g, r, v, _ in rbac_lite.grants(autoscaler_rules("rlhf-nightly"))}
+    unused = sorted((g, r, v) for g, r, v, _ in rbac_lite.grants(rules) if (g, r, v) not in used | escalation)
+    assert not unused, f"the Role grants what nothing uses: {unused}"
+    assert not rbac_lite.covers(rules, autoscaler_rules("rlhf-nightly"))  # else creating it is refused
 
 
 def test_rbac_is_namespaced_and_minimal():
     objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / "gpu")
     assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    (role,) = [o for o in objects if o["kind"] == "Role"]
-    granted = {(group, res, verb) for rule in role["rules"] for group in rule["apiGroups"]
-               for res in rule["resources"] for verb in rule["verbs"]}
-    allowed = ({("ray.io", r, v) for r in ("rayclusters", "rayjobs") for v in ("get", "list", "watch", "create", "delete")}
-               | {("ray.io", "rayclusters", "patch")}  # scaling a kept cluster's workers back up
-               | {("ray.io", r, "get") for r in ("rayclusters/status", "rayjobs/status")}
-               | {("", r, v) for r in ("pods", "events") for v in ("get", "list")})
-    assert granted == allowed
-    assert "*" not in str(role["rules"])
+    rules = _role()["rules"]
+    assert "*" not in str(rules)
+    granted = rbac_lite.grants(rules)
+    # no secrets, no exec, nothing that changes an RBAC object or an account once created
+    assert not {p for p in granted if p[1] in ("secrets", "pods/exec", "pods/attach", "nodes")}
+    assert not {p for p in granted if p[1] in ("roles", "rolebindings", "serviceaccounts") and p[2] != "create"}
+    assert not {p for p in granted if p[2] in ("escalate", "bind", "impersonate", "update", "deletecollection")}
+    # the policy: read, that one ConfigMap only
+    assert {p for p in granted if p[1] == "configmaps"} == {("", "configmaps", "get", "rlhf-deployment-policy")}
+
+
+def test_the_head_role_acts_on_its_own_cluster_only():
+    """Why each run's head has its own account: a job on one run's head must not patch
+    another run's RayCluster or anyone's pods (KubeRay's own Role for the autoscaler would
+    allow both, namespace-wide)."""
+    from components.kuberay.head_account import autoscaler_rules
+
+    rules = autoscaler_rules("rlhf-a")
+    path = "/apis/ray.io/v1/namespaces/rlhf/rayclusters/"
+    assert rbac_lite.allows(rules, rbac_lite.attributes("PATCH", path + "rlhf-a"))
+    assert rbac_lite.allows(rules, rbac_lite.attributes("GET", "/api/v1/namespaces/rlhf/pods?labelSelector=x"))
+    for method, target in (("PATCH", path + "rlhf-b"), ("GET", path + "rlhf-b"), ("DELETE", path + "rlhf-a"),
+                           ("PATCH", "/api/v1/namespaces/rlhf/pods/rlhf-b-head-x"),
+                           ("DELETE", "/api/v1/namespaces/rlhf/pods/rlhf-b-head-x"),
+                           ("GET", "/api/v1/namespaces/rlhf/secrets/rlhf-object-store")):
+        assert not rbac_lite.allows(rules, rbac_lite.attributes(method, target)), (method, target)
 
 
 @pytest.mark.parametrize("name", ["secret-object-store.example.yaml", "secret-ray-token.example.yaml"])
@@ -112,8 +183,46 @@ def test_namespace_enforces_restricted_pods_and_admits_only_the_pipeline(overlay
     labels = next(o for o in objects if o["kind"] == "Namespace")["metadata"]["labels"]
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
-    assert policies["rlhf-default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
-    head = policies["rlhf-ray-head-from-pipelines"]
-    assert {p["port"] for p in head["ingress"][0]["ports"]} == {10001, 8265}
+    assert policies["rlhf-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
+    # the head's ports: from the namespaces whose pipelines the Role is bound to, no others
+    (rule,) = policies["rlhf-ray-head-from-pipelines"]["ingress"]
+    assert {p["port"] for p in rule["ports"]} == {10001, 8265}
+    (source,) = rule["from"]
+    assert set(source) == {"namespaceSelector"} and "matchLabels" not in source["namespaceSelector"]
+    (expression,) = source["namespaceSelector"]["matchExpressions"]
+    binding = next(o for o in objects if o["kind"] == "RoleBinding")
+    assert expression["key"] == "kubernetes.io/metadata.name" and expression["operator"] == "In"
+    assert set(expression["values"]) == {s["namespace"] for s in binding["subjects"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_ray_pods_egress_is_limited_and_never_reaches_the_metadata_address(overlay):
+    objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay)
+    egress = [o["spec"] for o in objects if o["kind"] == "NetworkPolicy" and "Egress" in o["spec"]["policyTypes"]]
+    assert {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]} in egress  # nothing else leaves
+    rules = [rule for spec in egress for rule in spec.get("egress", [])]
+    assert rules and all(rule.get("to") for rule in rules)  # a rule without `to` opens everything
+    blocks = [peer["ipBlock"] for rule in rules for peer in rule["to"] if "ipBlock" in peer]
+    for block in blocks:  # every open range leaves the metadata address out
+        if block["cidr"] in ("0.0.0.0/0", "169.254.0.0/16"):
+            assert "169.254.169.254/32" in block.get("except", []), block
+        if block["cidr"] == "::/0":
+            assert "fd00:ec2::254/128" in block.get("except", []), block
+    assert {b["cidr"] for b in blocks} == {"0.0.0.0/0", "::/0"}
+    dns = [rule for rule in rules if {p.get("port") for p in rule.get("ports", [])} == {53}]
+    assert dns and dns[0]["to"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+
+
+def test_the_deployment_policy_is_read_from_the_ray_namespace_and_allows_the_example_deployments():
+    """The policy ConfigMap is in the Ray namespace (the pipeline may read it, nobody in a
+    profile can edit it) and admits this repository's example deployments unchanged."""
+    from components.kuberay.policy import DeploymentPolicy
+    from components.kuberay.spec import load_deployment
+
+    objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / "gpu")
     policy = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rlhf-deployment-policy")
-    assert policy["data"]["allowed_service_accounts"] == "rlhf-ray"
+    assert policy["metadata"]["namespace"] == "rlhf"
+    assert not any(o["metadata"].get("namespace") == "rlhf" for o in _profile())
+    allowed = DeploymentPolicy.from_yaml(policy["data"]["policy.yaml"], namespace="rlhf")
+    for config in sorted((ROOT / "manifests" / "configs").glob("*.yaml")):
+        allowed.check(load_deployment(config)[1])

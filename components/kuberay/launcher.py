@@ -1,9 +1,10 @@
 """Create (or reuse) a run's RayCluster, wait until it is ready, tear it down by policy.
 
 Talks to the Kubernetes API through the official client (CustomObjectsApi for ray.io
-objects, CoreV1Api for the pods and events that explain a cluster that does not come up);
+objects; CoreV1Api for the deployment policy, the head's account, and the pods and events
+that explain a cluster that does not come up; RbacAuthorizationV1Api for the head's Role);
 never shells out to kubectl. The pipeline's service account needs exactly the Role in
-manifests/base/role.yaml.
+manifests/base/role.yaml (tests/test_manifests.py records every call and checks it).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT
+from components.kuberay.head_account import head_account_objects
+from components.kuberay.policy import POLICY_CONFIG_MAP, POLICY_KEY, DeploymentPolicy
+from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT, DeploySpecError
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayclusters"
 POLICIES = ("keep", "delete", "delete-on-success")
@@ -50,8 +53,31 @@ def kube_apis(host: str | None = None):
 
 class Launcher:
     def __init__(self, custom_api, core_api, namespace: str, poll_s: float = 5.0, log=print) -> None:
+        from kubernetes import client
+
         self.custom, self.core, self.namespace = custom_api, core_api, namespace
+        self.rbac = client.RbacAuthorizationV1Api(core_api.api_client)
         self.poll_s, self.log = poll_s, log
+
+    def policy(self) -> DeploymentPolicy:
+        """The deployment policy of this namespace. Only a namespace set up from manifests/
+        holds one the pipeline may read (its Role grants that one ConfigMap, by name), so any
+        other namespace a run asks for is refused here, before anything is created."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            config_map = self.core.read_namespaced_config_map(POLICY_CONFIG_MAP, self.namespace)
+        except ApiException as exc:
+            if exc.status not in (403, 404):
+                raise
+            raise DeploySpecError(f"kubernetes.namespace: expected a namespace set up for rlhf runs (one whose "
+                                  f"ConfigMap {POLICY_CONFIG_MAP} this pipeline may read); found "
+                                  f"{self.namespace!r} ({exc.status} {exc.reason})") from None
+        text = (config_map.data or {}).get(POLICY_KEY)
+        if text is None:
+            raise DeploySpecError(f"ConfigMap {self.namespace}/{POLICY_CONFIG_MAP}: expected the key {POLICY_KEY}, "
+                                  f"found {sorted(config_map.data or {})}")
+        return DeploymentPolicy.from_yaml(text, self.namespace, f"{self.namespace}/{POLICY_CONFIG_MAP}")
 
     # ------------------------------------------------------------------ reading
 
@@ -89,15 +115,37 @@ class Launcher:
                                          f"not {want!r}; delete it or choose another run id")
             self.log(f"reusing RayCluster {self.namespace}/{name}")
             self.restore_workers(existing, body)
+            created = existing
         else:
             try:
-                self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+                created = self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
                 self.log(f"created RayCluster {self.namespace}/{name}")
             except ApiException as exc:
                 if exc.status != 409:  # 409: a concurrent trigger created it first; reuse it
                     raise ClusterLaunchError(f"creating RayCluster {self.namespace}/{name} failed: "
                                              f"{exc.status} {exc.reason}: {exc.body}") from None
+                created = self.get(name)
+        if created is not None:  # (None: deleted meanwhile; wait_ready says so)
+            # also when reused: a launch that died between the cluster and its account left none
+            self.ensure_head_account(created, body["metadata"]["labels"])
         return self.wait_ready(name, timeout_s, reused=existing is not None)
+
+    def ensure_head_account(self, cluster: dict, labels: dict) -> None:
+        """The head's own account, Role and RoleBinding (head_account.py), owned by the
+        cluster so that they go when it goes; those that exist already are left alone."""
+        from kubernetes.client.exceptions import ApiException
+
+        name = cluster["metadata"]["name"]
+        create = {"Role": self.rbac.create_namespaced_role, "RoleBinding": self.rbac.create_namespaced_role_binding,
+                  "ServiceAccount": self.core.create_namespaced_service_account}
+        for obj in head_account_objects(name, self.namespace, labels, owner_uid=cluster["metadata"].get("uid")):
+            try:
+                create[obj["kind"]](self.namespace, obj)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise ClusterLaunchError(f"creating {obj['kind']} {self.namespace}/{obj['metadata']['name']} "
+                                             f"for the head of RayCluster {name} failed: {exc.status} {exc.reason}"
+                                             ) from None
 
     def restore_workers(self, existing: dict, body: dict) -> list[str]:
         """Worker groups the autoscaler scaled down while the run had no session (its GPU

@@ -47,3 +47,8 @@ def label_value(text: str) -> str:
     """A label value (at most 63 of [A-Za-z0-9_.-], alphanumeric at both ends)."""
     value = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)[:63].strip("-_.")
     return value or "none"
+
+
+def head_account_name(cluster: str) -> str:
+    """The service account of a cluster's head pod: one per run (at most 45 characters)."""
+    return f"{cluster}-head"

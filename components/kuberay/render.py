@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import shlex
 
-from components.kuberay.names import cluster_name, label_value
+from components.kuberay.head_account import head_account_objects
+from components.kuberay.names import cluster_name, head_account_name, label_value
 from components.kuberay.spec import CLIENT_PORT, DASHBOARD_PORT, GCS_PORT, KubeSpec
 
 API_VERSION = "ray.io/v1"
@@ -24,6 +25,8 @@ CACHE_DIR = "/home/rlhf/.cache"
 OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
                      "AWS_REGION")
 REQUIRED_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+#: Where a pod's Kubernetes API credentials go (the path Ray's autoscaler reads them from).
+KUBE_API_VOLUME, TOKEN_DIR = "kube-api-access", "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 class PoolShapeError(ValueError):
@@ -79,10 +82,10 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
     }
 
 
-def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool,
-                  api_token: bool = False) -> dict:
-    # only the head's autoscaler sidecar talks to the Kubernetes API (to scale worker groups)
-    pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": api_token,
+def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool) -> dict:
+    # no pod mounts a token: only the head's autoscaler sidecar talks to the Kubernetes API,
+    # and it gets one of its own (_head_token)
+    pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": False,
            "containers": [container],
            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                "seccompProfile": {"type": "RuntimeDefault"}},
@@ -95,6 +98,22 @@ def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float,
     if workers and spec.priority_class:
         pod["priorityClassName"] = spec.priority_class
     return {"metadata": {"labels": dict(labels)}, "spec": pod}
+
+
+def _head_token(template: dict, cluster: str) -> dict:
+    """The head runs as the run's own account (head_account.py), whose token is projected
+    into a volume that only the autoscaler container mounts (``autoscalerOptions``): the
+    head container, where every Jobs-API job runs, holds no Kubernetes credentials."""
+    pod = template["spec"]
+    pod["serviceAccountName"] = head_account_name(cluster)
+    pod["volumes"].append({"name": KUBE_API_VOLUME, "projected": {"defaultMode": 0o444, "sources": [
+        # 3607 s: what the kubelet asks for its own token volume, so an API server that extends
+        # such tokens does so here too (Ray's autoscaler reads the token once, at start)
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3607}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace",
+                                    "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}]}})
+    return template
 
 
 def _submitter_template(spec: KubeSpec, labels: dict) -> dict:
@@ -132,6 +151,7 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
         "authOptions": {"mode": "token", "secretName": spec.ray_token_secret},
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {"idleTimeoutSeconds": spec.worker_idle_timeout_s,
+                              "volumeMounts": [{"name": KUBE_API_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
                               "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
                                                   "allowPrivilegeEscalation": False,
                                                   "capabilities": {"drop": ["ALL"]},
@@ -139,7 +159,7 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
         "headGroupSpec": {
             # no training on the head: num-cpus 0 keeps worker actors off it
             "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-            "template": _pod_template(head, spec, labels, 1.0, workers=False, api_token=True),
+            "template": _head_token(_pod_template(head, spec, labels, 1.0, workers=False), name),
         },
         "workerGroupSpecs": groups,
     }
@@ -178,7 +198,16 @@ def render_rayjob(cfg, spec: KubeSpec, run_id: str, store: str) -> dict:
     }
 
 
+def render_head_account(spec: KubeSpec, run_id: str) -> dict:
+    """The head's account, Role and RoleBinding as one List, for `kubectl apply` next to
+    raycluster.yaml (the launcher creates them itself, owned by the cluster)."""
+    name = cluster_name(run_id)
+    return {"apiVersion": "v1", "kind": "List", "items": head_account_objects(name, spec.namespace,
+                                                                               _labels(run_id, name))}
+
+
 def render_all(cfg, spec: KubeSpec, run_id: str, store: str) -> dict[str, dict]:
     """File name -> object, what `rlhf manifests` writes."""
     return {"raycluster.yaml": render_raycluster(cfg, spec, run_id),
-            "rayjob.yaml": render_rayjob(cfg, spec, run_id, store)}
+            "rayjob.yaml": render_rayjob(cfg, spec, run_id, store),
+            "head-account.yaml": render_head_account(spec, run_id)}

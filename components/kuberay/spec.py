@@ -36,7 +36,7 @@ class DeploySpecError(ValueError):
 class KubeSpec:
     image: str = DEFAULT_IMAGE              # one image for components and Ray nodes (Dockerfile)
     namespace: str = "rlhf"
-    service_account: str = "rlhf-ray"      # Ray pods' account (needs no Kubernetes API rights)
+    service_account: str = "rlhf-ray"      # Ray workers' account (no API rights; each head gets its own)
     object_store_secret: str = OBJECT_STORE_SECRET  # AWS_* keys for the s3:// store
     ray_token_secret: str = RAY_TOKEN_SECRET        # Ray token auth, key auth_token (shared with the pipeline)
     node_gpus: int = 0                      # GPUs the worker node type offers (0: CPU nodes)
@@ -66,44 +66,6 @@ class KubeSpec:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
         return self
-
-
-@dataclass(frozen=True)
-class DeploymentPolicy:
-    """What a run-time ``kube_spec`` may choose, set by the platform team in the
-    deployment (the ConfigMap ``rlhf-deployment-policy``, manifests/base), never by a
-    pipeline parameter: images (exact references, or ``repo:*`` for any tag of a
-    repository) and the service accounts Ray pods may run as."""
-
-    images: tuple[str, ...] = (DEFAULT_IMAGE,)
-    service_accounts: tuple[str, ...] = ("rlhf-ray",)
-
-    @classmethod
-    def from_env(cls, env=None) -> "DeploymentPolicy":
-        import os
-
-        env = os.environ if env is None else env
-        split = lambda raw: tuple(x.strip() for x in raw.replace("\n", ",").split(",") if x.strip())
-        return cls(images=split(env.get(POLICY_IMAGES_ENV, "")) or cls.images,
-                   service_accounts=split(env.get(POLICY_ACCOUNTS_ENV, "")) or cls.service_accounts)
-
-    def image_allowed(self, image: str) -> bool:
-        return any(image == rule or (rule.endswith(":*") and image.startswith(rule[:-1])
-                                     and "/" not in image[len(rule) - 1:] and "@" not in image[len(rule) - 1:])
-                   for rule in self.images)
-
-    def check(self, spec: "KubeSpec") -> "KubeSpec":
-        if not self.image_allowed(spec.image):
-            raise DeploySpecError(f"kubernetes.image: expected one of the deployment's allowed images "
-                                  f"{list(self.images)}; found {spec.image!r}")
-        if spec.service_account not in self.service_accounts:
-            raise DeploySpecError(f"kubernetes.service_account: expected one of the deployment's allowed accounts "
-                                  f"{list(self.service_accounts)}; found {spec.service_account!r}")
-        return spec
-
-
-POLICY_CONFIG_MAP = "rlhf-deployment-policy"
-POLICY_IMAGES_ENV, POLICY_ACCOUNTS_ENV = "RLHF_ALLOWED_IMAGES", "RLHF_ALLOWED_SERVICE_ACCOUNTS"
 
 
 def spec_from_dict(data: dict | None) -> KubeSpec:
