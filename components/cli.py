@@ -12,6 +12,7 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
 
     from components.kuberay import crd, render, spec
     from components.kuberay.names import KubeNameError
+    from rlhf_core.config import ConfigError
 
     try:
         cfg, kube = spec.load_deployment(args.config, args.overrides)
@@ -22,6 +23,8 @@ def _cmd_manifests(args: argparse.Namespace) -> int:
                     crd.validate(obj, args.crds)
     except (spec.DeploySpecError, render.PoolShapeError, KubeNameError, crd.SchemaViolation) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
+    except ConfigError as exc:  # the deployment file's or the overrides' run config
+        raise SystemExit(f"rlhf: config error: {exc}") from None
     os.makedirs(args.out, exist_ok=True)
     for name, obj in objects.items():
         path = os.path.join(args.out, name)

@@ -207,8 +207,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from rlhf_core.config import config_from_dict
 
     if args.foreground:  # the Ray job's entrypoint: the session lives in this process
-        import ray
-
         from rlhf_core.config import ConfigError
 
         from_env = os.environ.get("RLHF_SESSION_CONFIG")
@@ -217,6 +215,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         except (ConfigError, ValueError) as exc:
             raise SystemExit(f"rlhf: session config: {exc}") from None
         session.load_credentials_file(os.environ.get("RLHF_CREDENTIALS_FILE"))
+        import ray  # after the config is checked: a bad one is refused in a moment
+
         ray.init(namespace=session.namespace_of(args.run_id), log_to_driver=False, configure_logging=False)
         session.serve(cfg, args.run_id, args.store)
         return 0
@@ -337,10 +337,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlhf_core.cli_args import ABSENT, add_run_arguments
+    from rlhf_core.cli_args import ABSENT, Parser, add_run_arguments, run_uri, store_uri
     from rlhf_core.ray_head import default_head_root
 
-    parser = argparse.ArgumentParser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
+    parser = Parser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run PPO/GRPO iterations on the embedded default")
@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     stop.set_defaults(func=_cmd_stop_session)
 
     rep = sub.add_parser("replay", help="re-run a stage of a committed iteration from its saved input and compare")
-    rep.add_argument("uri", help="{store}/{run}/iter-NNNNNN[/stage], or a run URI with --iteration")
+    rep.add_argument("uri", metavar="URI", type=run_uri,
+                     help="{store}/{run}/iter-NNNNNN[/stage], or a run URI with --iteration")
     rep.add_argument("--stage", action="append", help="stage to replay (repeatable; `all`, or omit: every stage, "
                      "or the URI's stage)")
     rep.add_argument("--iteration", type=int, default=None)
@@ -392,26 +393,29 @@ def build_parser() -> argparse.ArgumentParser:
     rep.set_defaults(func=_cmd_replay)
 
     lin = sub.add_parser("lineage", help="walk from a checkpoint, snapshot or iteration back to the run's start")
-    lin.add_argument("uri")
+    lin.add_argument("uri", metavar="URI", type=run_uri, help="a run, iteration, stage snapshot or checkpoint "
+                     "URI: {store}/{run}[/iter-NNNNNN[/stage] | /checkpoints/step-SSSSSS]")
     lin.add_argument("--format", choices=["table", "json", "dot"], default="table")
     lin.set_defaults(func=_cmd_lineage)
 
     snaps = sub.add_parser("snapshots", help="list a store's runs, iterations and stages, or show one sample")
     snaps.add_argument("action", choices=["ls", "show"])
-    snaps.add_argument("uri", help="ls: a store, run or iteration URI; show: a stage snapshot URI")
+    snaps.add_argument("uri", metavar="URI", type=store_uri,
+                       help="ls: a store, run or iteration URI; show: a stage snapshot URI")
     snaps.add_argument("--uid", default=None, help="show: the prompt uid (default: the first row's)")
     snaps.add_argument("--fields", nargs="*", default=None, help="show: only these fields")
     snaps.set_defaults(func=_cmd_snapshots)
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model folder")
-    export.add_argument("uri", help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
+    export.add_argument("uri", metavar="URI", type=store_uri,
+                        help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
     export.add_argument("--out", required=True, help="a new or empty folder")
     export.set_defaults(func=_cmd_export)
 
     from rlhf_core.retention import MIN_GRACE_S
 
     gc = sub.add_parser("gc", help="remove what a run's retention policy lets go, orphaned writes, dead leases")
-    gc.add_argument("uri", help="a run URI: {store}/{run_id}")
+    gc.add_argument("uri", metavar="URI", type=run_uri, help="a run URI: {store}/{run_id}")
     gc.add_argument("overrides", nargs="*", help="policy overrides, e.g. trainer.keep_checkpoints=2 "
                                                  "(default: the run's own config)")
     gc.add_argument("--dry-run", action="store_true", help="list what would go, remove nothing")
@@ -434,17 +438,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf_core.run_ids import RunIdError, StoreUriError, validate_run_id, validate_store_uri
+    """Run the command ``argv`` names; every failure ends it with one line ``rlhf: ...``.
+
+    Arguments are checked while parsing (``cli_args``: run ids and URIs before any path,
+    process or request exists). Bad data met later (a damaged manifest, a run id inside a
+    URI) ends in its own one-line message; anything else a command did not expect ends in
+    one line naming the exception, and ``RLHF_DEBUG=1`` shows its traceback. The session's
+    job (``serve --foreground``) keeps its tracebacks: its log is where they are read.
+    KeyboardInterrupt is not an error here (``rlhf run`` says what it kept)."""
+    from rlhf_core.cli_args import one_line
+    from rlhf_core.run_ids import RunIdError, StoreUriError
+    from rlhf_core.trainer.manifest_schema import ManifestError
 
     args = build_parser().parse_args(argv)
-    try:  # every command, before any path, process or request exists
-        if getattr(args, "run_id", None) is not None:
-            validate_run_id(args.run_id, "--run-id")
-        if getattr(args, "store", None) is not None:
-            validate_store_uri(args.store, "--store")
-    except (RunIdError, StoreUriError) as exc:
-        raise SystemExit(f"rlhf: {exc}") from None
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except SystemExit as exc:  # the commands' own one-line errors, kept to one line
+        raise SystemExit(one_line(exc.code) if isinstance(exc.code, str) else exc.code) from None
+    except (RunIdError, StoreUriError, ManifestError) as exc:
+        raise SystemExit(f"rlhf: {one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the last guard: one line, the traceback on request
+        if os.environ.get("RLHF_DEBUG") or getattr(args, "foreground", False):
+            raise
+        raise SystemExit(f"rlhf: {args.command} failed: {type(exc).__name__}: {one_line(exc) or '(no message)'} "
+                         f"(run again with RLHF_DEBUG=1 for the traceback)") from None
 
 
 if __name__ == "__main__":
