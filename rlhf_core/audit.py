@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-
 from rlhf_core import run_layout
 
 
@@ -57,10 +55,13 @@ def _tokenizer_for(uri: str):
     loc = run_layout.parse(uri)
     if loc is None or loc.iteration is None:
         return None
-    raw = sfs.read_bytes(sfs.resolve(f"{loc.iteration_uri}/{run_layout.MANIFEST}"))
+    where = f"{loc.iteration_uri}/{run_layout.MANIFEST}"
+    raw = sfs.read_bytes(sfs.resolve(where))
     if raw is None:
         return None
-    config = json.loads(raw)["config"]
+    from rlhf_core.trainer.manifest_schema import parse_manifest
+
+    config = parse_manifest(raw, where)["config"]
     from rlhf_core.workers import modeling
 
     path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False)

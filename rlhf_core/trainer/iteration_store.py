@@ -250,15 +250,25 @@ class IterationStore:
         return []
 
     def read_manifest(self, iteration: int) -> dict:
+        """The committed manifest of ``iteration``, checked (``manifest_schema``): a damaged
+        or foreign one raises ``ManifestError``, one line naming the manifest and the key."""
+        from rlhf_core.trainer.manifest_schema import ManifestError, parse_manifest
+
+        where = f"{self.iteration_uri(iteration)}/{MANIFEST}"
         raw = sfs.read_bytes(self.run.child(iteration_dir(iteration), MANIFEST))
         if raw is None:
             raise FileNotFoundError(f"iteration {iteration} of run {self.run_id} is not committed "
-                                    f"({self.iteration_uri(iteration)}/{MANIFEST} missing)")
-        manifest = json.loads(raw)
-        if manifest.get("format") != ITERATION_FORMAT or manifest.get("schema_version", 0) > ITERATION_SCHEMA_VERSION:
-            raise ValueError(f"{self.iteration_uri(iteration)}/{MANIFEST}: not an iteration manifest this "
-                             f"build reads (format {manifest.get('format')!r}, schema "
-                             f"{manifest.get('schema_version')!r})")
+                                    f"({where} missing)")
+        manifest = parse_manifest(raw, where)
+        version = manifest.get("schema_version", 0)
+        if manifest.get("format") != ITERATION_FORMAT or not isinstance(version, int) \
+                or version > ITERATION_SCHEMA_VERSION:
+            raise ManifestError(f"{where}: not an iteration manifest this build reads (format "
+                                f"{manifest.get('format')!r}, schema {manifest.get('schema_version')!r}; expected "
+                                f"{ITERATION_FORMAT!r}, schema <= {ITERATION_SCHEMA_VERSION})")
+        if manifest.get("iteration", iteration) != iteration:
+            raise ManifestError(f"{where}: iteration: expected {iteration} (the folder it is in); found "
+                                f"{manifest['iteration']!r}")
         return manifest
 
     def commit_iteration(self, iteration: int, manifest: dict) -> str:
