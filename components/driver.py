@@ -57,10 +57,13 @@ def _recent_reward(istore, committed: list[int]) -> float | None:
 
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
           service_account: str | None = None) -> Outcome:
+    from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
     from rlhf_core.trainer.restore import weights_checkpoint
 
+    validate_run_id(plan.run_id, "run_id")  # before the store is resolved: it may be a network lookup
+    validate_store_uri(plan.store, "store")
     istore = IterationStore(plan.store, plan.run_id)
     lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
     lease = lease_log.acquire(holder_id())

@@ -21,8 +21,11 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     import kfp
 
     from components.driver import Plan, drive, report_markdown
+    from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.report import run_history
 
+    validate_run_id(run_id, "run_id")  # before the KFP client or the store is touched
+    validate_store_uri(store, "store")
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # run terminated: submit no more
     client = kfp.Client(host=kfp_host or None, namespace=namespace or None)  # in-cluster: the SA token

@@ -39,7 +39,11 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     import os
 
     from rlhf_core import probes
+    from rlhf_core.run_ids import validate_run_id, validate_store_uri
 
+    # the parameters are whatever the submitter typed: checked before the store is touched
+    validate_run_id(run_id, "run_id")
+    validate_store_uri(store, "store")
     probes.phase("process_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
     probes.phase("body_start")
     from rlhf_core import ray_head, session

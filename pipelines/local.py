@@ -45,9 +45,12 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     its lease frees, then a new run; ``NothingCommitted`` when a run commits nothing with
     nobody holding it (twice in a row). Without it (one run for the fine-tune driver,
     which decides itself) the runs are returned as they ended."""
+    from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import CONTROLLER_TTL_S
 
+    validate_run_id(run_id, "run_id")  # before the runner starts or the store is resolved
+    validate_store_uri(store, "store")
     from kfp import local
 
     from pipelines.ppo_iteration import ppo_iteration_local as ppo_iteration
@@ -154,7 +157,12 @@ class LocalKfpStandIn:
         import uuid
         from types import SimpleNamespace
 
+        from rlhf_core.run_ids import validate_run_id, validate_store_uri
+
         params = dict(params or {})
+        # what the submitter handed over, checked before a process starts (as the components do)
+        validate_run_id(params.get("run_id"), "params.run_id")
+        validate_store_uri(params.get("store"), "params.store")
         kfp_run_id = uuid.uuid4().hex[:12]
         env = dict(os.environ)
         fault = self.fail.get(len(self.submitted) + 1)
