@@ -71,8 +71,8 @@ class Record(dict):
         self.where, self.prefix = where, prefix
 
     def __missing__(self, key):
-        raise ManifestError(f"{self.where}: no key {self.prefix}{key!s}; expected one in every iteration manifest "
-                            f"a run writes (this one is damaged or was not written by a run)")
+        raise ManifestError(f"{self.where}: no key {self.prefix}{key!s}, which this command reads (the manifest "
+                            f"is damaged, or was not written by a run)")
 
 
 def parse_manifest(raw: bytes, where: str) -> Record:
