@@ -4,7 +4,10 @@ It is not Kubernetes: it stores ray.io RayClusters in a dict, speaks just the RE
 the launcher uses (custom objects get/create/patch/delete, pods and events lists, the
 deployment policy ConfigMap, creating the head's ServiceAccount / Role / RoleBinding), and
 plays the KubeRay operator by a script: a new cluster turns "ready" after a number of
-polls, or never does while its pods sit Pending with a scheduling event. Namespaces other
+polls, or never does while its pods sit Pending with a scheduling event. Like KubeRay 1.x,
+"ready" is sticky (it stays when the worker pods go) and ``status.readyWorkerReplicas``
+(omitted when 0) counts the worker pods: fewer replicas remove them at once, more bring
+them up ``scale_up_polls`` polls later (None: never, their pods stay Pending). Namespaces other
 than ``namespaces`` answer 403, as they do to a pipeline whose Role is bound only there.
 It checks no RBAC: tests/test_manifests.py checks each recorded request against the Role.
 It proves the launcher's logic (create vs reuse, wait, timeout with a useful report,
@@ -28,14 +31,18 @@ OBJECTS = re.compile(r"^/api(?:s/rbac\.authorization\.k8s\.io)?/v1/namespaces/([
 
 
 class FakeKubeAPI:
-    def __init__(self, ready_after_polls: int | None = 2, namespaces=("rlhf",)) -> None:
+    def __init__(self, ready_after_polls: int | None = 2, namespaces=("rlhf",),
+                 scale_up_polls: int | None = 2) -> None:
         self.ready_after_polls = ready_after_polls  # None: never ready
         self.namespaces = set(namespaces)
+        self.scale_up_polls = scale_up_polls
         self.clusters: dict[tuple[str, str], dict] = {}
         #: (plural, namespace, name) -> object: config maps, accounts, roles, role bindings
         self.objects: dict[tuple[str, str, str], dict] = {}
         self._uids = 0
         self.polls: dict[str, int] = {}
+        self.workers: dict[str, int] = {}  # ready worker pods
+        self._scaled: dict[str, tuple[int, int]] = {}  # the desired count and the poll that first saw it
         # the API server's writes are atomic (etcd): two creators cannot both get a 201
         self._lock = threading.Lock()
         self._http = JSONServer(self._locked_route)
@@ -68,9 +75,24 @@ class FakeKubeAPI:
     # ------------------------------------------------------------ the "operator"
 
     def _observe(self, name: str, obj: dict) -> dict:
-        self.polls[name] = self.polls.get(name, 0) + 1
-        if self.ready_after_polls is not None and self.polls[name] > self.ready_after_polls:
-            obj["status"] = {"state": "ready", "head": {"serviceName": f"{name}-head-svc"}}
+        polls = self.polls[name] = self.polls.get(name, 0) + 1
+        if self.ready_after_polls is None or polls <= self.ready_after_polls:
+            return obj
+        groups = obj["spec"].get("workerGroupSpecs", [])
+        desired = sum(int(g.get("replicas", 0)) for g in groups)
+        if name not in self.workers:
+            self.workers[name] = desired  # KubeRay's first "ready": every pod is running
+        if self._scaled.get(name, (None,))[0] != desired:
+            self._scaled[name] = (desired, polls)
+        if desired < self.workers[name]:
+            self.workers[name] = desired
+        elif self.scale_up_polls is not None and polls - self._scaled[name][1] >= self.scale_up_polls:
+            self.workers[name] = desired
+        status = {"state": "ready", "head": {"serviceName": f"{name}-head-svc"},
+                  "desiredWorkerReplicas": desired, "maxWorkerReplicas": sum(int(g.get("maxReplicas", 0)) for g in groups)}
+        if self.workers[name]:  # KubeRay omits zero counts (omitempty)
+            status["readyWorkerReplicas"] = status["availableWorkerReplicas"] = self.workers[name]
+        obj["status"] = status
         return obj
 
     def _pods(self, namespace: str, selector: str) -> list[dict]:

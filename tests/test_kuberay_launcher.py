@@ -235,3 +235,35 @@ def test_launch_accepts_the_example_deployments_under_the_default_policy(monkeyp
         assert out.name == "rlhf-nightly" and fake.verbs("POST") == [PATH]
         pod = fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["template"]["spec"]
         assert pod["priorityClassName"] == "rlhf-training" and pod["tolerations"] == gpu.tolerations
+
+
+def scale_to_zero(fake, run):
+    """What KubeRay's autoscaler does to an idle session's workers; the operator's next
+    status drops the worker count but keeps the state "ready" (sticky in KubeRay 1.x)."""
+    fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["replicas"] = 0
+    status = run.get("rlhf-nightly")["status"]
+    assert status["state"] == "ready" and "readyWorkerReplicas" not in status
+
+
+def test_a_reused_cluster_scaled_to_zero_is_ready_only_when_its_workers_are_back():
+    with FakeKubeAPI(ready_after_polls=0, scale_up_polls=3) as fake:
+        run = launcher(fake)
+        run.ensure(body(), timeout_s=30)
+        scale_to_zero(fake, run)
+        logs = []
+        address = launcher(fake, logs).ensure(body(), timeout_s=30)
+        assert address.reused
+        assert fake.clusters[("rlhf", "rlhf-nightly")]["status"]["readyWorkerReplicas"] == 1
+        assert "RayCluster rlhf-nightly: 0/1 worker pods ready" in logs
+
+
+def test_workers_that_do_not_come_back_time_out_with_the_count_and_the_pods():
+    with FakeKubeAPI(ready_after_polls=0, scale_up_polls=None) as fake:
+        run = launcher(fake)
+        run.ensure(body(), timeout_s=30)
+        scale_to_zero(fake, run)
+        with pytest.raises(ClusterLaunchError) as err:
+            launcher(fake).ensure(body(), timeout_s=0.2)
+    text = str(err.value)
+    assert "not ready after 0s (state ready, 0 of 1 worker pods ready)" in text
+    assert "pod rlhf-nightly-train-worker-xyz12: Pending (ray-worker: ContainerCreating)" in text

@@ -102,7 +102,8 @@ class Launcher:
 
     def ensure(self, body: dict, timeout_s: float = 900.0) -> ClusterAddress:
         """Reuse the run's cluster when it exists (it hosts the run's long-lived session),
-        otherwise create it; then wait until KubeRay reports it ready."""
+        otherwise create it; then wait until KubeRay reports it ready with the worker pods
+        the run's pools need."""
         from kubernetes.client.exceptions import ApiException
 
         name = body["metadata"]["name"]
@@ -128,7 +129,8 @@ class Launcher:
         if created is not None:  # (None: deleted meanwhile; wait_ready says so)
             # also when reused: a launch that died between the cluster and its account left none
             self.ensure_head_account(created, body["metadata"]["labels"])
-        return self.wait_ready(name, timeout_s, reused=existing is not None)
+        workers = sum(int(g["replicas"]) for g in body["spec"]["workerGroupSpecs"])
+        return self.wait_ready(name, timeout_s, reused=existing is not None, workers=workers)
 
     def ensure_head_account(self, cluster: dict, labels: dict) -> None:
         """The head's own account, Role and RoleBinding (head_account.py), owned by the
@@ -166,9 +168,13 @@ class Launcher:
             self.log(f"RayCluster {existing['metadata']['name']}: worker group(s) {changed} scaled back up")
         return changed
 
-    def wait_ready(self, name: str, timeout_s: float, reused: bool = False) -> ClusterAddress:
+    def wait_ready(self, name: str, timeout_s: float, reused: bool = False, workers: int = 0) -> ClusterAddress:
+        """Wait for state ``ready`` and ``workers`` ready worker pods. KubeRay's state stays
+        ``ready`` once reached, also after the autoscaler removed every worker pod, so a
+        reused cluster whose workers were just scaled back up is ready only when
+        ``status.readyWorkerReplicas`` (worker pods running and ready, all groups) says so."""
         deadline = time.monotonic() + timeout_s
-        last_state = None
+        last_state, last_workers = None, None
         while True:
             cluster = self.get(name)
             if cluster is None:
@@ -178,14 +184,19 @@ class Launcher:
             if state != last_state:
                 self.log(f"RayCluster {name}: {state or 'pending'}")
                 last_state = state
-            if state == "ready":
+            ready_workers = int(status.get("readyWorkerReplicas") or 0)  # omitted when 0
+            if state == "ready" and ready_workers >= workers:
                 return self.address(cluster, reused)
+            if state == "ready" and ready_workers != last_workers:
+                self.log(f"RayCluster {name}: {ready_workers}/{workers} worker pods ready")
+                last_workers = ready_workers
             if state == "failed":
                 raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} failed: {status.get('reason', '')}\n"
                                          + self.explain(name))
             if time.monotonic() >= deadline:
+                waiting = f", {ready_workers} of {workers} worker pods ready" if state == "ready" else ""
                 raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} not ready after {timeout_s:.0f}s "
-                                         f"(state {state or 'pending'})\n" + self.explain(name))
+                                         f"(state {state or 'pending'}{waiting})\n" + self.explain(name))
             time.sleep(self.poll_s)
 
     def explain(self, name: str) -> str:
