@@ -124,6 +124,18 @@ def _submitter_template(spec: KubeSpec, labels: dict) -> dict:
     return template
 
 
+def autoscaler_nodes_env(groups: list[dict]) -> dict:
+    """The head's RLHF_AUTOSCALER_NODES: the nodes KubeRay's autoscaler may start (each worker
+    group's Ray resources at its maxReplicas). The session driver runs on the head; its pool
+    capacity check counts them, so a cluster scaled to zero still takes the pool."""
+    from rlhf_core.controller.resource_pool import AUTOSCALER_NODES_ENV
+
+    nodes = [{"resources": {"CPU": int(g["rayStartParams"]["num-cpus"]),
+                            **({"GPU": int(g["rayStartParams"]["num-gpus"])} if int(g["rayStartParams"]["num-gpus"]) else {})},
+              "max": g["maxReplicas"]} for g in groups]
+    return {"name": AUTOSCALER_NODES_ENV, "value": json.dumps(nodes, sort_keys=True)}
+
+
 def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
     """The ``spec`` of a RayCluster (also a RayJob's ``rayClusterSpec``)."""
     check_pools(cfg, spec)
@@ -146,6 +158,7 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
                                "object-store-memory": str(int(pool["object_store_gib"] * GIB))},
             "template": _pod_template(worker, spec, labels, pool["object_store_gib"], workers=True),
         })
+    head["env"].append(autoscaler_nodes_env(groups))
     return {
         "rayVersion": spec.ray_version,
         "authOptions": {"mode": "token", "secretName": spec.ray_token_secret},

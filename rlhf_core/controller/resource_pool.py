@@ -8,8 +8,47 @@ order (by node IP, then bundle index), so rank 0 is the same machine on every re
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass, field
+
+#: The nodes the cluster's autoscaler may start, as JSON: ``[{"resources": {"CPU": 64, "GPU": 8},
+#: "max": 2}, ...]``, each node group's resources and its largest node count. A KubeRay
+#: deployment renders it on the head from its worker groups (components/kuberay/render.py).
+AUTOSCALER_NODES_ENV = "RLHF_AUTOSCALER_NODES"
+
+
+def autoscaler_nodes_from_env() -> list[dict]:
+    """The node groups ``RLHF_AUTOSCALER_NODES`` describes ([] when unset: no autoscaler)."""
+    text = os.environ.get(AUTOSCALER_NODES_ENV, "").strip()
+    if not text:
+        return []
+    try:
+        groups = json.loads(text)
+        if isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("resources"), dict)
+                                            and isinstance(g.get("max"), int) for g in groups):
+            return groups
+    except ValueError:
+        pass
+    raise ValueError(f"{AUTOSCALER_NODES_ENV}: expected a JSON list of {{\"resources\": {{...}}, \"max\": int}}; "
+                     f"found {text[:200]!r}")
+
+
+def slots_per_node(bundle: dict, nodes: list[dict]) -> list[int]:
+    """How many ``bundle``s each node (its resources) holds, largest first."""
+    return sorted((min(int(res.get(k, 0) // v) for k, v in bundle.items()) for res in nodes), reverse=True)
+
+
+def fits(process_on_nodes: list[int], slots: list[int]) -> bool:
+    """Whether each node's group of slots fits on a node of its own (first fit, largest first)."""
+    free = list(slots)
+    for count in sorted(process_on_nodes, reverse=True):
+        fit = next((i for i, have in enumerate(free) if have >= count), None)
+        if fit is None:
+            return False
+        free[fit] -= count
+    return True
 
 
 def placement_group_name(name_prefix: str, node_index: int) -> str:
@@ -78,12 +117,15 @@ class RayResourcePool(ResourcePool):
     ``cpus_per_process``: CPUs reserved per process slot (fractions allowed, e.g. on small
     CPU machines). ``detached``: placement groups outlive the creating driver (for the
     long-lived training session). ``ready_timeout_s`` bounds the wait for placement.
+    ``autoscaler_nodes``: the node groups an autoscaler may start (``RLHF_AUTOSCALER_NODES``
+    by default), which the capacity check counts besides the live nodes.
     """
 
     cpus_per_process: float = 1.0
     detached: bool = False
     accelerator_resource: str = "GPU"
     ready_timeout_s: float = 60.0
+    autoscaler_nodes: list[dict] = field(default_factory=autoscaler_nodes_from_env)
     _pgs: list | None = field(default=None, init=False, repr=False)
 
     def bundle(self) -> dict:
@@ -96,22 +138,24 @@ class RayResourcePool(ResourcePool):
     def _check_capacity(self) -> None:
         """Fail at once, with the numbers, when the cluster's nodes can never hold the pool
         (each node's group of slots must fit on one node); otherwise placement would wait
-        for ``ready_timeout_s`` and fail without saying why."""
+        for ``ready_timeout_s`` and fail without saying why. A pool fits when it fits the
+        live nodes or the nodes the autoscaler may start (each group at its maximum): a
+        cluster whose idle workers were scaled to zero has only its head alive, and the
+        placement group this check lets through is what makes the autoscaler start them."""
         import ray
 
         bundle = self.bundle()
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        slots_per_node = sorted((min(int(res.get(k, 0) // v) for k, v in bundle.items()) for res in nodes),
-                                reverse=True)
-        free = list(slots_per_node)
-        for count in sorted(self.process_on_nodes, reverse=True):  # first fit, largest group first
-            fit = next((i for i, have in enumerate(free) if have >= count), None)
-            if fit is None:
-                raise ResourcePoolError(
-                    f"resource pool {self.name_prefix!r} needs {len(self.process_on_nodes)} node(s) holding "
-                    f"{self.process_on_nodes} slots of {bundle}; the cluster's {len(nodes)} node(s) hold "
-                    f"{slots_per_node} such slots")
-            free[fit] -= count
+        live = slots_per_node(bundle, nodes)
+        grown = slots_per_node(bundle, [g["resources"] for g in self.autoscaler_nodes for _ in range(g["max"])])
+        if fits(self.process_on_nodes, live) or fits(self.process_on_nodes, grown):
+            return
+        autoscaled = (f"; the autoscaler's node groups {self.autoscaler_nodes} hold at most {grown}"
+                      if self.autoscaler_nodes else "")
+        raise ResourcePoolError(
+            f"resource pool {self.name_prefix!r} needs {len(self.process_on_nodes)} node(s) holding "
+            f"{self.process_on_nodes} slots of {bundle}; the cluster's {len(nodes)} node(s) hold "
+            f"{live} such slots{autoscaled}")
 
     def get_placement_groups(self, strategy: str = "STRICT_PACK") -> list:
         """Create (once) and return the placement groups, sorted into stable rank order."""
