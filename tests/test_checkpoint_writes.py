@@ -100,9 +100,10 @@ def test_runs_written_before_attempt_ids_still_read(tmp_path):
     ``weights`` and one with. Readers find each checkpoint where its record says, and a
     controller continuing the run writes its next checkpoint under a prefix of its own."""
     istore = IterationStore(f"file://{tmp_path}/store", "old")
-    for step in (0, 1):
-        sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
-    istore.commit_iteration(0, {"config": {}, "global_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1)})
+    written = {step: sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
+               for step in (0, 1)}
+    istore.commit_iteration(0, {"config": {}, "global_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1),
+                                "checkpoint_sha256": written[1]})
     istore.commit_iteration(1, {"config": {}, "global_step": 2, "checkpoint": istore.legacy_checkpoint_uri(2),
                                 "weights": {"checkpoint_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1),
                                             "redo": [1]}})
@@ -110,8 +111,22 @@ def test_runs_written_before_attempt_ids_still_read(tmp_path):
     assert weights_checkpoint(istore, 1) == weights_checkpoint(istore, 2) == istore.legacy_checkpoint_uri(1)
     workers = StandInWorkers(b"D")
     restore_or_init(workers, istore, TrainerState(global_step=1), RunConfig(), None)
-    assert workers.loaded == [(istore.legacy_checkpoint_uri(1), None)]
+    assert workers.loaded == [(istore.legacy_checkpoint_uri(1), written[1])]  # checked against its manifest
     trainer = SimpleNamespace(state=TrainerState(global_step=3), adopted=[])
     commit(RunConfig(), workers, istore, trainer, 2, {}, {}, IterationCommit())
-    written = istore.read_manifest(2)["checkpoint"]
-    assert written.startswith(f"{istore.run_uri}/checkpoints/step-000003-") and weights_checkpoint(istore, 3) == written
+    newest = istore.read_manifest(2)["checkpoint"]
+    assert newest.startswith(f"{istore.run_uri}/checkpoints/step-000003-") and weights_checkpoint(istore, 3) == newest
+
+
+def test_a_run_at_step_0_records_a_new_initial_checkpoint_rather_than_load_one_unchecked(tmp_path):
+    """A run from before INITIAL.json, still at step 0: its step-000000 has no record of
+    its checksums, so it is not loaded; the controller writes the initial checkpoint under
+    a prefix of its own and records it, checksums included, as the run's one step-0 record."""
+    istore = IterationStore(f"file://{tmp_path}/store", "old")
+    sfs.write_durably(istore.legacy_checkpoint_uri(0), {"trainer_state.json": b"{}"})
+    workers = StandInWorkers(b"E")
+    restore_or_init(workers, istore, TrainerState(), RunConfig(), None)
+    assert workers.loaded == []
+    uri, checksums = istore.initial_checkpoint()
+    assert uri.startswith(f"{istore.run_uri}/checkpoints/step-000000-") and checksums
+    assert not changed_files(uri, checksums) and weights_checkpoint(istore, 0) == uri

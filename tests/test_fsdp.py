@@ -7,7 +7,9 @@ model is a few-layer Qwen2 built from a config, so its decoder layers are what F
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import uuid
 from pathlib import Path
 
@@ -31,7 +33,7 @@ def _data(step: int) -> torch.Tensor:
 
 
 def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, load: str | None,
-               save_at: int | None, ckpt: str, out: str) -> None:
+               save_at: int | None, ckpt: str, out: str, expected: dict | None = None) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
                       RLHF_RDZV_ID=rdzv)
     torch.set_num_threads(1)
@@ -44,7 +46,7 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if load:
-        load_sharded(load, "actor", model, optimizer, scheduler)
+        load_sharded(load, "actor", model, optimizer, scheduler, expected=expected)
     share = ROWS // world
     for step in steps:
         ids = _data(step)[rank * share:(rank + 1) * share]
@@ -56,7 +58,8 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
         optimizer.step()
         if save_at == step:  # the workers' own path: written in the background, on a group of its own
             group = torch.distributed.new_group(backend="gloo") if world > 1 else None
-            finish_sharded(start_sharded(ckpt, "actor", model, optimizer, scheduler, process_group=group))
+            written = finish_sharded(start_sharded(ckpt, "actor", model, optimizer, scheduler, process_group=group))
+            Path(f"{out}.sha256.rank{rank}").write_text(json.dumps(written))  # what the run's manifest records
     model_state, _ = sharding.full_state(model, optimizer)
     local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters())
     if rank == 0:
@@ -66,13 +69,16 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
 
 
 def train(tmp_path, world: int, strategy: str, steps: range, load: str | None = None,
-          save_at: int | None = None) -> dict:
+          save_at: int | None = None, expected: dict | None = None) -> dict:
     tag = uuid.uuid4().hex[:8]
     out, ckpt = str(tmp_path / f"final-{tag}.pt"), f"file://{tmp_path}/ckpt-{tag}"
-    mp.start_processes(_rank_main, args=(world, tag, strategy, steps, load, save_at, ckpt, out),
+    mp.start_processes(_rank_main, args=(world, tag, strategy, steps, load, save_at, ckpt, out, expected),
                        nprocs=world, start_method="spawn")
     result = torch.load(out)
     result["ckpt"] = ckpt
+    if save_at is not None:
+        result["sha256"] = {k: v for r in range(world)
+                            for k, v in json.loads(Path(f"{out}.sha256.rank{r}").read_text()).items()}
     result["local_per_rank"] = [int(torch.load(f"{out}.rank{r}")[0]) for r in range(world)]
     return result
 
@@ -119,13 +125,69 @@ def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, tmp_pat
     shards = sorted(p.name for p in Path(straight["ckpt"].removeprefix("file://"), "actor").iterdir())
     assert shards == [".metadata", *(f"__{r}_0.distcp" for r in range(saved_world)),
                       *(f"rank-{r:05d}.pt" for r in range(saved_world))], shards
-    resumed = train(tmp_path, resume_world, resume_strategy, range(1, 3), load=straight["ckpt"])
+    resumed = train(tmp_path, resume_world, resume_strategy, range(1, 3), load=straight["ckpt"],
+                    expected=straight["sha256"])
     assert _max_diff(straight["state"], _model().state_dict()) > 1e-3, "the steps must move the weights"
     if resume_world == saved_world and resume_strategy == "fsdp":
         for key, tensor in straight["state"].items():
             assert torch.equal(tensor, resumed["state"][key]), key
     else:  # one rank sums gradients in another order: equal within float rounding
         assert _max_diff(straight["state"], resumed["state"]) < 1e-5
+
+
+class CreatesAFile:
+    """Pickled, it makes whoever unpickles it create ``path``: code run by loading."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _load_main(rank: int, world: int, rdzv: str, ckpt: str, expected: dict, swapped: bytes, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    import io
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    from rlhf_core.controller.worker import Worker
+    from rlhf_core.workers import modeling, sharding
+    from rlhf_core.workers.trainable import load_sharded
+
+    if rank == 1:  # the store answers rank 1 with other .metadata bytes than rank 0 got (replaced in between)
+        real_open = LocalFileSystem._open
+        LocalFileSystem._open = lambda fs, path, mode="rb", **kw: (
+            io.BytesIO(swapped) if str(path).endswith("/.metadata") and "r" in mode else real_open(fs, path, mode, **kw))
+    model = modeling.init_distributed_model(Worker(), _model(), sharding.ShardingSpec(strategy="fsdp"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    try:
+        load_sharded(ckpt, "actor", model, optimizer, scheduler, expected=expected)
+        outcome = "loaded"
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank saw
+        outcome = f"{type(exc).__name__}: {exc}"
+    Path(f"{out}.rank{rank}").write_text(outcome)
+
+
+def test_every_rank_loads_only_the_metadata_bytes_it_checked_itself(tmp_path, tmp_path_factory):
+    """Two ranks load one checkpoint; rank 1's read of .metadata returns a pickle that
+    creates a file when loaded (the file replaced after rank 0 read it). Rank 1 checks
+    the bytes it got against the commit before unpickling them: nothing is created, both
+    ranks refuse in one line naming the file."""
+    saved = trained_and_saved(tmp_path_factory, 2)
+    marker = tmp_path / "created-by-a-pickle"
+    out = str(tmp_path / "outcome")
+    swapped = pickle.dumps(CreatesAFile(marker))
+    mp.start_processes(_load_main, args=(2, uuid.uuid4().hex[:8], saved["ckpt"], saved["sha256"], swapped, out),
+                       nprocs=2, start_method="spawn")
+    assert not marker.exists(), "a rank unpickled .metadata bytes it had not checked"
+    outcomes = [Path(f"{out}.rank{r}").read_text() for r in range(2)]
+    for outcome in outcomes:
+        assert outcome.startswith("CorruptCheckpointError: ") and "\n" not in outcome, outcome
+        assert "/actor/.metadata: sha256 " in outcome and "its iteration committed" in outcome, outcome
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])

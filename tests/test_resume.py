@@ -74,7 +74,7 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     before the manifest that makes them visible."""
     import os
 
-    from rlhf_core.controller import WorkerError
+    from rlhf_core.workers.checked_load import CorruptCheckpointError
 
     synced = []
     real_fsync = os.fsync
@@ -94,7 +94,8 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     weights = bytearray((ckpt / "actor/__0_0.distcp").read_bytes())
     weights[-1] ^= 0xFF
     (ckpt / "actor/__0_0.distcp").write_bytes(bytes(weights))
-    with pytest.raises(WorkerError, match=r"actor/__0_0.distcp: sha256 .* is not the .* its iteration committed"):
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^\S+/actor/__0_0.distcp: sha256 .* is not the .* its iteration committed[^\n]*$"):
         run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
 
 

@@ -121,14 +121,26 @@ class IterationStore:
     def initial_checkpoint(self) -> tuple[str, dict | None] | None:
         """(URI, {file: sha256}) of the step-0 checkpoint the run starts from, as
         ``commit_initial_checkpoint`` recorded it; a run from before that record has its
-        ``step-000000`` folder (no checksums); None when there is neither yet."""
+        ``step-000000`` folder (no checksums: it is loaded by nothing, and a run still at
+        step 0 writes and records a new one); None when there is neither yet. The record's
+        checksums are the ones every load of the step-0 checkpoint checks its bytes against
+        (``restore.committed_checksums``); a record that is not one is refused in one line."""
         loc = self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT)
         if hasattr(loc.fs, "invalidate_cache"):
             loc.fs.invalidate_cache()
         raw = sfs.read_bytes(loc)
         if raw is not None:
-            body = json.loads(raw)
-            return body["checkpoint"], body.get("checkpoint_sha256")
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) \
+                    or not isinstance(body.get("checkpoint_sha256"), dict):
+                from rlhf_core.workers.checked_load import CheckpointRefusedError
+
+                raise CheckpointRefusedError(f"{loc.uri}: expected the run's initial-checkpoint record (checkpoint, "
+                                             f"checkpoint_sha256); found something else")
+            return body["checkpoint"], body["checkpoint_sha256"]
         legacy = self.legacy_checkpoint_uri(0)
         if sfs.read_bytes(sfs.resolve(f"{legacy}/{run_layout.TRAINER_STATE_FILE}", self.storage_options)) is not None:
             return legacy, None

@@ -85,14 +85,24 @@ def finish_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
     return dict(sorted(digests.items()))
 
 
-def committed_checksums(istore, step: int) -> dict | None:
-    """{file: sha256} of the checkpoint after ``step`` iterations, as the iteration that
-    wrote it committed them (step 0: as the run's initial record has them; None: a run
-    from before checksums)."""
+def committed_checksums(istore, step: int) -> dict:
+    """{file: sha256} of the checkpoint after ``step`` iterations as its commit recorded
+    it: the manifest of iteration ``step - 1`` (which wrote it), or for step 0 the run's
+    INITIAL.json (``IterationStore.initial_checkpoint``). A checkpoint whose record has no
+    checksums (written before they were recorded) or that no record names is refused."""
+    from rlhf_core.workers.checked_load import CheckpointRefusedError
+
     if step == 0:
         initial = istore.initial_checkpoint()
-        return initial[1] if initial else None
-    return istore.read_manifest(step - 1).get("checkpoint_sha256")
+        uri, checksums = initial if initial else (f"{istore.run_uri}/checkpoints/INITIAL.json", None)
+    else:
+        manifest = istore.read_manifest(step - 1)
+        uri, checksums = manifest.get("checkpoint"), manifest.get("checkpoint_sha256")
+    if not checksums:
+        raise CheckpointRefusedError(f"{uri}: no committed checksums (written before they were recorded, or never "
+                                     f"committed); a checkpoint is loaded only from files whose sha256 its record "
+                                     f"lists")
+    return checksums
 
 
 def checkpoint_due(cfg: RunConfig, step: int) -> bool:
@@ -168,11 +178,16 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
     """Bring the workers to the state iteration ``state.global_step`` starts from: nothing
     to do when they are known to be there (a live session that committed it); else the
     last checkpoint and a redo of the iterations after it (``load_checkpoint``), or at step
-    0 write the initial checkpoint (so iteration 0 can be resumed too)."""
+    0 write the initial checkpoint under a fresh prefix and record it in INITIAL.json with
+    its checksums (so iteration 0 can be resumed and replayed too)."""
     if workers_at_step == state.global_step:
         return
     uri = weights_checkpoint(istore, state.global_step)
-    if uri is not None and checkpoint_exists(uri):
+    # at step 0 a run without a record of its initial checkpoint's checksums (none yet, or
+    # a run's step-000000 from before they were recorded) writes one under a fresh prefix
+    # and records it: no stage ran after it, and nothing loads a checkpoint unchecked
+    fresh = state.global_step == 0 and (istore.initial_checkpoint() or (None, None))[1] is None
+    if not fresh and uri is not None and checkpoint_exists(uri):
         load_checkpoint(workers, istore, state.global_step, trainer)
     elif state.global_step == 0:  # a fresh prefix, then the record that makes it the run's
         uri = istore.new_checkpoint_uri(0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from typing import Callable
 
 import torch
@@ -142,10 +143,6 @@ class TrainableWorker(Worker):
         self._after_load()
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file whose bytes are not the ones its iteration committed."""
-
-
 RANK_FILE = "rank-{:05d}.pt"
 
 
@@ -218,7 +215,7 @@ def _name(path) -> str:
 
 
 class _FsProxy:
-    """The fsspec filesystem under a DCP reader or writer, with ``open`` replaced (and
+    """The fsspec filesystem under a DCP writer, with ``open`` replaced (and
     ``on_rename`` told of renames); everything else passes through."""
 
     def __init__(self, inner, open, on_rename=None) -> None:
@@ -311,30 +308,15 @@ def finish_sharded(pending: PendingCheckpoint) -> dict:
     return digests
 
 
-def _reader(folder, cache: dict):
-    """DCP's fsspec reader for ``folder`` that serves files already read (and checked)
-    from memory: one GET per file instead of one per tensor."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    reader = FsspecReader(folder.uri, **folder.storage_options)
-    inner = reader.fs.fs
-
-    def open(path, mode, **kwargs):
-        if "r" in mode and _name(path) in cache:
-            return io.BytesIO(cache[_name(path)])
-        return inner.open(path, mode, **kwargs)
-
-    reader.fs.fs = _FsProxy(inner, open)
-    return reader
-
-
-def _checked_by(names: list[str], rank: int, world: int) -> list[str]:
-    """The committed files rank ``rank`` reads and checks: its own shard file (the one it
-    loads at an unchanged world size) and a round-robin share of the rest."""
-    import re
-
-    own, rest = [], []
+def _checked_by(names: list[str], rank: int, world: int, always: tuple[str, ...] = ()) -> list[str]:
+    """The committed files rank ``rank`` reads and checks before anything is loaded: what
+    it will use itself (``always``: the DCP metadata every rank unpickles, its rank file;
+    its own shard file, the one it loads at an unchanged world size) and a round-robin
+    share of the rest, so that together the ranks check every file."""
+    own, rest = [n for n in always if n in names], []
     for name in sorted(names):
+        if name in always:
+            continue
         match = re.match(r"__(\d+)_", name.rsplit("/", 1)[-1])
         if match and int(match.group(1)) < world:
             if int(match.group(1)) == rank:
@@ -346,33 +328,43 @@ def _checked_by(names: list[str], rank: int, world: int) -> list[str]:
 
 def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
                  expected: dict | None = None) -> None:
-    """Load the role's checkpoint into this rank's shards, at any world size. With
-    ``expected`` every committed file is checked by one rank before anything is loaded."""
-    import hashlib
-
+    """Load the role's checkpoint into this rank's shards, at any world size, from bytes
+    checked against ``expected`` ({"{role}/{file}": sha256}, as the checkpoint's commit
+    recorded it): every committed file is checked by some rank before anything is loaded,
+    and each rank loads only bytes it fetched and checked itself (``checked_load``)."""
     import torch.distributed.checkpoint as dcp
 
-    folder = _folder(uri, role, storage_options)
+    from rlhf_core.snapshot import fs as sfs
+    from rlhf_core.workers import checked_load
+
     rank, world = sharding.rank(), sharding.world_size()
-    cache, bad = {}, []
-    for name in _checked_by([n for n in (expected or {}) if n.startswith(f"{role}/")], rank, world):
-        data = folder.fs.cat_file(folder.child(name.split("/", 1)[1]).path)
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != expected[name]:
-            bad.append(f"{uri}/{name}: sha256 {digest[:16]}... is not the {expected[name][:16]}... its iteration "
-                       f"committed; the checkpoint was changed or damaged after the commit")
-        cache[name.split("/", 1)[1]] = data
+    if not expected:
+        raise checked_load.CheckpointRefusedError(
+            f"{uri}: no committed checksums; a checkpoint is loaded only from files whose sha256 its commit records")
+    files = checked_load.CheckedFiles(sfs.resolve(uri, storage_options), expected)
+    names = [n for n in expected if n.startswith(f"{role}/")]
+    # the same rank's RNG and schedule; at another world size, rank r takes saved rank r mod N
+    saved_ranks = sorted(n for n in names if re.fullmatch(rf"{role}/rank-\d+\.pt", n))
+    if not saved_ranks:
+        raise checked_load.CorruptCheckpointError(f"{uri}/{role}: its commit lists no rank file (rank-NNNNN.pt); "
+                                                  f"expected one per saved rank")
+    rank_file = saved_ranks[rank % len(saved_ranks)]
+    used = (f"{role}/{checked_load.METADATA}", rank_file)
+    bad = [p for p in map(files.problem, _checked_by(names, rank, world, always=used)) if p is not None]
+    metadata = None
+    if not bad:
+        try:
+            metadata = files.metadata(role)
+        except checked_load.CheckpointRefusedError as exc:
+            bad.append(str(exc))
     bad = [b for found in sharding.all_gather_objects(bad) for b in found]
     if bad:
-        raise CorruptCheckpointError(bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
+        raise checked_load.CorruptCheckpointError(
+            bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
     state = sharding.sharded_state(model, optimizer)
-    dcp.load(state, storage_reader=_reader(folder, cache), no_dist=world == 1)
+    dcp.load(state, storage_reader=checked_load.CheckedReader(files, role, metadata),
+             planner=checked_load.WeightsOnlyPlanner(), no_dist=world == 1)
     sharding.set_sharded_state(model, optimizer, state)
-    saved_ranks = sorted(name for name in (p.rstrip("/").rsplit("/", 1)[-1]
-                                           for p in folder.fs.ls(folder.path, detail=False))
-                         if name.startswith("rank-") and name.endswith(".pt"))
-    # the same rank's RNG and schedule; at another world size, rank r takes saved rank r mod N
-    raw = folder.fs.cat_file(folder.child(saved_ranks[rank % len(saved_ranks)]).path)
-    extra = torch.load(io.BytesIO(raw), weights_only=True)  # tensors and plain containers, nothing callable
+    extra = torch.load(io.BytesIO(files.get(rank_file)), weights_only=True)  # tensors and plain containers
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_states(extra["rng"])

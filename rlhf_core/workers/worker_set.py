@@ -231,9 +231,19 @@ class WorkerSet:
         return digests
 
     def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
-        """Restore every trainable role; ``expected`` ({file: sha256}) refuses changed files."""
+        """Restore every trainable role from the files ``expected`` lists ({file: sha256},
+        as the checkpoint's commit recorded it). A file that differs is refused, in one
+        line: the workers' ``CheckpointRefusedError`` itself, not the worker's traceback."""
+        from rlhf_core.controller import WorkerError
+        from rlhf_core.workers.checked_load import CheckpointRefusedError
+
         for name in self.trainable:
-            self.roles[name].load_checkpoint(uri, storage_options, expected)
+            try:
+                self.roles[name].load_checkpoint(uri, storage_options, expected)
+            except WorkerError as exc:
+                if isinstance(exc.__cause__, CheckpointRefusedError):
+                    raise type(exc.__cause__)(str(exc.__cause__)) from None
+                raise
 
 
 def checkpoint_exists(uri: str, storage_options: dict | None = None) -> bool:
