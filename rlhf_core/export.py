@@ -4,6 +4,11 @@ The folder is the base model's (config, generation config, tokenizer, chat templ
 the checkpoint's weights in ``model.safetensors``, so ``transformers`` and vLLM load it as
 they load the base model. ``EXPORT.json`` says where it came from: the checkpoint URI, the
 weights' sha256, the config hash and the step (``rlhf lineage`` goes on from there).
+
+Only a checkpoint a committed record names is exported (an iteration manifest's
+checkpoint, or the run's INITIAL.json for step 0), from bytes checked against the
+checksums of that record (``rlhf_core.workers.checked_load``): a file changed after the
+commit is refused before anything of it is unpickled.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
+from rlhf_core import run_layout
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.workers.worker_set import TRAINER_STATE_FILE
 
@@ -25,23 +31,56 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported; the message says what is missing."""
 
 
-def _read(uri: str, name: str, storage_options: dict | None) -> bytes:
-    data = sfs.read_bytes(sfs.resolve(f"{uri.rstrip('/')}/{name}", storage_options))
-    if data is None:
-        raise ExportError(f"{uri}: no {name}; expected a checkpoint folder written by a run "
-                          f"(an iteration manifest's checkpoint_uri)")
-    return data
+def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[str, str]:
+    """{file: sha256} of the checkpoint at ``uri`` as the record that commits it lists
+    them: for step S > 0 the manifest of iteration S - 1, which names the checkpoint it
+    wrote (``step-S-<attempt>``; ``step-S`` in runs from before attempt ids), for step 0
+    the run's ``checkpoints/INITIAL.json``. A folder no committed record names (a lost or
+    unfinished write, a copy, anything outside a run) is refused, and so is one whose
+    record has no checksums."""
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    loc = run_layout.parse(uri.rstrip("/"))
+    if loc is None or loc.step is None:
+        raise ExportError(f"{uri}: expected a run's checkpoint, {{store}}/{{run_id}}/checkpoints/step-NNNNNN-<attempt> "
+                          f"(the one an iteration manifest's weights.checkpoint or the run's "
+                          f"checkpoints/{run_layout.INITIAL_CHECKPOINT} names)")
+    store, run_id = run_layout.split_run_uri(loc.run_uri)
+    istore = IterationStore(store, run_id, storage_options)
+    if loc.step == 0:
+        record = f"{istore.run_uri}/{run_layout.CHECKPOINTS}/{run_layout.INITIAL_CHECKPOINT}"
+        named, checksums = istore.initial_checkpoint() or (None, None)
+    else:
+        if loc.step - 1 not in istore.committed_iterations():
+            raise ExportError(f"{uri}: iteration {loc.step - 1}, which writes step {loc.step}'s checkpoint, is not "
+                              f"committed; only a checkpoint a committed record names is exported")
+        record = f"{istore.iteration_uri(loc.step - 1)}/{run_layout.MANIFEST}"
+        manifest = istore.read_manifest(loc.step - 1)
+        named, checksums = manifest.get("checkpoint"), manifest.get("checkpoint_sha256")
+    if named is None or sfs.resolve(named, storage_options).uri != sfs.resolve(uri, storage_options).uri:
+        raise ExportError(f"{uri}: no committed record names this checkpoint ({record} names {named or 'none'}); "
+                          f"only the checkpoint a record commits is exported")
+    if not checksums:
+        raise ExportError(f"{uri}: no committed checksums in {record} (written before they were recorded); a "
+                          f"checkpoint is read only from files whose sha256 its record lists")
+    return checksums
 
 
-def export_checkpoint(uri: str, out: str, storage_options: dict | None = None) -> dict:
+def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
+                      expected: dict[str, str] | None = None) -> dict:
     """Write the policy of the checkpoint at ``uri`` as a Hugging Face folder ``out``
-    (which must not exist yet, or be empty). Returns what EXPORT.json records."""
+    (which must not exist yet, or be empty). ``expected``: {file: sha256} of the
+    checkpoint (``save_checkpoint``'s result); by default its commit's. Returns what
+    EXPORT.json records."""
     from safetensors.torch import save as save_safetensors
 
     from rlhf_core.workers import modeling
+    from rlhf_core.workers.checked_load import METADATA, CheckedFiles
 
-    state = json.loads(_read(uri, TRAINER_STATE_FILE, storage_options))
-    metadata = _read(f"{uri.rstrip('/')}/{POLICY}", ".metadata", storage_options)
+    files = CheckedFiles(sfs.resolve(uri.rstrip("/"), storage_options),
+                         expected if expected is not None else committed_checksums(uri, storage_options))
+    state = json.loads(files.get(TRAINER_STATE_FILE))
+    metadata = files.get(f"{POLICY}/{METADATA}")
     config = state.get("config") or {}
     model_path = (config.get("model") or {}).get("path")
     if not model_path:
@@ -51,7 +90,7 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None) -
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
-    weights = read_policy_weights(uri, base, storage_options)
+    weights = read_policy_weights(files, base)
     target.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "WARM_START.json":
@@ -68,18 +107,20 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None) -
     return record
 
 
-def read_policy_weights(uri: str, base: Path, storage_options: dict | None = None) -> dict:
-    """The policy's whole tensors from the checkpoint's shards, in this process (no
-    process group: the shards of every rank are read and joined)."""
+def read_policy_weights(files, base: Path) -> dict:
+    """The policy's whole tensors from the checkpoint's shards (``files``: its
+    ``CheckedFiles``), in this process (no process group: the shards of every rank are
+    read and joined)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlhf_core.workers.checked_load import CheckedReader, WeightsOnlyPlanner
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
     state = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in skeleton.state_dict().items()}
-    folder = sfs.resolve(f"{uri.rstrip('/')}/{POLICY}", storage_options)
     wrapped = {"model": state}
-    dcp.load(wrapped, storage_reader=FsspecReader(folder.uri, **folder.storage_options), no_dist=True)
+    dcp.load(wrapped, storage_reader=CheckedReader(files, POLICY, files.metadata(POLICY)),
+             planner=WeightsOnlyPlanner(), no_dist=True)
     return wrapped["model"]

@@ -142,7 +142,7 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
         metrics = [trainer.run_iteration() for _ in range(2)]
         batch = trainer.last_batch
         uri = f"file://{tmp_path}/ckpt"
-        save_checkpoint(workers, trainer.state, cfg, uri)
+        checksums = save_checkpoint(workers, trainer.state, cfg, uri)  # no run: its commit would record these
         probe = batch.select(["input_ids", "attention_mask", "position_ids", "responses"], [])
         trained_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
     finally:
@@ -171,7 +171,7 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
     assert all(p.endswith("<|im_start|>assistant\n") for p in batch.non_tensor_batch["raw_prompt"])
 
     out = tmp_path / "exported"
-    record = export_checkpoint(uri, str(out))
+    record = export_checkpoint(uri, str(out), expected=checksums)
     assert record["global_step"] == 2 and record["config_hash"] == cfg.config_hash()
     assert {"config.json", "model.safetensors", "tokenizer.json", "EXPORT.json"} <= set(os.listdir(out))
     model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
