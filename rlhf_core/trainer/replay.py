@@ -11,6 +11,11 @@ the iteration committed.
 With config overrides the replay answers "what would this stage have produced"; its
 output is saved as a new snapshot under ``{run}/replays/`` marked as a replay of the
 original, which is never touched.
+
+The config comes from the stored manifest, and with it ``reward.function``, which names
+code: the replay imports it only when it is built in or registered by an installed
+package, named by the replay's own ``--override``, or the caller trusts the manifest's
+choice (``trust_reward_function``, ``--trust-reward-function``).
 """
 
 from __future__ import annotations
@@ -150,10 +155,25 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -> None:
+    """Refuse, before anything imports it, a ``reward.function`` that only the stored
+    manifest chose and this machine does not vouch for (``reward.installed``)."""
+    from rlhf_core.workers import reward
+
+    chosen_here = any(o.split("=", 1)[0].strip() == "reward.function" for o in overrides)
+    spec = cfg.reward.function
+    if not (trusted or chosen_here or reward.installed(spec)):
+        raise ReplayError(f"reward.function {spec!r} (from the iteration's manifest): expected a built-in reward or one "
+                          f"an installed package registers (entry points {reward.REWARD_ENTRY_POINTS!r}); replay "
+                          f"imports and runs this code here only with --trust-reward-function")
+
+
 def replay(uri: str, stages: list[str] | None = None, iteration: int | None = None, overrides: list[str] = (),
-           atol: float = 0.0, rtol: float = 0.0, log=print) -> list[StageReplay]:
+           atol: float = 0.0, rtol: float = 0.0, log=print, trust_reward_function: bool = False) -> list[StageReplay]:
     """Replay ``stages`` (default: the URI's stage, else every stage) of one committed
-    iteration on fresh local worker groups; returns one comparison per stage."""
+    iteration on fresh local worker groups; returns one comparison per stage.
+    ``trust_reward_function``: import the manifest's ``reward.function`` even when this
+    machine does not vouch for it (``check_reward_function``)."""
     from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
@@ -168,6 +188,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
                           f"{istore.committed_iterations() or 'none'}")
     manifest = istore.read_manifest(n)
     cfg = replay_config(manifest, list(overrides))
+    check_reward_function(cfg, list(overrides), trust_reward_function)
     cfg.trainer.progress = False
     parent = istore.read_manifest(manifest["parent_iteration"]) if manifest["parent_iteration"] is not None else None
     state = TrainerState(global_step=n, cursor=dict(parent["data_cursor"]) if parent else {"epoch": 0, "position": 0},

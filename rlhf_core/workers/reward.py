@@ -3,6 +3,10 @@
 The function is named as ``module:function`` with verl's signature
 ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`` (a dict must
 hold ``"score"``; its other numeric keys become ``reward_extra_info`` columns).
+
+``reward.function`` is code the run's owner chose: every reward worker imports and calls
+it. A config read back from the store (``rlhf replay``) names it too; ``installed`` says
+whether this machine vouches for it without being told (docs/security.md, "Trust").
 """
 
 from __future__ import annotations
@@ -18,6 +22,21 @@ from rlhf_core.config import NAMED_REWARDS, RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
+
+
+#: Entry-point group under which an installed package registers its reward functions
+#: (``name = "module:function"``): ones ``rlhf replay`` imports from a stored config.
+REWARD_ENTRY_POINTS = "rlhf.rewards"
+
+
+def installed(spec: str) -> bool:
+    """Whether ``spec`` (a ``reward.function`` value) is a built-in reward function or one
+    an installed package registers under ``REWARD_ENTRY_POINTS``. Nothing is imported."""
+    from importlib.metadata import entry_points
+
+    if spec in NAMED_REWARDS or spec in NAMED_REWARDS.values():
+        return True
+    return any(ep.value.replace(" ", "") == spec for ep in entry_points(group=REWARD_ENTRY_POINTS))
 
 
 class RewardFunctionError(RuntimeError):
