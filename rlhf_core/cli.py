@@ -82,6 +82,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, CONTROLLER_TTL_S, LeaseHeld
     from rlhf_core.trainer.restore import iterations_to_run
     from rlhf_core.trainer.run import run_direct
+    from rlhf_core.workers.checked_load import CheckpointRefusedError
 
     cfg = _config(args.overrides)
     _check_model_path(cfg)
@@ -116,6 +117,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(f"rlhf: iteration {committed} of run {args.run_id} is being run by {held}; nothing was "
                          f"written: run again once it has ended (a holder that stopped renewing its lease loses it "
                          f"after {CONTROLLER_TTL_S + CLOCK_SKEW_MARGIN_S:.0f}s)") from None
+    except CheckpointRefusedError as exc:  # a checkpoint changed after its commit: nothing of it was loaded
+        raise SystemExit(f"rlhf: {exc}") from None
     rows = result["rows"]
     progress = ProgressLine(len(rows), started=args.started)
     for row in rows:  # the pace the run had, from its rows
@@ -247,12 +250,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from rlhf_core.config import ConfigError
     from rlhf_core.snapshot import SnapshotError
     from rlhf_core.trainer.replay import ReplayError, format_table, replay
+    from rlhf_core.workers.checked_load import CheckpointRefusedError
 
     stages = None if not args.stage or args.stage == ["all"] else args.stage
     try:
         results = replay(args.uri, stages, args.iteration, args.override, args.atol, args.rtol,
-                         log=lambda *a: print(*a, file=sys.stderr))
-    except (ReplayError, ConfigError, SnapshotError) as exc:
+                         log=lambda *a: print(*a, file=sys.stderr), trust_reward_function=args.trust_reward_function)
+    except (ReplayError, ConfigError, SnapshotError, CheckpointRefusedError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     print(format_table(results))
     same = [r.stage for r in results if r.ok]
@@ -286,11 +290,12 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from rlhf_core.export import ExportError, export_checkpoint
     from rlhf_core.snapshot import SnapshotError
+    from rlhf_core.workers.checked_load import CheckpointRefusedError
     from rlhf_core.workers.modeling import ModelPathError
 
     try:
         record = export_checkpoint(args.uri, args.out)
-    except (ExportError, ModelPathError, SnapshotError) as exc:
+    except (ExportError, ModelPathError, SnapshotError, CheckpointRefusedError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     print(f"exported step {record['global_step']} of {args.uri} to {args.out} "
           f"(weights sha256 {record['weights_sha256'][:16]}...)")
@@ -390,6 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(key=value, repeatable); the result is saved under {run}/replays/, never over the original")
     rep.add_argument("--atol", type=float, default=0.0, help="absolute tolerance for float fields (default exact)")
     rep.add_argument("--rtol", type=float, default=0.0, help="relative tolerance for float fields")
+    rep.add_argument("--trust-reward-function", action="store_true", help="import and run the manifest's "
+                     "reward.function even when it is neither built in nor registered by an installed package "
+                     "(entry points rlhf.rewards): it is code, chosen by whoever wrote the run")
     rep.set_defaults(func=_cmd_replay)
 
     lin = sub.add_parser("lineage", help="walk from a checkpoint, snapshot or iteration back to the run's start")
