@@ -64,7 +64,8 @@ def _tokenizer_for(uri: str):
     config = parse_manifest(raw, where)["config"]
     from rlhf_core.workers import modeling
 
-    path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False)
+    path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False,
+                                      weights=False)
     return modeling.load_tokenizer(path)
 
 

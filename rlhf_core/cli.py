@@ -63,7 +63,17 @@ def _check_model_path(cfg) -> None:
     """A model folder this machine lacks fails here, in one line, before any Ray process starts."""
     from rlhf_core.workers.modeling import ModelPathError, resolve_model_path
 
-    if not cfg.model.path.startswith("builtin:"):
+    from rlhf_core.data import fetch
+
+    if fetch.is_remote(cfg.model.path):  # the nodes fetch it; here only check that it is there
+        try:
+            _, _, entries = fetch.listing(cfg.model.path, "model.path", weights=False)
+        except fetch.FetchError as exc:
+            raise SystemExit(f"rlhf: {exc}") from None
+        if not any(e.name == "config.json" for e in entries):
+            raise SystemExit(f"rlhf: model.path: expected a Hugging Face model folder with config.json; found "
+                             f"{len(entries)} object(s) at {cfg.model.path} and no config.json")
+    elif not cfg.model.path.startswith("builtin:"):
         try:
             resolve_model_path(cfg.model.path, cfg.trainer.seed)
         except ModelPathError as exc:

@@ -50,7 +50,8 @@ _REWARD_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
 @dataclass
 class ModelConfig:
-    path: str = _f("builtin:digits", "HF model directory, or builtin:<task> for the built-in "
+    path: str = _f("builtin:digits", "HF model directory (a local or mounted folder, or an s3:// / gs:// "
+                   "folder fetched once per node into the cache and checked), or builtin:<task> for the built-in "
                    "task's small model (built locally, warm-started by a short SFT, cached)", checkpoint=True)
     dtype: str = _f("float32", "parameter dtype for training", choices=("float32", "bfloat16", "float16"),
                     checkpoint=True)
@@ -60,7 +61,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: str = _f("builtin:digits", "parquet/jsonl in verl's format (prompt as chat messages, "
+    train_files: str = _f("builtin:digits", "parquet/jsonl file (a path, or an s3:// / gs:// URI fetched "
+                          "once per node into the cache and checked) in verl's format (prompt as chat messages, "
                           "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
                           "ground_truth, data_source), or builtin:<task>")
     train_batch_size: int = _f(256, "prompts per iteration (before rollout.n repeats)", **POSITIVE)

@@ -1,6 +1,7 @@
 """Prompt datasets: rows of (prompt, ground_truth, data_source), batched as DataProtos.
 
-Sources: a parquet or jsonl file, or ``builtin:digits``. Two row formats load:
+Sources: a parquet or jsonl file (a path, or an ``s3://`` / ``gs://`` URI fetched once per
+node into the cache: ``data/fetch.py``), or ``builtin:digits``. Two row formats load:
 
 - verl's, as its data preprocessing writes it (e.g. GSM8K): ``prompt`` a list of chat
   messages (``{"role", "content"}``), ``data_source``, ``reward_model: {"style",
@@ -29,9 +30,10 @@ class DatasetError(ValueError):
     """The prompt dataset is missing, empty or malformed."""
 
 
-def load_rows(source: str, seed: int = 0) -> list[dict]:
+def load_rows(source: str, seed: int = 0, field: str = "data.train_files") -> list[dict]:
     """Rows as ``{prompt, ground_truth, data_source, extra_info}``; ``prompt`` is text or a
-    list of chat messages."""
+    list of chat messages. ``source`` is a local path, a ``file://``, ``s3://`` or
+    ``gs://`` URI (fetched once per node into the cache), or ``builtin:<name>``."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name != "digits":
@@ -39,15 +41,23 @@ def load_rows(source: str, seed: int = 0) -> list[dict]:
         from rlhf_core.data.builtin import make_rows
 
         return make_rows(2048, seed=seed + 1)
+    from rlhf_core.data import fetch
+
+    local = source[len("file://"):] if source.startswith("file://") else source
+    if source.endswith((".parquet", ".jsonl", ".json")) and fetch.is_remote(source):
+        try:
+            local = fetch.fetch(source, field)  # once per node, into the cache, checked
+        except fetch.FetchError as exc:
+            raise DatasetError(str(exc)) from None
     if source.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(source).to_pylist()
+        rows = pq.read_table(local).to_pylist()
     elif source.endswith((".jsonl", ".json")):
-        with open(source, encoding="utf-8") as f:
+        with open(local, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
-        raise DatasetError(f"data.train_files must be .parquet, .jsonl or builtin:<name>; found {source!r}")
+        raise DatasetError(f"{field} must be .parquet, .jsonl or builtin:<name>; found {source!r}")
     if not rows:
         raise DatasetError(f"{source}: the dataset is empty (no prompt rows)")
     return [_normalize(source, i, row) for i, row in enumerate(rows)]

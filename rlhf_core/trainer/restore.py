@@ -202,7 +202,8 @@ def make_loader(cfg: RunConfig, state):
     from rlhf_core.data.tokenizer import PromptTokenizer
     from rlhf_core.workers import modeling
 
-    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress)
+    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
+                                            weights=False)  # the controller only tokenizes
     return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor), truncation=cfg.data.truncation)

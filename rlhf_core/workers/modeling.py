@@ -11,17 +11,27 @@ class ModelPathError(ValueError):
     """``model.path`` is not a model folder this machine has."""
 
 
-def resolve_model_path(path: str, seed: int, progress: bool = False) -> str:
+def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bool = True) -> str:
     """The local folder of ``model.path``: a Hugging Face model folder (``config.json``,
-    weights, tokenizer), or the built-in model (built and cached here). Hub ids are not
-    downloaded: training nodes often have no network, and a run must name exact bytes."""
+    weights, tokenizer), an object-store folder of one (``s3://``, ``gs://``: fetched once
+    into this node's cache and checked, ``rlhf_core.data.fetch``; ``weights=False`` leaves
+    the weight files out, for a tokenizer), or the built-in model (built and cached here).
+    Hub ids are not downloaded: training nodes often have no network, and a run must name
+    exact bytes."""
     if path.startswith("builtin:"):
         from rlhf_core.data.builtin import builtin_model_path
 
         return builtin_model_path(seed=seed, progress=progress)
     import os
 
+    from rlhf_core.data import fetch
+
     local = path[len("file://"):] if path.startswith("file://") else path
+    if fetch.is_remote(path):
+        try:
+            local = fetch.fetch(path, "model.path", weights=weights)
+        except fetch.FetchError as exc:
+            raise ModelPathError(str(exc)) from None
     if not os.path.isfile(os.path.join(local, "config.json")):
         hint = (" (it looks like a Hugging Face hub id: download it first, e.g. `huggingface-cli download "
                 f"{path} --local-dir DIR`, and set model.path=DIR)" if not os.path.exists(local)

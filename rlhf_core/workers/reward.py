@@ -90,7 +90,7 @@ class RewardWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
-        path = modeling.resolve_model_path(self.config.model.path, self.config.trainer.seed)
+        path = modeling.resolve_model_path(self.config.model.path, self.config.trainer.seed, weights=False)
         self.tokenizer = modeling.load_tokenizer(path)
         self.fn, self.fn_name = load_reward_fn(self.config.reward.function)
         return {"rank": self.rank, "reward_function": self.fn_name}
