@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fake_kube_api import FakeKubeAPI
 
@@ -169,16 +170,9 @@ def test_each_run_head_gets_its_own_account_owned_by_its_cluster():
         assert ("serviceaccounts", "rlhf", "rlhf-a-head") in fake.objects
 
 
-POLICY = """
-images: ["ghcr.io/rlhf-core/rlhf-core:*"]
-service_accounts: [rlhf-ray]
-object_store_secrets: [rlhf-object-store]
-ray_token_secrets: [rlhf-ray-token]
-priority_classes: [rlhf-training]
-node_selectors: ["nvidia.com/gpu.product=*"]
-tolerations:
-  - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
-"""
+#: The deployment's default policy, as manifests/base ships it.
+POLICY = yaml.safe_load((Path(__file__).resolve().parents[1] / "manifests/base/deployment-policy.yaml")
+                        .read_text())["data"]["policy.yaml"]
 
 
 def launch_component(fake, monkeypatch, kube_spec, env=None):
@@ -235,6 +229,8 @@ def test_launch_accepts_the_example_deployments_under_the_default_policy(monkeyp
         assert out.name == "rlhf-nightly" and fake.verbs("POST") == [PATH]
         pod = fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["template"]["spec"]
         assert pod["priorityClassName"] == "rlhf-training" and pod["tolerations"] == gpu.tolerations
+        assert {"name": "models", "persistentVolumeClaim": {"claimName": "rlhf-models", "readOnly": True}} \
+            in pod["volumes"]
 
 
 def scale_to_zero(fake, run):

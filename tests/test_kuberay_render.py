@@ -174,7 +174,9 @@ def test_every_ray_pod_meets_restricted_pod_security():
                 mounts = {m["mountPath"] for m in container["volumeMounts"]}
                 assert {"/tmp", "/dev/shm", "/home/rlhf/.cache"} <= mounts
                 volumes = {v["name"]: v for v in pod["volumes"]}
-                assert all("emptyDir" in volumes[m["name"]] for m in container["volumeMounts"])
+                # writable: emptyDirs only; the deployment's shared volumes are mounted read-only
+                assert all("emptyDir" in volumes[m["name"]] or (m["readOnly"] and volumes[m["name"]][
+                    "persistentVolumeClaim"]["readOnly"]) for m in container["volumeMounts"])
 
 
 def test_each_run_head_has_its_own_account_and_only_the_autoscaler_holds_its_token():
@@ -254,3 +256,88 @@ def test_a_critic_pool_of_its_own_renders_a_worker_group_of_its_own():
     assert groups["critic"]["rayStartParams"]["num-gpus"] == "8"
     with pytest.raises(Exception, match=r"critic.world_size=3 must split evenly over resources.critic_nnodes=2"):
         apply_overrides(cfg, ["critic.world_size=3", "resources.critic_nnodes=2"]).validate()
+
+
+VOLUME = {"name": "models", "claim": "team-models", "mount_path": "/models"}
+
+
+def test_volumes_are_mounted_into_every_ray_node_and_not_the_submitter():
+    spec = KubeSpec(node_gpus=8, volumes=[VOLUME, {"name": "scratch", "claim": "team-scratch",
+                                                   "mount_path": "/scratch", "read_only": False}]).validate()
+    cfg = apply_overrides(RunConfig(), ["actor.world_size=16", "resources.nnodes=2", "resources.gpus_per_node=8"])
+    objects = render_all(cfg.validate(), spec, "ppo-7b", "s3://b/runs")
+    validate_all(objects)
+    job = objects["rayjob.yaml"]
+    pods = list(_pod_templates(job))
+    for template in pods[:-1]:  # head, workers
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "team-models", "readOnly": True}
+        assert volumes["scratch"]["persistentVolumeClaim"] == {"claimName": "team-scratch", "readOnly": False}
+        (container,) = pod["containers"]
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        assert mounts["/models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+        assert mounts["/scratch"]["readOnly"] is False
+    submitter = pods[-1]["spec"]
+    assert not [v for v in submitter["volumes"] if "persistentVolumeClaim" in v]
+
+
+def test_the_policy_decides_which_claims_a_run_may_mount_and_how():
+    from components.kuberay.policy import DeploymentPolicy
+
+    policy = DeploymentPolicy.from_yaml("volume_claims: [team-models]\nwritable_volume_claims: [team-scratch]",
+                                        namespace="rlhf")
+    policy.check(KubeSpec(volumes=[VOLUME]).validate())
+    policy.check(KubeSpec(volumes=[{"name": "s", "claim": "team-scratch", "mount_path": "/s", "read_only": False},
+                                   {"name": "t", "claim": "team-scratch", "mount_path": "/t"}]).validate())
+    for volume, match in (({**VOLUME, "claim": "other-team-models"}, r"kubernetes.volumes: expected one of the "
+                           r"deployment's allowed claims \['team-models', 'team-scratch'\]; found 'other-team-models'"),
+                          ({**VOLUME, "read_only": False}, r"kubernetes.volumes: .*writable claims.*'team-models'")):
+        with pytest.raises(DeploySpecError, match=match):
+            policy.check(KubeSpec(volumes=[volume]).validate())
+    with pytest.raises(DeploySpecError, match="kubernetes.volumes: .*claims \\[\\]; found 'team-models'"):
+        DeploymentPolicy(namespace="rlhf").check(KubeSpec(volumes=[VOLUME]).validate())
+
+
+@pytest.mark.parametrize("volume, field", [
+    ({**VOLUME, "mount_path": "models"}, r"volumes\[0\].mount_path: expected an absolute"),
+    ({**VOLUME, "mount_path": "/tmp/models"}, r"volumes\[0\].mount_path: .* overlapping /tmp"),
+    ({**VOLUME, "mount_path": "/home"}, r"volumes\[0\].mount_path: .* overlapping /home/rlhf/.cache"),
+    ({**VOLUME, "mount_path": "/a/../tmp"}, r"volumes\[0\].mount_path: expected an absolute, normalized"),
+    ({**VOLUME, "name": "cache"}, r"volumes\[0\].name: expected a DNS label unused"),
+    ({**VOLUME, "name": "Models"}, r"volumes\[0\].name"),
+    ({**VOLUME, "claim": ""}, r"volumes\[0\].claim"),
+    ({**VOLUME, "read_only": "yes"}, r"volumes\[0\].read_only: expected true or false"),
+    ({"name": "models", "claim": "x", "mountPath": "/m"}, r"volumes\[0\]: expected \{name, claim, mount_path"),
+])
+def test_bad_volumes_are_refused_with_the_field(volume, field):
+    with pytest.raises(DeploySpecError, match="kubernetes." + field):
+        KubeSpec(volumes=[volume]).validate()
+    with pytest.raises(DeploySpecError, match=r"volumes\[1\].(name|mount_path)"):
+        KubeSpec(volumes=[VOLUME, VOLUME]).validate()
+
+
+def test_the_reserved_mounts_are_the_ones_the_pods_use():
+    from components.kuberay.spec import RESERVED_MOUNTS, RESERVED_VOLUMES
+
+    cluster = render_all(*load_deployment(None), "r", "s3://b/runs")["raycluster.yaml"]["spec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert {v["name"] for v in head["volumes"]} == set(RESERVED_VOLUMES)
+    used = {m["mountPath"] for m in head["containers"][0]["volumeMounts"] + cluster["autoscalerOptions"]["volumeMounts"]}
+    assert all(any(path == r or path.startswith(r + "/") for r in RESERVED_MOUNTS) for path in used)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_every_example_reaches_its_model_and_data(path):
+    """What a pod reads: built-in, an object-store URI (fetched by each node) or a path
+    under a volume the pods mount; never a path only some laptop has."""
+    from rlhf_core.data.fetch import is_remote
+
+    cfg, spec = load_deployment(path)
+    mounts = [v["mount_path"] for v in spec.volumes]
+    for field, value in (("model.path", cfg.model.path), ("data.train_files", cfg.data.train_files)):
+        assert value.startswith("builtin:") or is_remote(value) or any(
+            value.startswith(m + "/") for m in mounts), f"{path.name}: {field}={value} is not reachable from the pods"
+    claims = {v["claim"] for v in spec.volumes}
+    example = yaml.safe_load((ROOT / "manifests/base/pvc-models.example.yaml").read_text())
+    assert claims <= {example["metadata"]["name"]}, "every claim an example mounts has an example PVC"

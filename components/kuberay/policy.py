@@ -25,7 +25,8 @@ POLICY_KEY = "policy.yaml"
 class DeploymentPolicy:
     """One Ray namespace's allow-lists. Images are exact references or ``repo:*`` (any tag
     of one repository); node selectors are ``key=value`` or ``key=*`` (any value of the
-    key); a toleration must equal one listed. An empty priority class and an empty node
+    key); a toleration must equal one listed; a volume's claim must be listed, among the
+    writable ones when it is mounted writable. An empty priority class and an empty node
     selector are always allowed: they ask for nothing."""
 
     namespace: str
@@ -36,6 +37,8 @@ class DeploymentPolicy:
     priority_classes: tuple = ()
     node_selectors: tuple = ()
     tolerations: tuple = field(default=())
+    volume_claims: tuple = ()            # PVCs a run may mount read-only (kubernetes.volumes)
+    writable_volume_claims: tuple = ()   # PVCs a run may also mount writable
 
     @classmethod
     def from_yaml(cls, text: str, namespace: str, source: str = POLICY_KEY) -> "DeploymentPolicy":
@@ -84,6 +87,12 @@ class DeploymentPolicy:
         for toleration in spec.tolerations:
             if _toleration(toleration) not in self.tolerations:
                 refuse("tolerations", "tolerations", self.tolerations, toleration)
+        for volume in spec.volumes:
+            if volume["read_only"] and volume["claim"] not in self.volume_claims + self.writable_volume_claims:
+                refuse("volumes", "claims", self.volume_claims + self.writable_volume_claims, volume["claim"])
+            if not volume["read_only"] and volume["claim"] not in self.writable_volume_claims:
+                refuse("volumes", "writable claims (read_only: false)", self.writable_volume_claims,
+                       volume["claim"])
         return spec
 
 

@@ -82,7 +82,8 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
     }
 
 
-def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool) -> dict:
+def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float, workers: bool,
+                  ray_node: bool = True) -> dict:
     # no pod mounts a token: only the head's autoscaler sidecar talks to the Kubernetes API,
     # and it gets one of its own (_head_token)
     pod = {"serviceAccountName": spec.service_account, "automountServiceAccountToken": False,
@@ -91,6 +92,12 @@ def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float,
                                "seccompProfile": {"type": "RuntimeDefault"}},
            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(shm_gib)}},
                        {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
+    if ray_node:  # the deployment's shared volumes (models, data): on every Ray node, head included
+        pod["volumes"] += [{"name": v["name"], "persistentVolumeClaim": {"claimName": v["claim"],
+                                                                          "readOnly": v["read_only"]}}
+                           for v in spec.volumes]
+        container["volumeMounts"] += [{"name": v["name"], "mountPath": v["mount_path"], "readOnly": v["read_only"]}
+                                      for v in spec.volumes]
     if workers and spec.node_selector:
         pod["nodeSelector"] = dict(spec.node_selector)
     if workers and spec.tolerations:
@@ -119,7 +126,7 @@ def _head_token(template: dict, cluster: str) -> dict:
 def _submitter_template(spec: KubeSpec, labels: dict) -> dict:
     container = _container("ray-job-submitter", spec, 0.5, 1.0, 0)
     container["env"] = [e for e in container["env"] if "valueFrom" not in e]  # it needs no store keys
-    template = _pod_template(container, spec, labels, 0.0625, workers=False)
+    template = _pod_template(container, spec, labels, 0.0625, workers=False, ray_node=False)
     template["spec"]["restartPolicy"] = "Never"
     return template
 

@@ -50,6 +50,10 @@ class KubeSpec:
     session_max_lifetime_s: int = 7 * 24 * 3600   # RayJob activeDeadlineSeconds
     ttl_after_finished_s: int = 600               # RayJob: keep the finished cluster for its logs
     worker_idle_timeout_s: int = 300              # GPU worker pods idle this long (no session) are scaled to zero
+    # PersistentVolumeClaims mounted into the head and worker pods, for models and data kept
+    # on shared volumes: [{name, claim, mount_path, read_only (default true)}]; the
+    # deployment policy names the claims a run may mount (policy.py)
+    volumes: list = field(default_factory=list)
 
     def validate(self) -> "KubeSpec":
         for name in ("image", "namespace", "service_account", "object_store_secret", "ray_token_secret"):
@@ -65,7 +69,47 @@ class KubeSpec:
         for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s", "worker_idle_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
+        if not isinstance(self.volumes, list):
+            raise DeploySpecError(f"kubernetes.volumes: expected a list of {{name, claim, mount_path, read_only}}, "
+                                  f"found {self.volumes!r}")
+        self.volumes = [_volume(i, v, self.volumes[:i]) for i, v in enumerate(self.volumes)]
         return self
+
+
+#: Volume names and mount paths the rendered pods use themselves (render.py).
+RESERVED_VOLUMES = ("dshm", "tmp", "cache", "kube-api-access")
+RESERVED_MOUNTS = ("/dev/shm", "/tmp", "/home/rlhf/.cache", "/var/run/secrets")
+
+
+def _volume(index: int, v, before: list) -> dict:
+    """One ``kubernetes.volumes`` entry, checked and with its default filled in."""
+    import posixpath
+
+    where = f"kubernetes.volumes[{index}]"
+    if not isinstance(v, dict) or set(v) - {"name", "claim", "mount_path", "read_only"} or \
+            not {"name", "claim", "mount_path"} <= set(v):
+        raise DeploySpecError(f"{where}: expected {{name, claim, mount_path, read_only}}, found {v!r}")
+    from components.kuberay.names import is_dns1035_label
+
+    name, claim, path = v["name"], v["claim"], v["mount_path"]
+    if not isinstance(name, str) or not is_dns1035_label(name) or name in RESERVED_VOLUMES \
+            or name in [b["name"] for b in before]:
+        raise DeploySpecError(f"{where}.name: expected a DNS label unused by the pod (not {list(RESERVED_VOLUMES)} "
+                              f"or an earlier volume), found {name!r}")
+    if not isinstance(claim, str) or not claim.strip() or len(claim) > 253:
+        raise DeploySpecError(f"{where}.claim: expected a PersistentVolumeClaim name, found {claim!r}")
+    if not isinstance(path, str) or not path.startswith("/") or posixpath.normpath(path) != path.rstrip("/") \
+            or path == "/":
+        raise DeploySpecError(f"{where}.mount_path: expected an absolute, normalized path, found {path!r}")
+    taken = list(RESERVED_MOUNTS) + [b["mount_path"] for b in before]
+    clash = next((t for t in taken if path == t or path.startswith(t + "/") or t.startswith(path + "/")), None)
+    if clash:
+        raise DeploySpecError(f"{where}.mount_path: expected a path apart from the pod's other mounts, found {path!r} "
+                              f"overlapping {clash}")
+    read_only = v.get("read_only", True)
+    if not isinstance(read_only, bool):
+        raise DeploySpecError(f"{where}.read_only: expected true or false, found {read_only!r}")
+    return {"name": name, "claim": claim, "mount_path": path.rstrip("/"), "read_only": read_only}
 
 
 def spec_from_dict(data: dict | None) -> KubeSpec:
