@@ -140,7 +140,7 @@ def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
     job = yaml.safe_load((tmp_path / "rayjob.yaml").read_text())
     assert cluster["metadata"]["name"] == job["metadata"]["name"] == cluster_name("Dev_Run")
     assert cluster["spec"]["workerGroupSpecs"][0]["replicas"] == 2
-    assert "RayCluster rlhf/" in capsys.readouterr().out
+    assert "RayCluster rlhf-dev/" in capsys.readouterr().out  # the cpu-dev overlay's namespace
 
 
 def _pod_templates(obj):

@@ -223,6 +223,84 @@ def test_the_deployment_policy_is_read_from_the_ray_namespace_and_allows_the_exa
     policy = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rlhf-deployment-policy")
     assert policy["metadata"]["namespace"] == "rlhf"
     assert not any(o["metadata"].get("namespace") == "rlhf" for o in _profile())
-    allowed = DeploymentPolicy.from_yaml(policy["data"]["policy.yaml"], namespace="rlhf")
     for config in sorted((ROOT / "manifests" / "configs").glob("*.yaml")):
-        allowed.check(load_deployment(config)[1])
+        spec = load_deployment(config)[1]
+        objects = kustomize_lite.build(_overlay_of(spec.namespace))
+        policy = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == POLICY)
+        DeploymentPolicy.from_yaml(policy["data"]["policy.yaml"], namespace=spec.namespace).check(spec)
+
+
+POLICY = "rlhf-deployment-policy"
+CONFIGS = sorted((ROOT / "manifests" / "configs").glob("*.yaml"))
+
+
+def _overlay_of(namespace: str) -> Path:
+    """The overlay that sets up ``namespace`` (its quota and policy apply to what runs there)."""
+    found = [ROOT / "manifests" / "overlays" / o for o in OVERLAYS
+             if yaml.safe_load((ROOT / "manifests" / "overlays" / o / "kustomization.yaml").read_text())["namespace"]
+             == namespace]
+    assert len(found) == 1, f"expected one overlay for namespace {namespace!r}, found {found}"
+    return found[0]
+
+
+_UNITS = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30,
+          "Ti": 2 ** 40}
+
+
+def quantity(text) -> float:
+    number, unit = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(text)).groups()
+    return float(number) * _UNITS[unit]
+
+
+def pod_totals(job: dict) -> dict[str, float]:
+    """What a RayJob's pods ask of a ResourceQuota at most: every worker group at its
+    maxReplicas, the head with the autoscaler sidecar, the submitter. (KubeRay's init
+    containers ask less than the containers they precede, so they never add.)"""
+    cluster = job["spec"]["rayClusterSpec"]
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    pods = [(1, head + [{"resources": cluster["autoscalerOptions"]["resources"]}]),
+            (1, job["spec"]["submitterPodTemplate"]["spec"]["containers"])]
+    pods += [(g["maxReplicas"], g["template"]["spec"]["containers"]) for g in cluster["workerGroupSpecs"]]
+    totals: dict[str, float] = {"pods": sum(n for n, _ in pods)}
+    for count, containers in pods:
+        for container in containers:
+            for kind in ("requests", "limits"):
+                for resource, value in container["resources"].get(kind, {}).items():
+                    totals[f"{kind}.{resource}"] = totals.get(f"{kind}.{resource}", 0) + count * quantity(value)
+    return totals
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_example_deployment_fits_its_overlays_quota(config):
+    from components.kuberay.render import render_rayjob
+    from components.kuberay.spec import load_deployment
+
+    cfg, spec = load_deployment(config)
+    objects = kustomize_lite.build(_overlay_of(spec.namespace))
+    (quota,) = [o for o in objects if o["kind"] == "ResourceQuota"]
+    totals = pod_totals(render_rayjob(cfg, spec, "quota-check", "s3://b/runs"))
+    assert totals["requests.memory"] >= cfg.resources.nnodes * cfg.resources.memory_gib_per_node * 2 ** 30
+    for key, hard in quota["spec"]["hard"].items():
+        asked = totals.get(key if "." in key and key.split(".", 1)[0] in ("requests", "limits")
+                           else ("pods" if key == "pods" else f"requests.{key}"), 0)
+        assert asked <= quantity(hard), (f"{config.name} asks {key}={asked / (2 ** 30 if 'memory' in key else 1):g}"
+                                         f"{'Gi' if 'memory' in key else ''} of namespace {spec.namespace}, whose "
+                                         f"quota {quota['metadata']['name']} allows {hard}")
+
+
+def test_the_quota_check_counts_what_a_cluster_asks():
+    from components.kuberay.render import render_rayjob
+    from components.kuberay.spec import load_deployment
+
+    cfg, spec = load_deployment(ROOT / "manifests" / "configs" / "qwen2.5-7b-2x8.yaml")
+    totals = pod_totals(render_rayjob(cfg, spec, "q", "s3://b/runs"))
+    # 2 x (96 CPUs, 1500 GiB, 8 GPUs) workers + head (2, 8 GiB) + autoscaler (0.5, 0.5 GiB) + submitter (0.5, 1 GiB)
+    assert totals["requests.cpu"] == 2 * 96 + 2 + 0.5 + 0.5
+    assert totals["requests.memory"] == (2 * 1500 + 8 + 0.5 + 1) * 2 ** 30
+    assert totals["requests.nvidia.com/gpu"] == 16 and totals["pods"] == 4
+
+
+def test_the_example_volume_claim_validates():
+    pvc = yaml.safe_load((ROOT / "manifests" / "base" / "pvc-models.example.yaml").read_text())
+    kubernetes_validate.validate(pvc, K8S_VERSION, strict=True)
+    assert "ReadOnlyMany" in pvc["spec"]["accessModes"]

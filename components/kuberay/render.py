@@ -25,6 +25,8 @@ CACHE_DIR = "/home/rlhf/.cache"
 OBJECT_STORE_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL",
                      "AWS_REGION")
 REQUIRED_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+#: The autoscaler sidecar's requests and limits (KubeRay's defaults for it).
+AUTOSCALER_RESOURCES = {"cpu": "500m", "memory": "512Mi"}
 #: Where a pod's Kubernetes API credentials go (the path Ray's autoscaler reads them from).
 KUBE_API_VOLUME, TOKEN_DIR = "kube-api-access", "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -171,6 +173,9 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
         "authOptions": {"mode": "token", "secretName": spec.ray_token_secret},
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {"idleTimeoutSeconds": spec.worker_idle_timeout_s,
+                              # KubeRay's defaults, written out so that a quota check sees them
+                              "resources": {"requests": dict(AUTOSCALER_RESOURCES),
+                                            "limits": dict(AUTOSCALER_RESOURCES)},
                               "volumeMounts": [{"name": KUBE_API_VOLUME, "mountPath": TOKEN_DIR, "readOnly": True}],
                               "securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
                                                   "allowPrivilegeEscalation": False,
