@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_smoke.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-.venv/bin/python}
+# the repository's venv, else the image's (on PATH)
+if [ -x .venv/bin/python ]; then PYTHON=${PYTHON:-.venv/bin/python}; else PYTHON=${PYTHON:-python}; fi
 export VLLM_ENABLE_V1_MULTIPROCESSING=0   # the engine lives in the worker process (weights pushed in place)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 exec "$PYTHON" benchmarks/gpu_smoke.py "$@"

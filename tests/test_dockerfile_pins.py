@@ -62,7 +62,8 @@ def debian_index(release: str) -> dict[str, set[str]]:
 
 def test_the_pins_are_found_in_the_dockerfile():
     assert base_image_release() == "bookworm"
-    assert apt_pins() == {"procps": "2:4.0.2-3", "tini": "0.19.0-1+b3"}
+    assert apt_pins() == {"procps": "2:4.0.2-3", "tini": "0.19.0-1+b3", "gcc": "4:12.2.0-3",
+                          "libc6-dev": "2.36-9+deb12u14"}
     assert pip_pins() == {"torch": "2.13.0"}
 
 

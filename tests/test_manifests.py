@@ -177,6 +177,41 @@ def test_dockerfile_shape():
     assert not re.search(r"^FROM \S+:latest", text, re.M)
 
 
+def _dockerfile_env() -> dict[str, str]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in re.findall(r"^ENV (.*)$", text, re.M):
+        env.update(re.findall(r"([A-Z_]+)=(\S+)", line))
+    return env
+
+
+def test_the_image_compiles_kernels_sees_cuda_and_writes_only_where_pods_can():
+    """What the GPU path needs of the image, line by line: a C compiler and libc headers
+    (Triton/Inductor build launchers at run time), the driver capabilities that make the
+    runtime mount libcuda, every cache on an emptyDir the rendered pods mount (their root
+    filesystem is read-only), and the smoke check."""
+    from components.kuberay.render import render_raycluster
+    from components.kuberay.spec import load_deployment
+
+    text = (ROOT / "Dockerfile").read_text()
+    installs = " ".join(re.findall(r"apt-get install[^\n\\]*(?:\\\n[^\n\\]*)*", text))
+    assert re.search(r"\bgcc=\S+", installs) and re.search(r"\blibc6-dev=\S+", installs)
+    env = _dockerfile_env()
+    assert env["NVIDIA_DRIVER_CAPABILITIES"] == "compute,utility"
+    cfg, spec = load_deployment(ROOT / "manifests" / "configs" / "qwen2.5-7b-2x8.yaml")
+    worker = render_raycluster(cfg, spec, "r")["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    empty = {v["name"] for v in worker["volumes"] if "emptyDir" in v and "medium" not in v}
+    writable = [m["mountPath"] for m in worker["containers"][0]["volumeMounts"] if m["name"] in empty]
+    for var in ("TRITON_CACHE_DIR", "TRITON_HOME", "VLLM_CONFIG_ROOT", "VLLM_CACHE_ROOT", "HF_HOME",
+                "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "RLHF_CACHE"):
+        assert any(env[var] == m or env[var].startswith(m + "/") for m in writable), (var, env.get(var), writable)
+    assert re.search(r"^COPY .*benchmarks/gpu_smoke.sh benchmarks/gpu_smoke.py \./benchmarks/$", text, re.M)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"!benchmarks/gpu_smoke.sh", "!benchmarks/gpu_smoke.py"} <= set(ignored), "the build context has them"
+    smoke = (ROOT / "benchmarks" / "gpu_smoke.sh").read_text()
+    assert "PYTHON=${PYTHON:-python}" in smoke  # the image has no .venv: its venv is on PATH
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_namespace_enforces_restricted_pods_and_admits_only_the_pipeline(overlay):
     objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay)
