@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -365,3 +366,33 @@ def test_on_a_cpu_worker_the_moves_are_the_same_tensors():
     t = torch.zeros(2)
     assert devices.to_host({"t": t, "none": None}) == {"t": t, "none": None}
     assert devices.to_host({"t": t})["t"] is t
+
+
+def _smoke_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_smoke.py"
+    spec = importlib.util.spec_from_file_location("gpu_smoke", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_gpu_smoke_check_trains_what_the_gpu_examples_run(gpus, tmp_path):
+    """benchmarks/gpu_smoke.py generates with vLLM over every GPU it uses (TP = ranks),
+    trains with FSDP2 over them, and its config validates as written."""
+    cfg = _smoke_module().smoke_config(str(tmp_path / "model"), str(tmp_path / "train.parquet"), gpus)
+    assert cfg.rollout.name == "vllm" and cfg.rollout.tensor_model_parallel_size == gpus
+    assert cfg.actor.strategy == "fsdp" and cfg.actor.world_size == gpus and cfg.resources.gpus_per_node == gpus
+    assert cfg.rollout.free_cache_engine  # sleep/wake around training
+
+
+def test_the_gpu_smoke_check_prints_one_line_per_step_and_stops_at_the_first_failure(capsys):
+    steps = _smoke_module().Steps()
+    assert steps.run("first", lambda: 7) == 7
+    assert steps.run("second", lambda: 1 / 0) is None
+    assert steps.run("third", lambda: 3) is None  # not run after a failure
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("PASS", "FAIL"))]
+    assert [line.split(" (")[0] for line in lines] == ["PASS first", "FAIL second"] and steps.failed
+    assert lines[1].endswith("ZeroDivisionError: division by zero")
