@@ -3,7 +3,7 @@
 The driver reads the run's committed iteration manifests (the store is the record, not
 KFP's run states) to decide what comes next: the next iteration, a retry of a failed one
 (the retry resumes at the stage where it stopped), or the end (the run's total reached,
-the reward target met, the wall-clock budget spent, or the driver told to stop). Only one
+the reward target met, the validation score reached, the wall-clock budget spent, or the driver told to stop). Only one
 driver drives a run at a time: it holds the run's ``driver`` lease, like a controller
 holds an iteration's.
 
@@ -36,6 +36,7 @@ class Plan:
     iterations: int | None = None
     more: int | None = None
     stop_at_reward: float | None = None  # mean critic/score/mean of the last 5 iterations
+    stop_at_val: float | None = None     # the latest validation's score (mean of its val-core/* means)
     budget_s: float | None = None
     max_retries: int = 2
     poll_s: float = 5.0
@@ -53,6 +54,17 @@ def _recent_reward(istore, committed: list[int]) -> float | None:
 
     rewards = [istore.read_manifest(n)["metrics"].get("critic/score/mean") for n in committed[-REWARD_WINDOW:]]
     return recent_mean([r for r in rewards if r is not None])
+
+
+def _latest_validation(istore, committed: list[int]) -> float | None:
+    """The score of the newest committed validation (``progress.validation_score``)."""
+    from rlhf_core.trainer.progress import validation_score
+
+    for n in reversed(committed):
+        score = validation_score(istore.read_manifest(n)["metrics"])
+        if score is not None:
+            return score
+    return None
 
 
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
@@ -83,10 +95,13 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
         while True:
             committed = istore.committed_iterations()
             reward = _recent_reward(istore, committed) if plan.stop_at_reward is not None else None
+            val = _latest_validation(istore, committed) if plan.stop_at_val is not None else None
             if len(committed) >= target:
                 reason = f"{len(committed)} of {target} iterations committed"
             elif reward is not None and reward >= plan.stop_at_reward:
                 reason = f"mean reward {reward:.3f} of the last iterations reached {plan.stop_at_reward}"
+            elif val is not None and val >= plan.stop_at_val:
+                reason = f"validation score {val:.3f} reached {plan.stop_at_val}"
             elif plan.budget_s is not None and time.monotonic() - start >= plan.budget_s:
                 reason = f"wall-clock budget of {plan.budget_s:.0f}s spent"
             elif stopping():

@@ -85,7 +85,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     remote, _, target, arguments = _remote(args)
     if args.iterations is not None:
         params = remote.finetune_arguments(arguments, target, iterations=args.iterations,
-                                           stop_at_reward=args.stop_at_reward, budget_s=args.budget_s)
+                                           stop_at_reward=args.stop_at_reward, budget_s=args.budget_s,
+                                           stop_at_val=args.stop_at_val)
         out = remote.submit_finetune(target, params)
         print(f"submitted: fine-tune run {out['run_id']} (experiment {out['experiment_id']}) on {args.host}: "
               f"{args.run_id} up to {args.iterations} iterations in all, continuing from its last committed one")
@@ -146,6 +147,9 @@ def register(sub, api) -> None:
                                 "total iterations (default: one iteration, the per-iteration pipeline)")
             remote.add_argument("--stop-at-reward", type=float, default=None, help="with --iterations: stop "
                                 "when the mean reward of the last 5 iterations reaches this")
+            remote.add_argument("--stop-at-val", type=float, default=None, help="with --iterations: stop when "
+                                "the latest validation's score (mean of its val-core/* metrics; data.val_files) "
+                                "reaches this")
             remote.add_argument("--budget-s", type=float, default=None, help="with --iterations: wall-clock "
                                 "budget of the fine-tune in seconds")
         add_run_arguments(remote, store=REQUIRED, run_id_help="the run the iterations belong to",

@@ -97,12 +97,13 @@ def schedule(target: Target, arguments: dict, cron: str, name: str | None = None
 
 def finetune_arguments(arguments: dict, target: Target, iterations: int | None = None, more: int | None = None,
                        stop_at_reward: float | None = None, budget_s: float | None = None,
-                       max_retries: int = 2) -> dict:
+                       max_retries: int = 2, stop_at_val: float | None = None) -> dict:
     """Parameters of the driver pipeline (``pipelines/finetune.yaml``): the per-iteration
     pipeline's, plus when to stop. ``iterations`` is the run's total; ``more`` adds to
     what is committed when the driver starts (a schedule's trigger)."""
     return {**{k: v for k, v in arguments.items()}, "iterations": int(iterations or 0), "more": int(more or 0),
             "stop_at_reward": -1.0 if stop_at_reward is None else float(stop_at_reward),
+            "stop_at_val": -1.0 if stop_at_val is None else float(stop_at_val),
             "budget_s": float(budget_s or 0.0), "max_retries": max_retries, "kfp_host": target.host,
             "namespace": target.namespace or "", "experiment": target.experiment,
             "service_account": target.service_account}

@@ -151,7 +151,7 @@ def _interrupted(args, cfg, store: str, total: int) -> str:
     try:
         istore = IterationStore(store, args.run_id)
         n = len(istore.committed_iterations())
-        stages = [name for name in persisted_names(cfg) if istore.has(n, name)]
+        stages = [name for name in persisted_names(cfg, n) if istore.has(n, name)]
     except Exception as exc:  # noqa: BLE001 - the store is unreachable: say so, the command still holds
         kept = f"(the store could not be read: {type(exc).__name__})"
     else:

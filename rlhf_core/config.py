@@ -21,15 +21,17 @@ from typing import Any
 
 
 def _f(default, help: str, *, choices: tuple | None = None, registry: str | None = None, ge=None, gt=None,
-       le=None, lt=None, hashed: bool = True, checkpoint: bool = False, **kw):
+       le=None, lt=None, hashed: bool = True, checkpoint: bool = False, hashed_when_set: bool = False, **kw):
     """A field with its documentation, valid values and class attached: ``rlhf config``
     shows the help (``field_help``: with the choices, or the names registered in
     ``rlhf_core.algorithms.<registry>``); ``RunConfig.validate`` checks choices, registry
     and bounds. ``hashed=False``: the field changes how a run is shown, stored or placed,
     never what it trains (left out of ``config_hash``). ``checkpoint=True``: a checkpoint's
-    tensors depend on it (a replay cannot change it)."""
+    tensors depend on it (a replay cannot change it). ``hashed_when_set=True``: a field added
+    after runs were stored: hashed only when it differs from its default, so a run that
+    never set it keeps the hash it had."""
     meta = {"help": help, "choices": choices, "registry": registry, "ge": ge, "gt": gt, "le": le, "lt": lt,
-            "hashed": hashed, "checkpoint": checkpoint}
+            "hashed": hashed, "checkpoint": checkpoint, "hashed_when_set": hashed_when_set}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -71,6 +73,9 @@ class DataConfig:
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
                          "left (keep its end), right (keep its start)", choices=("error", "left", "right"))
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
+    val_files: str = _f("", "validation prompts (verl's data.val_files; the same formats as train_files): "
+                        "generated (rollout.val_kwargs) and scored by the run's reward every trainer.test_freq "
+                        "iterations; empty: no validation", hashed=False)
 
 
 @dataclass
@@ -120,6 +125,18 @@ class ActorConfig:
 
 
 @dataclass
+class ValKwargsConfig:
+    """Sampling for validation (verl's ``actor_rollout_ref.rollout.val_kwargs``)."""
+
+    do_sample: bool = _f(False, "sample validation responses (False: greedy, verl's default)", hashed=False)
+    temperature: float = _f(0.0, "sampling temperature when do_sample (0: greedy)", **NON_NEGATIVE, hashed=False)
+    top_p: float = _f(1.0, "nucleus sampling when do_sample", gt=0, le=1, hashed=False)
+    n: int = _f(1, "responses per validation prompt (metrics mean@n, std@n)", **POSITIVE, hashed=False)
+    seed: int = _f(7_000_003, "base seed of validation sampling: its own, so validation never moves the "
+                   "training's random draws", **NON_NEGATIVE, hashed=False)
+
+
+@dataclass
 class RolloutConfig:
     name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
                    "for the demo's tiny model and short responses) or vllm (an in-process engine per rank: "
@@ -139,6 +156,7 @@ class RolloutConfig:
                     choices=("auto", "float32", "bfloat16", "float16"))
     free_cache_engine: bool = _f(True, "free vLLM's KV cache and weights while the actor trains (sleep / "
                                  "wake up around training; no-op on CPU)")
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 
 @dataclass
@@ -166,6 +184,16 @@ class RewardConfig:
                        "owner: it is imported and run by the reward workers), or a named one: builtin = the "
                        "built-in task's scorer; gsm8k = 1 when the number after the last '####' "
                        "equals the ground truth")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """A reward function loaded from a Python file (verl's ``custom_reward_function``):
+    trusted code of the run's owner, like ``reward.function``; it replaces it when set."""
+
+    path: str = _f("", "a .py file defining the reward function (verl's signature); empty: reward.function "
+                   "scores", hashed_when_set=True)
+    name: str = _f("compute_score", "the function's name in that file", hashed_when_set=True)
 
 
 @dataclass
@@ -227,6 +255,10 @@ class TrainerConfig:
                              "all); manifests (config, metrics, lineage) are always kept", **NON_NEGATIVE, hashed=False)
     keep_snapshots_every: int = _f(0, "rlhf gc also keeps the stage snapshots of every M-th iteration",
                                    **NON_NEGATIVE, hashed=False)
+    test_freq: int = _f(-1, "validate (data.val_files) every K iterations, on the weights an iteration starts "
+                        "from (verl's trainer.test_freq; -1: never periodically)", ge=-1, hashed=False)
+    val_before_train: bool = _f(True, "validate the initial weights (iteration 0) when data.val_files is set "
+                                "(verl's trainer.val_before_train)", hashed=False)
     prefetch: bool = _f(True, "a session computes the next iteration's inference stages (rollout through "
                         "values) right after an iteration commits, while the next controller starts; "
                         "results are identical either way", hashed=False)
@@ -268,6 +300,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -286,6 +319,15 @@ class RunConfig:
     @property
     def use_reference(self) -> bool:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def validation_due(self, step: int) -> bool:
+        """Whether iteration ``step`` starts with validation (data.val_files): every
+        trainer.test_freq iterations after the first, and at 0 with trainer.val_before_train."""
+        if not self.data.val_files:
+            return False
+        if step == 0:
+            return self.trainer.val_before_train
+        return self.trainer.test_freq > 0 and step % self.trainer.test_freq == 0
 
     @property
     def on_policy_update(self) -> bool:
@@ -312,7 +354,10 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
-        for path in fields_where(lambda meta: not meta["hashed"]):
+        defaults = RunConfig()
+        unset = [path for path in fields_where(lambda meta: meta["hashed_when_set"])
+                 if _get(self, path) == _get(defaults, path)]
+        for path in fields_where(lambda meta: not meta["hashed"]) + unset:
             *parents, key = path.split(".")
             chain = [data]
             for part in parents:
@@ -338,6 +383,9 @@ class RunConfig:
         if reward not in NAMED_REWARDS and not _REWARD_SPEC.fullmatch(reward):
             raise ConfigError(f"reward.function: expected module:function or one of {', '.join(NAMED_REWARDS)}; "
                               f"found {reward!r}")
+        if self.custom_reward_function.path and not self.custom_reward_function.path.endswith(".py"):
+            raise ConfigError(f"custom_reward_function.path: expected a .py file; "
+                              f"found {self.custom_reward_function.path!r}")
         for section in ("actor", "critic") if self.use_critic else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             if self.data.train_batch_size % mini:
@@ -445,7 +493,7 @@ def check_field(path: str, f: dataclasses.Field, value) -> None:
         raise ConfigError(f"{path}: expected {kind}, found {value!r} ({type(value).__name__})")
     if want is float and not math.isfinite(value):
         raise ConfigError(f"{path}: expected a finite number, found {value!r}")
-    if want is str and not value.strip():
+    if want is str and not value.strip() and f.default != "":  # "" only where it is the default (unset)
         raise ConfigError(f"{path}: expected a non-empty string, found {value!r}")
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{path}: expected one of {', '.join(map(str, meta['choices']))}; found {value!r}")

@@ -167,18 +167,21 @@ class IterationStore:
             loc.fs.invalidate_cache()
         return sfs.read_bytes(loc) is not None
 
-    def load(self, iteration: int, stage: str) -> "DataProto":
-        """The whole batch as it stood after ``stage`` (a delta composed with its chain)."""
+    def load(self, iteration: int, stage: str, standalone: bool = False) -> "DataProto":
+        """The whole batch as it stood after ``stage`` (a delta composed with its chain).
+        ``standalone``: a side stage's batch (validation), not the base of the next save."""
         from rlhf_core.snapshot import load_snapshot, snapshot_info
 
         self.flush()
         uri = self.stage_uri(iteration, stage)
         batch = load_snapshot(uri, storage_options=self.storage_options)
+        if standalone:
+            return batch
         self._written = {uri: snapshot_info(uri, storage_options=self.storage_options)}
         self._previous = (iteration, uri, batch.select(deepcopy=True))
         return batch
 
-    def save(self, iteration: int, stage: str, batch: "DataProto") -> None:
+    def save(self, iteration: int, stage: str, batch: "DataProto", standalone: bool = False) -> None:
         """Commit the stage's output as a delta of the iteration's previous stage: only the
         columns it added or changed, plus its meta_info (readers compose the chain). A
         stage re-run after a restart (the stateful update stages re-run from the restored
@@ -186,11 +189,19 @@ class IterationStore:
 
         Returns once the delta is decided and copied; the write itself runs in the
         background (one thread, stage order: a snapshot is committed only after the one it
-        is a delta of). ``flush`` waits for every write and raises the first failure."""
+        is a delta of). ``flush`` waits for every write and raises the first failure.
+        ``standalone``: a side stage's batch (validation): written whole, and the next
+        stage's delta is of the stage before it, as if it had not run."""
         from concurrent.futures import ThreadPoolExecutor
 
         uri = self.stage_uri(iteration, stage)
         previous = self._previous
+        if standalone:
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
+            self._pending.append(self._writer.submit(self._write, iteration, stage, uri, batch.select(deepcopy=True),
+                                                     None, True))
+            return
         if previous is not None and previous[0] == iteration and len(previous[2]) == len(batch):
             # copies are needed because later stages may change tensors in place; the
             # unchanged columns' copies are the previous stage's, so only the delta is copied
@@ -208,7 +219,8 @@ class IterationStore:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-writer")
         self._pending.append(self._writer.submit(self._write, iteration, stage, uri, delta, base_uri))
 
-    def _write(self, iteration: int, stage: str, uri: str, delta: "DataProto", base_uri: str | None) -> None:
+    def _write(self, iteration: int, stage: str, uri: str, delta: "DataProto", base_uri: str | None,
+               standalone: bool = False) -> None:
         from rlhf_core.snapshot import save_snapshot, snapshot_info
 
         if base_uri is not None and base_uri not in self._written:
@@ -219,7 +231,8 @@ class IterationStore:
                                  annotations={"run_id": self.run_id, "iteration": iteration, "stage": stage})
         except SnapshotExistsError:
             info = snapshot_info(uri, storage_options=self.storage_options)
-        self._written = {uri: info}  # the only base the next write can name
+        if not standalone:
+            self._written = {uri: info}  # the only base the next write can name
 
     def flush(self) -> None:
         """Wait until every snapshot ``save`` handed over is committed; raises the first

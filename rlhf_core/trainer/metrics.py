@@ -57,3 +57,29 @@ def compute_data_metrics(batch: DataProto, entropys: torch.Tensor | None, use_cr
                 metrics[f"critic/{key}/mean"] = float(np.mean(values))
     metrics["critic/num_valid_responses"] = int(seq_mask.sum())
     return metrics
+
+
+def validation_metrics(data_sources, uids, variables: dict[str, list[float]]) -> dict[str, float]:
+    """verl's validation metrics (``process_validation_metrics`` and ``_val_metrics_update``)
+    from one value per response: per data source and variable, ``mean@n`` (the mean over
+    prompts of each prompt's mean over its n responses) and, for n > 1, ``std@n`` (the mean
+    over prompts of their std). The core variable (``acc`` when the reward reports it, else
+    ``reward``) is logged as ``val-core/<data_source>/<var>/mean@n``, everything else under
+    ``val-aux/``. verl's bootstrapped best@k / worst@k / maj@k are not computed."""
+    import numpy as np
+
+    grouped: dict = {}
+    for row, (source, uid) in enumerate(zip(data_sources, uids)):
+        for name, values in variables.items():
+            grouped.setdefault(source, {}).setdefault(name, {}).setdefault(uid, []).append(float(values[row]))
+    out = {}
+    for source, by_var in grouped.items():
+        core = "acc" if "acc" in by_var else "reward"
+        for name, by_uid in by_var.items():
+            n = max(len(v) for v in by_uid.values())
+            section = "val-core" if name == core else "val-aux"
+            out[f"{section}/{source}/{name}/mean@{n}"] = float(np.mean([np.mean(v) for v in by_uid.values()]))
+            if n > 1:
+                out[f"val-aux/{source}/{name}/std@{n}"] = float(np.mean([np.std(v) for v in by_uid.values()]))
+    return out
+

@@ -23,7 +23,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
 from rlhf_core import probes
 from rlhf_core.trainer import stages as stage_table
-from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics
+from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics, validation_metrics
 
 #: What a model forward needs; stages send workers only the columns they read.
 SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -43,9 +43,9 @@ class StageStore(Protocol):
 
     def has(self, iteration: int, stage: str) -> bool: ...
 
-    def load(self, iteration: int, stage: str) -> DataProto: ...
+    def load(self, iteration: int, stage: str, standalone: bool = False) -> DataProto: ...
 
-    def save(self, iteration: int, stage: str, batch: DataProto) -> None: ...
+    def save(self, iteration: int, stage: str, batch: DataProto, standalone: bool = False) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -80,6 +80,8 @@ class PPOTrainer:
         self.adopted: list[str] = []
         self.worker_time: dict[str, float] = {}
         self.current_stage = ""
+        self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
+        self._val_loader = None
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -114,6 +116,7 @@ class PPOTrainer:
         # taken even when resuming: no computed-ahead stage may still run into the updates
         ahead = self.prefetch.take(self.state) if self.prefetch is not None else None
         self.adopted = []  # the stages computed ahead and adopted
+        self.side_metrics = self._run_side_stages(iteration, timing)
         if done:
             batch = self.stage_store.load(iteration, done[-1].name)  # the whole batch (deltas composed)
             if "kl_coef" in batch.meta_info:
@@ -136,6 +139,36 @@ class PPOTrainer:
         self.state.kl_coef = self.kl_ctrl.value
         self.last_batch = batch
         return self._metrics(batch, timing, time.perf_counter() - t_start)
+
+    def _run_side_stages(self, iteration: int, timing: dict) -> dict:
+        """The side stages due at this iteration (validation), before the training stages:
+        each on a batch of its own, committed as a snapshot of its own (loaded when a
+        resumed iteration has it); returns their metrics."""
+        metrics = {}
+        for stage in stage_table.side_plan(self.config, iteration):
+            if self.stage_store is not None and self.stage_store.has(iteration, stage.name):
+                out = self.stage_store.load(iteration, stage.name, standalone=True)
+            else:
+                [(_, out, timing[stage.name])] = self.run_stages(self.side_input(iteration, stage.name), [stage])
+                self._stage_done(stage.name)
+                if self.stage_store is not None:
+                    self.stage_store.save(iteration, stage.name, out, standalone=True)
+            metrics.update((out.meta_info.get("stage_metrics") or {}).get(stage.name, {}))
+        return metrics
+
+    def side_input(self, iteration: int, name: str) -> DataProto:
+        """A side stage's input: every validation prompt (its own loader: the training
+        data cursor never moves)."""
+        if self._val_loader is None:
+            from rlhf_core.trainer.restore import make_val_loader
+
+            self._val_loader = make_val_loader(self.config)
+        from rlhf_core.data.dataset import Cursor
+
+        self._val_loader.cursor = Cursor()  # the same uids at every validation (and in a replay)
+        batch = self._val_loader.next_batch()  # the whole set, in file order
+        batch.meta_info.update(global_step=iteration)
+        return batch
 
     def _committed_prefix(self, iteration: int, plan: list[stage_table.Stage]) -> list[stage_table.Stage]:
         """The leading stages whose outputs are committed and need not run again (a
@@ -207,6 +240,28 @@ class PPOTrainer:
         by_uid = dict(zip(uids[rows].tolist(), scored.batch["token_level_scores"].sum(dim=-1).tolist()))
         batch.batch["reward_baselines"] = torch.tensor([by_uid[u] for u in uids.tolist()], dtype=torch.float32)
         return batch
+
+    def validate(self, batch: DataProto) -> DataProto:
+        """rollout.val_kwargs responses (greedy by default) to the validation prompts on the
+        weights the iteration starts from, scored by the run's reward; metrics under
+        verl's names (``val-core/<data_source>/reward/mean@1``). Seeded by val_kwargs.seed,
+        so the training's draws are untouched."""
+        val, step = self.config.rollout.val_kwargs, batch.meta_info["global_step"]
+        batch = batch.repeat(val.n, interleave=True)
+        batch.batch["sample_seed"] = val.seed + step * 1_000_003 + torch.arange(len(batch))
+        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
+        prompts.meta_info = {"do_sample": val.do_sample and val.temperature > 0,
+                             "sampling": {"temperature": val.temperature, "top_p": val.top_p}}
+        batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
+        batch = self.compute_reward(batch)
+        nt = batch.non_tensor_batch
+        variables = {"reward": batch.batch["token_level_scores"].sum(dim=-1).tolist()}
+        for key in nt:
+            values = nt[key].tolist() if key.startswith("reward_extra/") else []
+            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                variables[key[len("reward_extra/"):]] = values
+        return self._stage_metrics(batch, validation_metrics(nt["data_source"].tolist(), nt["uid"].tolist(),
+                                                             variables))
 
     def compute_reward(self, batch: DataProto) -> DataProto:
         needed = batch.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])
@@ -302,4 +357,5 @@ class PPOTrainer:
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/throughput"] = tokens / total
         metrics["training/global_step"] = self.state.global_step
+        metrics.update(self.side_metrics)
         return metrics

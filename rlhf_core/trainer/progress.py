@@ -80,3 +80,10 @@ class ProgressLine:
                 if reached else "not reached"))
         lines.append(f"wall time: {_clock(self.clock() - self.started)} (start-up included)")
         return lines
+
+
+def validation_score(metrics: dict) -> float | None:
+    """One number for a validation: the mean of its ``val-core/*`` means (None: no
+    validation in ``metrics``). What ``--stop-at-val`` compares."""
+    core = [v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k]
+    return sum(core) / len(core) if core else None

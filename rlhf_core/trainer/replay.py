@@ -160,9 +160,15 @@ def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -
     manifest chose and this machine does not vouch for (``reward.installed``)."""
     from rlhf_core.workers import reward
 
-    chosen_here = any(o.split("=", 1)[0].strip() == "reward.function" for o in overrides)
+    chosen = {o.split("=", 1)[0].strip() for o in overrides}
+    if cfg.custom_reward_function.path and not (trusted or chosen & {"custom_reward_function.path",
+                                                                      "custom_reward_function.name"}):
+        raise ReplayError(f"custom_reward_function.path {cfg.custom_reward_function.path!r} (from the iteration's "
+                          f"manifest): expected none or one named by --override; replay executes a reward file here "
+                          f"only with --trust-reward-function")
+    chosen_here = "reward.function" in chosen
     spec = cfg.reward.function
-    if not (trusted or chosen_here or reward.installed(spec)):
+    if not (cfg.custom_reward_function.path or trusted or chosen_here or reward.installed(spec)):
         raise ReplayError(f"reward.function {spec!r} (from the iteration's manifest): expected a built-in reward or one "
                           f"an installed package registers (entry points {reward.REWARD_ENTRY_POINTS!r}); replay "
                           f"imports and runs this code here only with --trust-reward-function")
@@ -195,7 +201,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
                          kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
     end_ckpt = manifest["checkpoint"]
 
-    replayable = [stage.name for stage in stage_table.plan(cfg) if stage.replayable]
+    replayable = [stage.name for stage in stage_table.side_plan(cfg, n) + stage_table.plan(cfg) if stage.replayable]
     wanted = stages or ([uri_stage] if uri_stage else replayable)
     for stage in wanted:  # before any worker is placed
         if stage not in replayable:
@@ -209,14 +215,15 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         # stateless stages first (one restore serves them all), then each update stage
         # from a fresh restore: the state every stage saw the first time
         stateful = {s.name for s in stage_table.STAGES if s.stateful}
-        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s)))):
+        # side stages (validation) first: on the weights the iteration started from
+        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s) if s in plan else -1))):
             t0 = time.perf_counter()
             if i == 0 or stage in stateful:  # the last checkpoint, and a redo of what followed it
                 load_checkpoint(workers, istore, n, trainer)
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
             [(_, out, _)] = trainer.run_stages(batch, [stage_table.BY_NAME[stage]])
-            recorded = istore.load(n, stage)
+            recorded = istore.load(n, stage, standalone=stage_table.BY_NAME[stage].side)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
             if stage in stateful and manifest.get("checkpoint_sha256"):  # else no checkpoint to compare with
                 result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage_table.BY_NAME[stage])
@@ -231,6 +238,10 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
+    from rlhf_core.trainer import stages as stage_table
+
+    if stage_table.BY_NAME[stage].side:  # its own input, never the iteration's batch
+        return trainer.side_input(n, stage)
     index = plan.index(stage)
     if index == 0:  # rollout: the prompts the parent's data cursor yields
         batch = trainer.loader.next_batch()

@@ -19,16 +19,37 @@ def run_history(store: str, run_id: str) -> list[dict]:
     return rows
 
 
+def validation_curve(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Each ``val-core/*`` metric as (iteration, value) points, at the iterations that
+    validated (data.val_files, every trainer.test_freq)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("val-core/"):
+                curves.setdefault(key, []).append((row["iteration"], float(value)))
+    return curves
+
+
 def curve_png(rows: list[dict], size: tuple[float, float] = (6, 3.2), dpi: int = 100) -> bytes:
     """The reward curve (mean reward per iteration, and exact match where the reward
-    reports it) as PNG bytes."""
+    reports it) as PNG bytes; with validations, their curve beside it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     it = [r["iteration"] for r in rows]
-    fig, ax = plt.subplots(figsize=size)
+    validation = validation_curve(rows)
+    if validation:
+        fig, (ax, val_ax) = plt.subplots(1, 2, figsize=(size[0] * 1.8, size[1]))
+        for key, points in validation.items():
+            val_ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key[len("val-core/"):])
+        val_ax.set_title("validation", fontsize=9)
+        val_ax.set_xlabel("iteration (weights it starts from)")
+        val_ax.grid(alpha=0.3)
+        val_ax.legend(loc="lower right", fontsize=7)
+    else:
+        fig, ax = plt.subplots(figsize=size)
     ax.plot(it, [r.get("critic/score/mean", 0.0) for r in rows], marker=".", label="mean reward (critic/score/mean)")
     if rows and "critic/reward_extra/exact/mean" in rows[0]:
         ax.plot(it, [r.get("critic/reward_extra/exact/mean", 0) for r in rows], label="exact match", alpha=0.7)
@@ -99,6 +120,10 @@ def markdown_report(store: str, run_id: str, samples: int = 4) -> str:
     image = base64.b64encode(curve_png(rows)).decode()
     keys = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "response_length/mean"]
     table = "\n".join(f"| {k} | {last[k]:.4f} |" for k in keys if k in last)
+    validated = [r for r in rows if any(k.startswith("val-core/") for k in r)]
+    if validated:  # the latest validation, wherever it was
+        table += "\n" + "\n".join(f"| {k} (iteration {validated[-1]['iteration']}) | {v:.4f} |"
+                                   for k, v in validated[-1].items() if k.startswith("val-core/"))
     text = (f"# Run `{run_id}`: {len(rows)} iteration(s)\n\n"
             f"Mean reward {rows[0].get('critic/score/mean', 0):.3f} (iteration {rows[0]['iteration']}) -> "
             f"{last.get('critic/score/mean', 0):.3f} (iteration {last['iteration']})\n\n"

@@ -197,6 +197,19 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
                                 f"starts from, {uri}, is missing")
 
 
+def make_val_loader(cfg: RunConfig):
+    """Every validation prompt (data.val_files) as one batch, in file order."""
+    from rlhf_core.data.dataset import PromptLoader, load_rows
+    from rlhf_core.data.tokenizer import PromptTokenizer
+    from rlhf_core.workers import modeling
+
+    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
+                                            weights=False)
+    rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files")
+    return PromptLoader(rows, PromptTokenizer(model_path), len(rows), cfg.data.max_prompt_length, cfg.trainer.seed,
+                        shuffle=False, truncation=cfg.data.truncation)
+
+
 def make_loader(cfg: RunConfig, state):
     from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
     from rlhf_core.data.tokenizer import PromptTokenizer

@@ -203,7 +203,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
     probes.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
-                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg)},
+                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg, iteration)},
                                   computed_ahead=trainer.adopted)
     manifest["weights"] = weights
     if keeper is not None:

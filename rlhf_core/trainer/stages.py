@@ -10,6 +10,10 @@ a run needs read it too. A stage's ``method`` is the ``PPOTrainer`` method that 
     persisted  its output batch is committed as a snapshot (and can be replayed)
     inference  it only reads worker state: the leading run of inference stages can be
                computed ahead (``prefetchable``) while no controller is attached
+    side       its input and output are a batch of their own, not the iteration's (validation):
+               it runs before the training stages, on the weights the iteration starts from,
+               only at the iterations ``due`` names, and never touches the training batch,
+               its random draws or the data cursor
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ class Stage:
     stateful: bool = False
     persisted: bool = True
     enabled: Callable[[RunConfig], bool] = _always
+    side: bool = False
+    due: Callable[[RunConfig, int], bool] | None = None  # side stages: the iterations that run it
 
     @property
     def replayable(self) -> bool:
@@ -56,7 +62,13 @@ STAGES: tuple[Stage, ...] = (
     Stage("weight_sync", "weight_sync", ("actor",), stateful=True, persisted=False),
 )
 
-BY_NAME = {stage.name: stage for stage in STAGES}
+#: Side stages (see ``side`` above), in the order they run before the training stages.
+SIDE_STAGES: tuple[Stage, ...] = (
+    Stage("validate", "validate", ("actor", "reward"), side=True, enabled=lambda cfg: bool(cfg.data.val_files),
+          due=lambda cfg, step: cfg.validation_due(step)),
+)
+
+BY_NAME = {stage.name: stage for stage in STAGES + SIDE_STAGES}
 #: The stage whose snapshot holds the decoded responses and their scores (the report's samples).
 SCORED = BY_NAME["reward"].name
 
@@ -66,8 +78,15 @@ def plan(cfg: RunConfig) -> list[Stage]:
     return [stage for stage in STAGES if stage.enabled(cfg)]
 
 
-def persisted_names(cfg: RunConfig) -> list[str]:
-    return [stage.name for stage in plan(cfg) if stage.persisted]
+def side_plan(cfg: RunConfig, step: int) -> list[Stage]:
+    """The side stages iteration ``step`` runs (validation every trainer.test_freq), in order."""
+    return [stage for stage in SIDE_STAGES if stage.enabled(cfg) and stage.due(cfg, step)]
+
+
+def persisted_names(cfg: RunConfig, step: int | None = None) -> list[str]:
+    """The stages whose snapshots an iteration commits (with ``step``: its side stages too)."""
+    side = side_plan(cfg, step) if step is not None else []
+    return [stage.name for stage in side + plan(cfg) if stage.persisted]
 
 
 def prefetchable(cfg: RunConfig) -> list[Stage]:

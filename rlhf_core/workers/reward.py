@@ -59,6 +59,36 @@ def load_reward_fn(spec: str):
     return fn, spec
 
 
+def load_reward_file(path: str, name: str):
+    """verl's ``custom_reward_function``: the function ``name`` of the Python file ``path``
+    (trusted code of the run's owner: the file is executed as a module)."""
+    import importlib.util
+    import os
+
+    where = f"custom_reward_function.path={path!r}"
+    if not os.path.isfile(path):
+        raise ValueError(f"{where}: expected a Python file; found none there")
+    spec = importlib.util.spec_from_file_location(f"rlhf_custom_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ValueError(f"{where}: importing it raised {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"custom_reward_function.name: expected a function of {path}; found no callable {name!r}")
+    return fn, f"{path}:{name}"
+
+
+def configured_reward_fn(config: RunConfig):
+    """The run's reward function: ``custom_reward_function`` when its path is set, else
+    ``reward.function``."""
+    custom = config.custom_reward_function
+    if custom.path:
+        return load_reward_file(custom.path, custom.name)
+    return load_reward_fn(config.reward.function)
+
+
 def score_rows(fn, name: str, data_sources, solutions, ground_truths, extra_infos, uids):
     """Call the reward function per row; returns (scores, extra columns)."""
     scores, extras = [], {}
@@ -92,7 +122,7 @@ class RewardWorker(Worker):
     def init_model(self) -> dict:
         path = modeling.resolve_model_path(self.config.model.path, self.config.trainer.seed, weights=False)
         self.tokenizer = modeling.load_tokenizer(path)
-        self.fn, self.fn_name = load_reward_fn(self.config.reward.function)
+        self.fn, self.fn_name = configured_reward_fn(self.config)
         return {"rank": self.rank, "reward_function": self.fn_name}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -135,8 +135,10 @@ class VLLMRollout:
 
         seeds = prompts.batch["sample_seed"].tolist()
         # do_sample=False (ReMax's baseline): greedy decoding, temperature 0
-        temperature = self.config.temperature if prompts.meta_info.get("do_sample", True) else 0.0
-        params = [SamplingParams(n=1, temperature=temperature, top_p=self.config.top_p,
+        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p,
+                    **prompts.meta_info.get("sampling", {})}  # validation's val_kwargs
+        temperature = sampling["temperature"] if prompts.meta_info.get("do_sample", True) else 0.0
+        params = [SamplingParams(n=1, temperature=temperature, top_p=sampling["top_p"],
                                  max_tokens=self.config.response_length, seed=int(s), logprobs=0,
                                  detokenize=False) for s in seeds]
         requests = [{"prompt_token_ids": ids} for ids in _prompt_token_lists(prompts)]
@@ -191,8 +193,10 @@ class HFRollout:
         on_device = devices.to_device(prompts)  # the model's device; the outputs come back to the host
         ids, mask = on_device.batch["input_ids"], on_device.batch["attention_mask"]
         pad = int(mask.bool().any(dim=0).float().argmax())  # columns of padding in every prompt
+        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p,
+                    **prompts.meta_info.get("sampling", {})}  # validation's val_kwargs
         out = model.generate(input_ids=ids[:, pad:], attention_mask=mask[:, pad:],
-                             **(dict(do_sample=True, temperature=self.config.temperature, top_p=self.config.top_p)
+                             **(dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"])
                                 if prompts.meta_info.get("do_sample", True) else dict(do_sample=False)),
                              max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
                              eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True,

@@ -1,0 +1,113 @@
+"""Validation (data.val_files, trainer.test_freq, trainer.val_before_train) and verl's
+custom_reward_function: a reward loaded from a file scores; validation is a snapshot of
+its own at the iterations it is due, logged under verl's names, replayable, shown in the
+report, and never changes what is trained; the fine-tune driver stops at a val score."""
+
+import json
+import os
+
+import pytest
+
+from rlhf_core.config import RunConfig, apply_overrides
+from rlhf_core.data.builtin import make_rows
+from rlhf_core.trainer.replay import ReplayError, replay
+from rlhf_core.trainer.run import run_direct
+
+from helpers import fingerprint, small_config
+
+VAL = "val-core/builtin/digits_reverse/reward/mean@1"
+REWARD_FILE = '''
+from rlhf_core.data.builtin import reward_score
+
+
+def my_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {**reward_score(data_source, solution_str, ground_truth, extra_info), "from_file": 1.0}
+'''
+# the hash a run that sets none of the new fields had before they existed (main at ace2ccb)
+DEFAULT_HASH = "2d998a7a0b208f6f70e92f6aea9a135373d9551e31d9663075dc0f26c0291524"
+
+
+def test_new_fields_keep_the_hash_of_runs_that_do_not_set_them():
+    assert RunConfig().config_hash() == DEFAULT_HASH
+    validation = ["data.val_files=v.jsonl", "trainer.test_freq=2", "trainer.val_before_train=false",
+                  "rollout.val_kwargs.do_sample=true", "rollout.val_kwargs.temperature=0.7", "rollout.val_kwargs.n=3"]
+    assert apply_overrides(RunConfig(), validation).validate().config_hash() == DEFAULT_HASH  # it trains the same
+    assert apply_overrides(RunConfig(), ["custom_reward_function.path=r.py"]).config_hash() != DEFAULT_HASH
+
+
+def test_validation_is_due_every_test_freq_and_before_train_when_asked():
+    due = lambda *o: [n for n in range(7) if apply_overrides(RunConfig(), list(o)).validation_due(n)]
+    assert due("trainer.test_freq=3") == []  # no data.val_files: never
+    assert due("data.val_files=v.jsonl", "trainer.test_freq=3") == [0, 3, 6]
+    assert due("data.val_files=v.jsonl", "trainer.test_freq=3", "trainer.val_before_train=false") == [3, 6]
+    assert due("data.val_files=v.jsonl", "trainer.val_before_train=false") == []  # test_freq=-1
+
+
+def test_validation_metrics_follow_verl():
+    from rlhf_core.trainer.metrics import validation_metrics
+
+    out = validation_metrics(["a", "a", "a", "a", "b"], ["p", "p", "q", "q", "r"],
+                             {"reward": [1.0, 0.0, 1.0, 1.0, 0.25], "acc": [1, 0, 1, 1, 0]})
+    assert out["val-core/a/acc/mean@2"] == 0.75 and out["val-aux/a/reward/mean@2"] == 0.75
+    assert out["val-aux/a/reward/std@2"] == 0.25  # mean over prompts of each prompt's std (0.5, 0)
+    assert out["val-core/b/acc/mean@1"] == 0.0 and "val-aux/b/reward/std@1" not in out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, ray_local):
+    os.environ.setdefault("RLHF_CACHE", str(tmp_path_factory.mktemp("rlhf-cache")))
+    root = tmp_path_factory.mktemp("validation")
+    (root / "reward.py").write_text(REWARD_FILE)
+    with open(root / "val.jsonl", "w") as f:
+        for row in make_rows(6, seed=99):
+            f.write(json.dumps(row) + "\n")
+    custom = [f"custom_reward_function.path={root / 'reward.py'}", "custom_reward_function.name=my_score"]
+    out = {}
+    for name, extra in (("plain", []), ("val", [f"data.val_files={root / 'val.jsonl'}", "trainer.test_freq=2"])):
+        cfg = apply_overrides(small_config(root / name / "out"), custom + extra).validate()
+        out[name] = run_direct(cfg, 3, f"file://{root / name / 'store'}", "r", log=lambda *a: None)
+        out[name]["store"] = root / name / "store"
+    return out
+
+
+def test_a_reward_from_a_file_scores(runs):
+    rows = runs["plain"]["rows"]
+    assert [r["critic/reward_extra/from_file/mean"] for r in rows] == [1.0, 1.0, 1.0]
+    assert not any(k.startswith("val-") for r in rows for k in r)  # no data.val_files: no validation
+
+
+def test_validation_is_logged_before_train_and_every_test_freq(runs):
+    rows = runs["val"]["rows"]
+    assert [VAL in r for r in rows] == [True, False, True]
+    assert all(0.0 <= rows[n][VAL] <= 1.0 for n in (0, 2))
+    assert rows[0]["val-aux/builtin/digits_reverse/from_file/mean@1"] == 1.0  # scored by the run's reward
+    manifests = [json.loads((runs["val"]["store"] / "r" / f"iter-{n:06d}" / "MANIFEST.json").read_text())
+                 for n in range(3)]
+    assert ["validate" in m["snapshots"] for m in manifests] == [True, False, True]
+    assert manifests[2]["metrics"][VAL] == rows[2][VAL]  # what the report, KFP Metrics and the driver read
+    assert (runs["val"]["store"] / "r" / "iter-000002" / "validate" / "SNAPSHOT.json").exists()
+
+
+def test_validation_does_not_change_training(runs):
+    with_val = fingerprint(runs["val"]["store"], "r")
+    assert any("/validate" in k for k in with_val)
+    assert {k: v for k, v in with_val.items() if "/validate" not in k} == fingerprint(runs["plain"]["store"], "r")
+    train = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("val-", "timing", "perf", "wall"))}
+                          for r in rows]
+    assert train(runs["val"]["rows"]) == train(runs["plain"]["rows"])
+
+
+def test_the_validation_snapshot_replays_and_its_reward_file_needs_trust(runs):
+    uri = f"file://{runs['val']['store']}/r"
+    with pytest.raises(ReplayError, match="custom_reward_function.path"):
+        replay(uri, stages=["validate"], iteration=2, log=lambda *a: None)
+    [result] = replay(uri, stages=["validate"], iteration=2, log=lambda *a: None, trust_reward_function=True)
+    assert result.stage == "validate" and result.ok, [d for d in result.diffs if not d.equal]
+
+
+def test_the_report_shows_the_validation_curve(runs):
+    from rlhf_core.trainer.report import markdown_report, run_history, validation_curve
+
+    rows = run_history(f"file://{runs['val']['store']}", "r")
+    assert [n for n, _ in validation_curve(rows)[VAL]] == [0, 2]
+    assert f"| {VAL} (iteration 2) |" in markdown_report(f"file://{runs['val']['store']}", "r", samples=0)
