@@ -111,3 +111,52 @@ def test_the_report_shows_the_validation_curve(runs):
     rows = run_history(f"file://{runs['val']['store']}", "r")
     assert [n for n, _ in validation_curve(rows)[VAL]] == [0, 2]
     assert f"| {VAL} (iteration 2) |" in markdown_report(f"file://{runs['val']['store']}", "r", samples=0)
+
+
+class _Validating:
+    """A KFP client whose every run commits its iteration at once, with a validation
+    score rising by 0.25 per iteration (at the even ones: trainer.test_freq=2)."""
+
+    def __init__(self, store: str) -> None:
+        from rlhf_core.trainer.iteration_store import IterationStore
+
+        self.istore, self.submitted = IterationStore(store, "r"), []
+
+    def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
+        from types import SimpleNamespace
+
+        n = len(self.istore.committed_iterations())
+        self.submitted.append(n)
+        metrics = {"critic/score/mean": 0.1, **({VAL: 0.25 * n} if n % 2 == 0 else {})}
+        self.istore.commit_iteration(n, {"config_hash": "h", "code_version": {}, "data_cursor": {}, "checkpoint": "",
+                                         "global_step": n + 1, "kl_coef": 0, "metrics": metrics, "config": {},
+                                         "snapshots": {}})
+        return SimpleNamespace(run_id=f"kfp-{n}")
+
+    def get_run(self, run_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state="SUCCEEDED")
+
+
+def test_the_driver_stops_at_a_validation_score(tmp_path):
+    from components.driver import Plan, drive
+
+    store = f"file://{tmp_path / 'store'}"
+    client = _Validating(store)
+    outcome = drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=10, stop_at_val=0.5,
+                                 poll_s=0.1), "", "e", log=lambda *a: None)
+    # iteration 2 validated at 0.5 (iterations 0 and 1 at 0.0 and none): no iteration 3
+    assert client.submitted == [0, 1, 2] and outcome.reason == "validation score 0.500 reached 0.5"
+
+
+def test_submit_passes_stop_at_val_to_the_finetune_pipeline():
+    from types import SimpleNamespace
+
+    from pipelines.remote import finetune_arguments
+
+    target = SimpleNamespace(host="h", namespace="", experiment="e", service_account="s")
+    assert finetune_arguments({}, target, iterations=3, stop_at_val=0.8)["stop_at_val"] == 0.8
+    assert finetune_arguments({}, target, iterations=3)["stop_at_val"] == -1.0  # never
+    compiled = (__import__("pathlib").Path(__file__).parents[1] / "pipelines" / "finetune.yaml").read_text()
+    assert "stop_at_val" in compiled
