@@ -59,6 +59,36 @@ def _config(overrides: list[str]):
         raise SystemExit(f"rlhf: config error: {exc}") from None
 
 
+def _run_config(args: argparse.Namespace):
+    """``rlhf run``'s config and provenance: ``--config FILE`` (ours or verl's layout), then
+    the overrides. The file's keys are put before the overrides in ``args.overrides``, so
+    every process an iteration starts (pipeline components, the session) reads the same."""
+    from rlhf_core.config import ConfigError, load_config
+
+    try:
+        cfg, provenance = load_config(args.config, args.overrides)
+        if args.config is not None:
+            import yaml
+
+            from rlhf_core.verl_keys import flatten
+
+            with open(args.config, encoding="utf-8") as f:
+                args.overrides = flatten(yaml.safe_load(f) or {}) + list(args.overrides)
+    except ConfigError as exc:
+        raise SystemExit(f"rlhf: config error: {exc}") from None
+    return cfg, provenance
+
+
+def _save_provenance(cfg, run_id: str, provenance: dict) -> None:
+    """Where each value came from, beside the run's config.json (not part of the config or its hash)."""
+    import json
+    from pathlib import Path
+
+    run_dir = Path(cfg.trainer.output_dir) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "provenance.json").write_text(json.dumps(provenance, indent=1))
+
+
 def _check_model_path(cfg) -> None:
     """A model folder this machine lacks fails here, in one line, before any Ray process starts."""
     from rlhf_core.workers.modeling import ModelPathError, resolve_model_path
@@ -94,12 +124,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_core.trainer.run import run_direct
     from rlhf_core.workers.checked_load import CheckpointRefusedError
 
-    cfg = _config(args.overrides)
+    cfg, provenance = _run_config(args)
     _check_model_path(cfg)
     args.run_id = args.run_id or _new_run_id()
     store = args.store or _default_store(cfg)
     if args.more is not None and args.iterations is not None:
         raise SystemExit("rlhf: --iterations (the run's total) and --more (iterations to add) exclude each other")
+    if cfg.trainer.total_epochs is not None and provenance["trainer.total_iterations"] == "default":
+        from rlhf_core.data.dataset import DatasetError
+        from rlhf_core.trainer.restore import total_iterations
+
+        try:  # verl's len(dataloader) * total_epochs; every iteration's process is told the total
+            cfg.trainer.total_iterations = total_iterations(cfg)
+        except DatasetError as exc:
+            raise SystemExit(f"rlhf: {exc}") from None
+        args.overrides.append(f"trainer.total_iterations={cfg.trainer.total_iterations}")
+        provenance["trainer.total_iterations"] = provenance["trainer.total_epochs"]
+    _save_provenance(cfg, args.run_id, provenance)
     total = None if args.more is not None else (args.iterations if args.iterations is not None
                                                  else cfg.trainer.total_iterations)
     try:
@@ -339,8 +380,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from rlhf_core.config import describe
+    from rlhf_core.config import describe, fields_where
 
+    if args.verl:
+        from rlhf_core.verl_keys import table_text
+
+        print(table_text(set(fields_where(lambda meta: True))))
+        return 0
     print(describe(_config(args.overrides)))
     return 0
 
@@ -369,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "of one Kubeflow pipeline run (KFP local runner) per iteration")
     run.add_argument("--keep-session", action="store_true", help="leave the local Ray head and the run's "
                      "session up afterwards (rlhf iterate / rlhf run continue on it)")
-    run.add_argument("overrides", nargs="*", help="config overrides, e.g. actor.lr=1e-5 rollout.n=4")
+    run.add_argument("--config", default=None, metavar="FILE.yaml", help="a config file, ours or a verl-style "
+                     "one (nested keys); the overrides apply on top")
+    run.add_argument("overrides", nargs="*", help="config overrides, ours or verl's, e.g. actor.lr=1e-5 "
+                     "rollout.n=4 actor_rollout_ref.rollout.n=4 (rlhf config --verl)")
     run.set_defaults(func=_cmd_run)
 
     head = sub.add_parser("head", help="start/stop/status of this project's own local Ray head")
@@ -443,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(func=_cmd_gc)
 
     config = sub.add_parser("config", help="print the run config with documentation")
+    config.add_argument("--verl", action="store_true", help="print the table of verl's keys: what each becomes here")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
 

@@ -21,22 +21,22 @@ from typing import Any
 
 
 def _f(default, help: str, *, choices: tuple | None = None, registry: str | None = None, ge=None, gt=None,
-       le=None, lt=None, hashed: bool = True, checkpoint: bool = False, hashed_when_set: bool = False, **kw):
+       le=None, lt=None, hashed: bool | str = True, checkpoint: bool = False, **kw):
     """A field with its documentation, valid values and class attached: ``rlhf config``
     shows the help (``field_help``: with the choices, or the names registered in
     ``rlhf_core.algorithms.<registry>``); ``RunConfig.validate`` checks choices, registry
     and bounds. ``hashed=False``: the field changes how a run is shown, stored or placed,
-    never what it trains (left out of ``config_hash``). ``checkpoint=True``: a checkpoint's
-    tensors depend on it (a replay cannot change it). ``hashed_when_set=True``: a field added
-    after runs were stored: hashed only when it differs from its default, so a run that
-    never set it keeps the hash it had."""
+    never what it trains (left out of ``config_hash``). ``hashed=IF_SET``: a field added
+    after runs were recorded, hashed only away from its default (so their hash stays). ``checkpoint=True``: a checkpoint's
+    tensors depend on it (a replay cannot change it)."""
     meta = {"help": help, "choices": choices, "registry": registry, "ge": ge, "gt": gt, "le": le, "lt": lt,
-            "hashed": hashed, "checkpoint": checkpoint, "hashed_when_set": hashed_when_set}
+            "hashed": hashed, "checkpoint": checkpoint}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
 
 
+IF_SET = "if-set"
 POSITIVE = {"gt": 0}
 NON_NEGATIVE = {"ge": 0}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -73,6 +73,9 @@ class DataConfig:
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
                          "left (keep its end), right (keep its start)", choices=("error", "left", "right"))
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
+    filter_overlong_prompts: bool = _f(False, "drop the prompts longer than max_prompt_length (after the chat "
+                                       "template) when the dataset loads, as verl does; data.truncation then never "
+                                       "applies", hashed=IF_SET)
     val_files: str = _f("", "validation prompts (verl's data.val_files; the same formats as train_files): "
                         "generated (rollout.val_kwargs) and scored by the run's reward every trainer.test_freq "
                         "iterations; empty: no validation", hashed=False)
@@ -192,8 +195,8 @@ class CustomRewardFunctionConfig:
     trusted code of the run's owner, like ``reward.function``; it replaces it when set."""
 
     path: str = _f("", "a .py file defining the reward function (verl's signature); empty: reward.function "
-                   "scores", hashed_when_set=True)
-    name: str = _f("compute_score", "the function's name in that file", hashed_when_set=True)
+                   "scores", hashed=IF_SET)
+    name: str = _f("compute_score", "the function's name in that file", hashed=IF_SET)
 
 
 @dataclass
@@ -234,6 +237,16 @@ class TrainerConfig:
     total_iterations: int = _f(60, "the run's total iterations when `rlhf run` is not given --iterations (a "
                                "re-run of the same command finishes the run, then does nothing)", **POSITIVE,
                                hashed=False)
+    total_epochs: int | None = _f(None, "the run's total as passes over the training set (verl's rule: "
+                                  "floor(prompts / data.train_batch_size) iterations per epoch, the partial "
+                                  "batch dropped); None: trainer.total_iterations. rlhf run --iterations wins",
+                                  hashed=False, **POSITIVE)
+    critic_warmup: int = _f(0, "verl's critic warmup: the actor updates from iteration critic_warmup on, counted "
+                            "from 1 as verl does (so N-1 critic-only iterations first; 0 and 1: none)",
+                            hashed=IF_SET, **NON_NEGATIVE)
+    project_name: str | None = _f(None, "the MLflow experiment (None: $RLHF_MLFLOW_EXPERIMENT, else rlhf)",
+                                  hashed=False)
+    experiment_name: str | None = _f(None, "the MLflow run's name (None: the run id)", hashed=False)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs", hashed=False)
     cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch "
@@ -354,9 +367,8 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
-        defaults = RunConfig()
-        unset = [path for path in fields_where(lambda meta: meta["hashed_when_set"])
-                 if _get(self, path) == _get(defaults, path)]
+        unset = [path for path, f in _leaf_paths(self).items()
+                 if f.metadata.get("hashed") == IF_SET and _get(self, path) == f.default]
         for path in fields_where(lambda meta: not meta["hashed"]) + unset:
             *parents, key = path.split(".")
             chain = [data]
@@ -542,11 +554,28 @@ def _convert(raw: str, annotation, path: str):
         raise ConfigError(f"{path}: expected {getattr(annotation, '__name__', annotation)}, found {raw!r}") from None
 
 
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply ``key.path=value`` strings; unknown keys list close matches."""
+def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str] | None = None,
+                    origin: str = "override", notes: list[str] | None = None) -> RunConfig:
+    """Apply ``key.path=value`` strings, ours or verl's (``rlhf_core.verl_keys`` translates
+    them); unknown keys list close matches. ``sources`` (when given) records, per key set,
+    ``origin`` or ``verl:<key>`` (a file's: ``<origin> verl:<key>``); ``notes`` collects the
+    one-line notes of accepted verl keys (None: printed to stderr)."""
+    from rlhf_core import verl_keys
+
     hints_cache: dict[type, dict] = {}
     leaves = _leaf_paths(cfg)
-    for item in overrides:
+    try:
+        translated = verl_keys.translate(list(overrides), set(leaves), lambda path: _get(cfg, path))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if notes is None:
+        import sys
+
+        for note in translated.notes:
+            print(f"rlhf: note: verl key {note}", file=sys.stderr)
+    else:
+        notes += translated.notes
+    for item in translated.overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
         path, raw = item.split("=", 1)
@@ -554,7 +583,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if path not in leaves:
             close = difflib.get_close_matches(path, leaves, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {path!r}{hint}")
+            raise ConfigError(f"unknown config key {path!r} (neither ours nor a verl key: rlhf config --verl){hint}")
         *parents, name = path.split(".")
         target = cfg
         for p in parents:
@@ -563,23 +592,42 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         if owner not in hints_cache:
             hints_cache[owner] = typing.get_type_hints(owner)
         setattr(target, name, _convert(raw, hints_cache[owner][name], path))
+        if sources is not None:
+            verl = translated.provenance.get(path)
+            sources[path] = origin if verl is None else f"verl:{verl}" if origin == "override" else f"{origin} verl:{verl}"
     return cfg
 
 
 def config_from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
     """Build a RunConfig from a (possibly partial) nested dict, e.g. a YAML/JSON file."""
-    cfg = base or RunConfig()
-    flat = []
+    from rlhf_core.verl_keys import flatten
 
-    def walk(d, prefix):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            else:
-                flat.append(f"{prefix}{k}={v}")
+    return apply_overrides(base or RunConfig(), flatten(data))
 
-    walk(data, "")
-    return apply_overrides(cfg, flat)
+
+def load_config(path: str | None, overrides: list[str], notes: list[str] | None = None
+                ) -> tuple[RunConfig, dict[str, str]]:
+    """The run's config: the defaults, then the YAML/JSON file at ``path`` (ours or verl's
+    layout, nested), then ``overrides``; validated. Returns it with its provenance: every
+    key -> ``default`` | ``file:PATH`` | ``override`` | ``verl:<key>`` (``file:PATH verl:<key>``
+    for a verl key in the file), kept outside the config (its hash is unchanged)."""
+    from rlhf_core.verl_keys import flatten
+
+    cfg, sources = RunConfig(), {}
+    if path is not None:
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--config {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {path}: expected a mapping of config keys; found {type(data).__name__}")
+        apply_overrides(cfg, flatten(data), sources, origin=f"file:{path}", notes=notes)
+    apply_overrides(cfg, overrides, sources, notes=notes)
+    cfg.validate()
+    return cfg, {key: sources.get(key, "default") for key in _leaf_paths(cfg)}
 
 
 def describe(cfg: RunConfig) -> str:

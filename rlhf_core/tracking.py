@@ -47,14 +47,15 @@ def _export(run_id: str, manifest: dict) -> str:
     from mlflow.entities import Metric, Param
 
     client = mlflow.MlflowClient()
-    name = os.environ.get(EXPERIMENT_ENV, "rlhf")
+    trainer = manifest.get("config", {}).get("trainer", {})  # verl's project / experiment names, when set
+    name = trainer.get("project_name") or os.environ.get(EXPERIMENT_ENV, "rlhf")
     experiment = client.get_experiment_by_name(name)
     experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
     found = client.search_runs([experiment_id], filter_string=f"tags.`rlhf.run_id` = '{run_id}'", max_results=1)
     if found:
         mlflow_run = found[0].info.run_id
     else:
-        mlflow_run = client.create_run(experiment_id, run_name=run_id, tags={
+        mlflow_run = client.create_run(experiment_id, run_name=trainer.get("experiment_name") or run_id, tags={
             "rlhf.run_id": run_id, "rlhf.config_hash": manifest["config_hash"]}).info.run_id
         params = [Param(k, v[:500]) for k, v in sorted(_flat(manifest["config"]).items())]
         for i in range(0, len(params), 100):  # MLflow's batch limit

@@ -106,11 +106,12 @@ class PromptLoader:
     prompt (``{epoch}-{row index}``: stable across restarts, shared by its n responses)."""
 
     def __init__(self, rows: list[dict], tokenizer, batch_size: int, max_prompt_length: int,
-                 seed: int, shuffle: bool = True, cursor: Cursor | None = None, truncation: str = "error") -> None:
+                 seed: int, shuffle: bool = True, cursor: Cursor | None = None, truncation: str = "error",
+                 filter_overlong: bool = False) -> None:
+        """``filter_overlong`` (``data.filter_overlong_prompts``): the rows whose prompt is
+        longer than ``max_prompt_length`` tokens are dropped first, as verl's dataset does."""
         if not rows:
             raise DatasetError("the prompt dataset is empty")
-        if batch_size > len(rows):
-            raise DatasetError(f"data.train_batch_size ({batch_size}) exceeds the dataset size ({len(rows)})")
         self.rows, self.tokenizer = rows, tokenizer
         self.batch_size, self.max_prompt_length = batch_size, max_prompt_length
         self.seed, self.shuffle = seed, shuffle
@@ -119,7 +120,21 @@ class PromptLoader:
         self.truncation = truncation
         self.cursor = cursor or Cursor()
         self._texts = [self._text(i, r) for i, r in enumerate(rows)]
+        if filter_overlong:
+            kept = [i for i, text in enumerate(self._texts) if len(self._tokens(i, text)) <= max_prompt_length]
+            if not kept:
+                raise DatasetError(f"data.filter_overlong_prompts: every one of the {len(rows)} prompts is longer "
+                                   f"than data.max_prompt_length={max_prompt_length} tokens")
+            self.rows, self._texts = [rows[i] for i in kept], [self._texts[i] for i in kept]
+        if batch_size > len(self.rows):
+            raise DatasetError(f"data.train_batch_size ({batch_size}) exceeds the dataset size ({len(self.rows)}"
+                               f"{' after data.filter_overlong_prompts' if filter_overlong else ''})")
         self._encoded = [self._encode(i, text) for i, text in enumerate(self._texts)]
+
+    @property
+    def iterations_per_epoch(self) -> int:
+        """verl's dataloader length (``drop_last=True``): whole batches in one pass."""
+        return len(self.rows) // self.batch_size
 
     def _text(self, index: int, row: dict) -> str:
         """The prompt as the model reads it: chat messages through the model's template."""
@@ -130,11 +145,15 @@ class PromptLoader:
         except ValueError as exc:
             raise DatasetError(f"row {index}: {exc}") from None
 
-    def _encode(self, index: int, text: str) -> list[int]:
+    def _tokens(self, index: int, text: str) -> list[int]:
         ids = self.tokenizer.encode(text)
         chat = not isinstance(self.rows[index]["prompt"], str)
         if self.tokenizer.bos_token_id is not None and not chat:  # a chat template writes its own BOS
             ids = [self.tokenizer.bos_token_id] + ids
+        return ids
+
+    def _encode(self, index: int, text: str) -> list[int]:
+        ids = self._tokens(index, text)
         if len(ids) <= self.max_prompt_length:
             return ids
         if self.truncation == "left":  # keep the end: the question and the assistant turn's start

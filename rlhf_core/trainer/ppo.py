@@ -306,6 +306,8 @@ class PPOTrainer:
         return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def update_actor(self, batch: DataProto) -> DataProto:
+        if batch.meta_info["global_step"] + 1 < self.config.trainer.critic_warmup:  # verl counts steps from 1
+            return self._stage_metrics(batch, {})  # critic warmup: the actor's weights stay
         old = self.config.old_log_prob_column  # None: the update's own forward
         keys = SEQUENCE_KEYS + ["response_mask", "advantages"] + ([old] if old else [])
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []

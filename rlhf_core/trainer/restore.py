@@ -210,7 +210,16 @@ def make_val_loader(cfg: RunConfig):
                         shuffle=False, truncation=cfg.data.truncation)
 
 
-def make_loader(cfg: RunConfig, state):
+def total_iterations(cfg: RunConfig) -> int:
+    """The run's total: ``trainer.total_epochs`` x the loader's whole batches per epoch
+    (verl's ``len(dataloader) * total_epochs``, after ``data.filter_overlong_prompts``),
+    else ``trainer.total_iterations``."""
+    if cfg.trainer.total_epochs is None:
+        return cfg.trainer.total_iterations
+    return cfg.trainer.total_epochs * make_loader(cfg).iterations_per_epoch
+
+
+def make_loader(cfg: RunConfig, state=None):
     from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
     from rlhf_core.data.tokenizer import PromptTokenizer
     from rlhf_core.workers import modeling
@@ -219,4 +228,5 @@ def make_loader(cfg: RunConfig, state):
                                             weights=False)  # the controller only tokenizes
     return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                        cfg.data.shuffle, cursor=Cursor(**state.cursor), truncation=cfg.data.truncation)
+                        cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
+                        truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts)

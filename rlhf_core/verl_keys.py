@@ -1,0 +1,287 @@
+"""verl's config keys, translated to ours: the one table (``rlhf config --verl`` prints it).
+
+A verl run script (``python3 -m verl.trainer.main_ppo key=value ...``) or a verl-style YAML
+runs here with its keys unchanged: ``apply_overrides`` passes every key through
+``translate`` first. A key of ours is taken as it is; a verl key in ``TABLE`` is either
+
+- mapped: it sets one or more of our fields, following *verl's* meaning where the two
+  differ (the value may be converted: ``save_freq=-1``, ``n_gpus_per_node`` x ``nnodes``);
+- noted: it names logging or a verl-internal mechanism; it is accepted and a one-line note
+  says what happens to it here;
+- refused: one line naming the key and why.
+
+A verl key not in the table is refused with one line too. Rows whose targets are fields
+this config does not have (yet) are refused with their note, so the table can list keys
+another part of the code adds (validation, custom reward files) before they land.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+#: Top-level sections that exist only in verl's config: a key under one is a verl key.
+VERL_ONLY_SECTIONS = ("actor_rollout_ref", "reward_model", "custom_reward_function", "global_profiler",
+                      "ray_kwargs", "transfer_queue", "reward_manager")
+#: verl's KL estimator names that ours spell differently (verl's ``kl`` is Schulman's k1).
+KL_NAMES = {"kl": "k1"}
+#: ``trainer.save_freq`` <= 0 (verl: never save): here a checkpoint at the run's last only.
+NEVER = 2 ** 31 - 1
+
+
+def _same(raw: str) -> str:
+    return raw
+
+
+def _kl_name(raw: str) -> str:
+    return KL_NAMES.get(raw, raw)
+
+
+def _save_freq(raw: str) -> str:
+    return str(NEVER) if int(raw) <= 0 else raw
+
+
+def _unless_null(raw: str) -> str | None:
+    return None if raw.lower() in ("null", "none") else raw
+
+
+def _strategy(raw: str) -> str:
+    return "fsdp" if raw == "fsdp2" else raw
+
+
+def _non_negative(raw: str) -> str:
+    return "0" if int(raw) < 0 else raw
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One verl key: the fields of ours it sets (none: accepted with ``note`` only),
+    how its value converts, or ``refuse`` (why it cannot run here)."""
+
+    targets: tuple[str, ...] = ()
+    note: str = ""
+    convert: Callable[[str], str] = _same
+    refuse: str = ""
+    accepts: Callable[[str], bool] | None = None  # with refuse: the values taken (with the note), others refused
+
+
+def _m(*targets: str, note: str = "", convert=_same) -> Rule:
+    return Rule(tuple(targets), note, convert)
+
+
+def _note(note: str) -> Rule:
+    return Rule((), note)
+
+
+def _refuse(why: str) -> Rule:
+    return Rule(refuse=why)
+
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+TABLE: dict[str, Rule] = {
+    # model
+    "actor_rollout_ref.model.path": _m("model.path"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": _m("model.enable_gradient_checkpointing"),
+    "actor_rollout_ref.model.use_remove_padding": _note("no effect: sequences are padded here (verl's "
+                                                        "padding-free kernels are a speed mechanism)"),
+    "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
+    # actor
+    A + "optim.lr": _m("actor.lr"),
+    A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps", note="verl's -1 (use the warmup ratio) is 0 here",
+                                    convert=_non_negative),
+    A + "optim.weight_decay": _m("actor.weight_decay"),
+    A + "ppo_mini_batch_size": _m("actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
+    A + "ppo_micro_batch_size_per_gpu": _m("actor.ppo_micro_batch_size_per_gpu",
+                                           note="responses per forward/backward on one rank, as in verl"),
+    A + "ppo_epochs": _m("actor.ppo_epochs"),
+    A + "clip_ratio": _m("actor.clip_ratio_low", "actor.clip_ratio_high", note="sets both bounds, as in verl"),
+    A + "clip_ratio_low": _m("actor.clip_ratio_low"),
+    A + "clip_ratio_high": _m("actor.clip_ratio_high"),
+    A + "clip_ratio_c": _m("actor.clip_ratio_c"),
+    A + "loss_agg_mode": _m("actor.loss_agg_mode"),
+    A + "entropy_coeff": _m("actor.entropy_coeff"),
+    A + "use_kl_loss": _m("actor.use_kl_loss"),
+    A + "kl_loss_coef": _m("actor.kl_loss_coef"),
+    A + "kl_loss_type": _m("actor.kl_loss_type", convert=_kl_name),
+    A + "grad_clip": _m("actor.grad_clip"),
+    A + "strategy": _m("actor.strategy", note="fsdp and fsdp2 are both FSDP2 here", convert=_strategy),
+    A + "policy_loss.loss_mode": _m("actor.policy_loss"),
+    A + "fsdp_config.param_offload": _m("actor.fsdp_config.param_offload"),
+    A + "fsdp_config.optimizer_offload": _m("actor.fsdp_config.optimizer_offload"),
+    A + "fsdp_config.reshard_after_forward": _m("actor.fsdp_config.reshard_after_forward"),
+    "actor_rollout_ref.ref.fsdp_config.param_offload": _m("actor.fsdp_config.ref_param_offload"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _m(
+        "actor.log_prob_micro_batch_size_per_gpu", note="one setting here for old and reference log-probs"),
+    # rollout
+    R + "log_prob_micro_batch_size_per_gpu": _m(
+        "actor.log_prob_micro_batch_size_per_gpu", note="one setting here for old and reference log-probs"),
+    R + "name": _m("rollout.name"),
+    R + "n": _m("rollout.n"),
+    R + "temperature": _m("rollout.temperature"),
+    R + "top_p": _m("rollout.top_p"),
+    R + "response_length": _m("rollout.response_length"),
+    R + "prompt_length": _m("data.max_prompt_length"),
+    R + "tensor_model_parallel_size": _m("rollout.tensor_model_parallel_size"),
+    R + "gpu_memory_utilization": _m("rollout.gpu_memory_utilization"),
+    R + "dtype": _m("rollout.dtype", convert=lambda raw: {"bf16": "bfloat16", "fp16": "float16"}.get(raw, raw)),
+    R + "free_cache_engine": _m("rollout.free_cache_engine"),
+    "algorithm.kl_penalty": _m("algorithm.kl_penalty", note="verl's kl is k1 here", convert=_kl_name),
+    R + "mode": _note("no effect: generation is synchronous per rank here"),
+    R + "top_k": Rule(note="-1 / 0: no top-k, as here", refuse="no top-k sampling here (rollout.top_p only)",
+                      accepts=lambda raw: raw in ("-1", "0")),
+    R + "val_kwargs.do_sample": _m("validation.do_sample", note="validation generation"),
+    R + "val_kwargs.temperature": _m("validation.temperature", note="validation generation"),
+    R + "val_kwargs.top_p": _m("validation.top_p", note="validation generation"),
+    R + "val_kwargs.n": _m("validation.n", note="validation generation"),
+    # data
+    "data.max_response_length": _m("rollout.response_length", note="max new tokens per response"),
+    "data.val_files": _m("data.val_files", note="the validation set"),
+    "data.return_raw_chat": _note("no effect: the prompt's chat messages are kept and templated here"),
+    # critic (verl's critic.* keys of the same name are ours)
+    "critic.optim.lr": _m("critic.lr"),
+    "critic.strategy": _m("actor.strategy", note="one strategy for actor and critic here", convert=_strategy),
+    # reward
+    "reward_model.enable": Rule(note="false: rewards come from reward.function, as verl's reward function",
+                                refuse="no reward-model workers here: score with reward.function (or "
+                                "custom_reward_function.path)", accepts=lambda raw: raw.lower() in ("false", "0")),
+    "custom_reward_function.path": _m("custom_reward_function.path", note="a reward function from a file"),
+    "custom_reward_function.name": _m("custom_reward_function.name", note="the function's name in that file"),
+    # trainer
+    "trainer.total_epochs": _m("trainer.total_epochs", note="iterations = epochs x floor(prompts / "
+                               "data.train_batch_size), verl's rule"),
+    "trainer.total_training_steps": _m("trainer.total_iterations", note="null (verl's default): the total comes "
+                                       "from total_epochs", convert=_unless_null),
+    "trainer.save_freq": _m("trainer.checkpoint_every", note="<= 0 (verl: never): a checkpoint at the run's "
+                            "last iteration only (resume needs one)", convert=_save_freq),
+    "trainer.n_gpus_per_node": _m("resources.gpus_per_node", "actor.world_size",
+                                  note="actor.world_size = n_gpus_per_node x nnodes, as in verl"),
+    "trainer.nnodes": _m("resources.nnodes", note="with n_gpus_per_node: actor.world_size = n_gpus_per_node x "
+                         "nnodes"),
+    "trainer.critic_warmup": _m("trainer.critic_warmup"),
+    "trainer.test_freq": _m("trainer.test_freq", note="validation every K iterations"),
+    "trainer.val_before_train": _m("trainer.val_before_train", note="validation before the first iteration"),
+    "trainer.project_name": _m("trainer.project_name", note="names the MLflow experiment"),
+    "trainer.experiment_name": _m("trainer.experiment_name", note="names the MLflow run"),
+    "trainer.logger": _note("metrics go to metrics.jsonl, the Kubeflow report, and MLflow when "
+                            "MLFLOW_TRACKING_URI is set"),
+    "trainer.default_local_dir": _note("checkpoints go to the run's store (rlhf run --store)"),
+    "trainer.resume_mode": _note("resume is automatic here: a run id with committed iterations continues"),
+    "trainer.balance_batch": _note("no effect: ranks get equal numbers of responses here"),
+    "trainer.device": _note("no effect: the device follows resources.gpus_per_node"),
+    "trainer.val_only": _refuse("no validation-only runs here"),
+}
+#: Keys whose value is computed from several verl keys together (``translate`` applies them last).
+JOINT = ("trainer.n_gpus_per_node", "trainer.nnodes")
+
+
+@dataclass
+class Translation:
+    """Our ``key=value`` overrides, the verl key each came from (``provenance``: our key ->
+    the verl key), and one note per accepted verl key that does something other than set a
+    field of the same meaning."""
+
+    overrides: list[str] = field(default_factory=list)
+    provenance: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def is_verl_key(path: str) -> bool:
+    return path in TABLE or path.split(".", 1)[0] in VERL_ONLY_SECTIONS
+
+
+def translate(items: list[str], ours: set[str], current: Callable[[str], object]) -> Translation:
+    """``items`` (``key=value``) with every verl key replaced by ours. ``ours``: our
+    dotted keys; ``current(key)``: our config's value (for keys verl computes from two:
+    ``actor.world_size`` from ``n_gpus_per_node`` x ``nnodes``). Raises ``ValueError``
+    naming a refused verl key and why."""
+    out = Translation()
+    joint: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            out.overrides.append(item)  # apply_overrides says what is wrong with it
+            continue
+        path, raw = item.split("=", 1)
+        path = path.strip()
+        rule = TABLE.get(path)
+        if rule is None and (path in ours or not is_verl_key(path)):
+            out.overrides.append(item)
+            continue
+        if rule is None:
+            raise ValueError(f"verl key {path!r}: no counterpart here (`rlhf config --verl` lists the verl keys "
+                             f"this trainer takes)")
+        if rule.refuse and (rule.accepts is None or not rule.accepts(raw)):
+            raise ValueError(f"verl key {path!r}={raw}: {rule.refuse}")
+        missing = [t for t in rule.targets if t not in ours]
+        if missing:
+            raise ValueError(f"verl key {path!r}: not supported yet ({rule.note or 'no field ' + missing[0]})")
+        if path in JOINT:
+            joint[path] = raw
+            continue
+        try:
+            value = rule.convert(raw) if rule.targets else None
+        except ValueError:
+            raise ValueError(f"verl key {path!r}: expected a number; found {raw!r}") from None
+        if value is None:
+            out.notes.append(f"{path}={raw}: {rule.note}")
+            continue
+        for target in rule.targets:
+            out.overrides.append(f"{target}={value}")
+            if target != path:
+                out.provenance[target] = path
+        if rule.note and value != raw:
+            out.notes.append(f"{path}={raw}: {rule.note}")
+    if joint:
+        _place(joint, current, out)
+    return out
+
+
+def _place(joint: dict[str, str], current, out: Translation) -> None:
+    """verl's pool: ``n_gpus_per_node`` GPUs on each of ``nnodes`` nodes, one rank per GPU."""
+    try:
+        nnodes = int(joint.get("trainer.nnodes", current("resources.nnodes")))
+        gpus = int(joint["trainer.n_gpus_per_node"]) if "trainer.n_gpus_per_node" in joint else None
+    except ValueError:
+        raise ValueError(f"verl keys trainer.n_gpus_per_node / trainer.nnodes: expected integers; found "
+                         f"{joint}") from None
+    if "trainer.nnodes" in joint:
+        out.overrides.append(f"resources.nnodes={nnodes}")
+        out.provenance["resources.nnodes"] = "trainer.nnodes"
+    if gpus is not None:
+        out.overrides += [f"resources.gpus_per_node={gpus}", f"actor.world_size={gpus * nnodes}"]
+        out.provenance["resources.gpus_per_node"] = "trainer.n_gpus_per_node"
+        out.provenance["actor.world_size"] = "trainer.n_gpus_per_node"
+
+
+def flatten(data: dict, prefix: str = "") -> list[str]:
+    """A nested mapping (a YAML file, ours or verl's) as ``key.path=value`` strings; lists
+    and null are written as JSON (``[...]``, ``null``)."""
+    flat = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat += flatten(value, f"{prefix}{key}.")
+        elif isinstance(value, (list, type(None))):
+            flat.append(f"{prefix}{key}={json.dumps(value)}")
+        else:
+            flat.append(f"{prefix}{key}={value}")
+    return flat
+
+
+def table_text(ours: set[str]) -> str:
+    """The table as ``rlhf config --verl`` prints it: verl key, what it becomes, the note."""
+    lines = [f"{'verl key':<58} {'here':<44} note"]
+    for key, rule in TABLE.items():
+        if rule.refuse and rule.accepts is None:
+            here = "refused"
+            note = rule.refuse
+        elif rule.targets and not all(t in ours for t in rule.targets):
+            here, note = "(not yet)", rule.note
+        else:
+            here = ", ".join(rule.targets) or "accepted, no field"
+            note = rule.note if not rule.refuse else f"{rule.note}{'; ' if rule.note else ''}other values: " \
+                                                     f"{rule.refuse}"
+        lines.append(f"{key:<58} {here:<44} {note}")
+    lines.append("verl keys of the same name as ours (data.train_batch_size, algorithm.*, critic.ppo_*, ...) are "
+                 "ours; any other verl key is refused")
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""verl's keys, config files and run semantics (issue 27): a verl run script's argument
+list runs here with its entry point changed and nothing else."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides, load_config
+from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
+from rlhf_core.verl_keys import NEVER
+
+#: verl's examples/grpo_trainer/run_qwen2-7b.sh, its arguments as written there, less the
+#: validation and custom-reward keys (data.val_files, trainer.test_freq: added with those).
+QWEN2_7B = [
+    "algorithm.adv_estimator=grpo", "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True", "data.truncation=error",
+    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=256",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]', "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
+    "trainer.save_freq=20", "trainer.total_epochs=15",
+]
+
+
+def test_the_qwen2_7b_script_maps_to_our_fields_with_verls_meaning():
+    notes: list[str] = []
+    cfg = apply_overrides(RunConfig(), QWEN2_7B, notes=notes)
+    assert (cfg.model.path, cfg.actor.lr, cfg.actor.ppo_mini_batch_size) == ("Qwen/Qwen2-7B-Instruct", 1e-6, 256)
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 40 and cfg.actor.log_prob_micro_batch_size_per_gpu == 40
+    assert (cfg.rollout.n, cfg.rollout.name, cfg.rollout.response_length) == (5, "vllm", 1024)
+    assert cfg.actor.fsdp_config.ref_param_offload is True and cfg.actor.fsdp_config.param_offload is False
+    assert (cfg.resources.gpus_per_node, cfg.resources.nnodes, cfg.actor.world_size) == (8, 1, 8)
+    assert (cfg.trainer.checkpoint_every, cfg.trainer.total_epochs, cfg.trainer.critic_warmup) == (20, 15, 0)
+    assert (cfg.trainer.project_name, cfg.trainer.experiment_name) == ("verl_grpo_example_gsm8k",
+                                                                       "qwen2_7b_function_rm")
+    assert cfg.data.filter_overlong_prompts is True and cfg.model.enable_gradient_checkpointing is True
+    cfg.validate()
+    assert any(n.startswith('trainer.logger=["console","wandb"]: metrics go to metrics.jsonl') for n in notes)
+    assert any(n.startswith("actor_rollout_ref.model.use_remove_padding=True: no effect") for n in notes)
+
+
+def test_gpus_per_node_times_nodes_is_the_world_size_in_either_order():
+    for items in (["trainer.nnodes=2", "trainer.n_gpus_per_node=4"], ["trainer.n_gpus_per_node=4", "trainer.nnodes=2"]):
+        cfg = apply_overrides(RunConfig(), items, notes=[])
+        assert (cfg.resources.nnodes, cfg.resources.gpus_per_node, cfg.actor.world_size) == (2, 4, 8)
+
+
+def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
+    cfg = apply_overrides(RunConfig(), ["trainer.save_freq=-1", "algorithm.kl_penalty=kl",
+                                        "actor_rollout_ref.actor.clip_ratio=0.1"], notes=[])
+    assert cfg.trainer.checkpoint_every == NEVER and cfg.algorithm.kl_penalty == "k1"
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.1, 0.1)
+
+
+@pytest.mark.parametrize("item, message", [
+    ("actor_rollout_ref.rollout.enforce_eager=True", "verl key 'actor_rollout_ref.rollout.enforce_eager': no "
+                                                     "counterpart here (`rlhf config --verl` lists"),
+    ("actor_rollout_ref.rollout.top_k=50", "verl key 'actor_rollout_ref.rollout.top_k'=50: no top-k sampling here"),
+    ("reward_model.enable=True", "verl key 'reward_model.enable'=True: no reward-model workers here"),
+    ("trainer.val_only=True", "verl key 'trainer.val_only'=True: no validation-only runs here"),
+    ("trainer.bogus=1", "unknown config key 'trainer.bogus' (neither ours nor a verl key"),
+])
+def test_a_refused_verl_key_is_one_line_naming_it(item, message):
+    with pytest.raises(ConfigError) as refused:
+        apply_overrides(RunConfig(), [item], notes=[])
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+
+
+def test_new_fields_leave_the_hash_of_existing_runs_alone():
+    # the hash main computed for these configs before the verl keys existed
+    assert RunConfig().config_hash() == "2d998a7a0b208f6f" + RunConfig().config_hash()[16:]
+    small = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "data.train_batch_size=8"])
+    assert small.config_hash().startswith("f6f415e7ad961fb5")
+    for item in ("trainer.critic_warmup=2", "data.filter_overlong_prompts=true"):
+        assert apply_overrides(RunConfig(), [item]).config_hash() != RunConfig().config_hash()
+    for item in ("trainer.total_epochs=3", "trainer.project_name=p", "trainer.experiment_name=e"):
+        assert apply_overrides(RunConfig(), [item]).config_hash() == RunConfig().config_hash()
+
+
+def test_a_verl_yaml_file_then_overrides_with_provenance(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  train_batch_size: 16\n  max_response_length: 12\n"
+                    "actor_rollout_ref:\n  actor:\n    optim: {lr: 2.0e-5}\n  rollout: {n: 4}\n"
+                    "trainer:\n  logger: [console]\n  total_training_steps: null\n")
+    cfg, provenance = load_config(str(path), ["rollout.n=2", "actor.ppo_mini_batch_size=8"], notes=[])
+    assert (cfg.data.train_batch_size, cfg.rollout.response_length, cfg.actor.lr, cfg.rollout.n) == (16, 12, 2e-5, 2)
+    assert provenance["data.train_batch_size"] == f"file:{path}"
+    assert provenance["rollout.response_length"] == f"file:{path} verl:data.max_response_length"
+    assert provenance["rollout.n"] == "override" and provenance["trainer.total_iterations"] == "default"
+    assert load_config(None, ["actor_rollout_ref.rollout.n=3"], notes=[])[1]["rollout.n"] == "verl:actor_rollout_ref.rollout.n"
+
+
+class _Tok:
+    bos_token_id, pad_token_id = 1, 0
+
+    def encode(self, text):
+        return [ord(c) % 50 + 3 for c in text]
+
+
+def test_filter_overlong_prompts_drops_them_before_batching():
+    from rlhf_core.data.dataset import DatasetError, PromptLoader
+
+    rows = [{"prompt": "x" * n, "ground_truth": "1", "data_source": "d"} for n in (3, 20, 5, 30, 7)]
+    loader = PromptLoader(rows, _Tok(), batch_size=2, max_prompt_length=9, seed=0, filter_overlong=True)
+    assert [len(r["prompt"]) for r in loader.rows] == [3, 5, 7] and loader.iterations_per_epoch == 1
+    with pytest.raises(DatasetError, match="prompt of row 1 has 21 tokens"):
+        PromptLoader(rows, _Tok(), batch_size=2, max_prompt_length=9, seed=0)
+    with pytest.raises(DatasetError, match=r"exceeds the dataset size \(3 after data.filter_overlong_prompts\)"):
+        PromptLoader(rows, _Tok(), batch_size=4, max_prompt_length=9, seed=0, filter_overlong=True)
+
+
+def test_critic_warmup_skips_the_actor_update_while_verls_step_is_below_it():
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.trainer.ppo import PPOTrainer
+
+    calls = []
+    fake = types.SimpleNamespace(config=apply_overrides(RunConfig(), ["trainer.critic_warmup=3"]),
+                                 _stage_metrics=lambda batch, metrics: calls.append(("metrics", metrics)) or batch)
+    fake.actor = types.SimpleNamespace(update_actor=lambda batch: calls.append("update") or 1 / 0)
+    for step in (0, 1):  # verl's steps 1 and 2
+        batch = DataProto.from_dict(tensors={}, meta_info={"global_step": step})
+        assert PPOTrainer.update_actor(fake, batch) is batch
+    assert calls == [("metrics", {}), ("metrics", {})]
+    with pytest.raises(Exception):  # verl's step 3: the actor updates (the fake has no batch for it)
+        PPOTrainer.update_actor(fake, DataProto.from_dict(tensors={}, meta_info={"global_step": 2}))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_model_folder(tmp_path_factory.mktemp("qwen2-tiny"))
+
+
+def test_total_epochs_counts_whole_batches_of_the_filtered_set(tiny_model, tmp_path):
+    from rlhf_core.trainer.restore import total_iterations
+
+    data = write_verl_parquet(tmp_path / "train.parquet", count=20)
+    base = [f"model.path={tiny_model}", f"data.train_files={data}", "data.max_prompt_length=64"]
+    cfg = apply_overrides(RunConfig(), base + ["data.train_batch_size=6", "trainer.total_epochs=3"], notes=[])
+    assert total_iterations(cfg) == 3 * (20 // 6)
+    assert total_iterations(apply_overrides(RunConfig(), ["trainer.total_iterations=7"])) == 7
+
+
+def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model, tmp_path, capsys):
+    """The script's keys, every one (less validation and custom reward, added with those),
+    values scaled to a tiny model on CPU, n_gpus_per_node left out (verl's meaning of
+    total_epochs: 2 epochs of floor(10 / 4) = 2 iterations)."""
+    from rlhf_core.cli import main
+
+    data = write_verl_parquet(tmp_path / "train.parquet", count=10)
+    scaled = {"data.train_files": str(data), "data.train_batch_size": "4", "data.max_prompt_length": "64",
+              "data.max_response_length": "4", "actor_rollout_ref.model.path": str(tiny_model),
+              "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size": "1", "actor_rollout_ref.rollout.name": "hf",
+              "actor_rollout_ref.rollout.n": "2", "trainer.save_freq": "1", "trainer.total_epochs": "2"}
+    argv = []
+    for item in QWEN2_7B:
+        key = item.split("=", 1)[0]
+        if key in ("trainer.n_gpus_per_node",):
+            continue
+        argv.append(f"{key}={scaled[key]}" if key in scaled else item)
+    out = tmp_path / "out"
+    assert main(["run", "--direct", "--run-id", "verl", "--store", f"file://{tmp_path / 'store'}", *argv,
+                 f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * (10 // 4)
+    provenance = json.loads((out / "verl" / "provenance.json").read_text())
+    assert provenance["rollout.response_length"] == "verl:data.max_response_length"
+    assert provenance["trainer.total_iterations"] == "verl:trainer.total_epochs"
+    assert "trainer.logger=" in capsys.readouterr().err
