@@ -130,7 +130,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     store = args.store or _default_store(cfg)
     if args.more is not None and args.iterations is not None:
         raise SystemExit("rlhf: --iterations (the run's total) and --more (iterations to add) exclude each other")
-    if cfg.trainer.total_epochs is not None and provenance["trainer.total_iterations"] == "default":
+    if cfg.trainer.total_epochs and provenance["trainer.total_iterations"] == "default":
         from rlhf_core.data.dataset import DatasetError
         from rlhf_core.trainer.restore import total_iterations
 
@@ -382,12 +382,13 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe, fields_where
 
+    cfg = _config(args.overrides)
     if args.verl:
         from rlhf_core.verl_keys import table_text
 
         print(table_text(set(fields_where(lambda meta: True))))
         return 0
-    print(describe(_config(args.overrides)))
+    print(describe(cfg))
     return 0
 
 

@@ -237,10 +237,10 @@ class TrainerConfig:
     total_iterations: int = _f(60, "the run's total iterations when `rlhf run` is not given --iterations (a "
                                "re-run of the same command finishes the run, then does nothing)", **POSITIVE,
                                hashed=False)
-    total_epochs: int | None = _f(None, "the run's total as passes over the training set (verl's rule: "
-                                  "floor(prompts / data.train_batch_size) iterations per epoch, the partial "
-                                  "batch dropped); None: trainer.total_iterations. rlhf run --iterations wins",
-                                  hashed=False, **POSITIVE)
+    total_epochs: int = _f(0, "the run's total as passes over the training set (verl's rule: "
+                           "floor(prompts / data.train_batch_size) iterations per epoch, the partial batch "
+                           "dropped); 0: trainer.total_iterations. rlhf run --iterations wins", hashed=False,
+                           **NON_NEGATIVE)
     critic_warmup: int = _f(0, "verl's critic warmup: the actor updates from iteration critic_warmup on, counted "
                             "from 1 as verl does (so N-1 critic-only iterations first; 0 and 1: none)",
                             hashed=IF_SET, **NON_NEGATIVE)
@@ -583,7 +583,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str
         if path not in leaves:
             close = difflib.get_close_matches(path, leaves, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown config key {path!r} (neither ours nor a verl key: rlhf config --verl){hint}")
+            raise ConfigError(f"unknown config key {path!r}{hint} (nor a verl key: rlhf config --verl)")
         *parents, name = path.split(".")
         target = cfg
         for p in parents:

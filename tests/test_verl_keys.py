@@ -72,12 +72,13 @@ def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
     ("actor_rollout_ref.rollout.top_k=50", "verl key 'actor_rollout_ref.rollout.top_k'=50: no top-k sampling here"),
     ("reward_model.enable=True", "verl key 'reward_model.enable'=True: no reward-model workers here"),
     ("trainer.val_only=True", "verl key 'trainer.val_only'=True: no validation-only runs here"),
-    ("trainer.bogus=1", "unknown config key 'trainer.bogus' (neither ours nor a verl key"),
+    ("trainer.bogus=1", "unknown config key 'trainer.bogus'"),
 ])
 def test_a_refused_verl_key_is_one_line_naming_it(item, message):
     with pytest.raises(ConfigError) as refused:
         apply_overrides(RunConfig(), [item], notes=[])
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert "verl" in str(refused.value)
 
 
 def test_new_fields_leave_the_hash_of_existing_runs_alone():
@@ -181,5 +182,5 @@ def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model
     assert len(rows) == 2 * (10 // 4)
     provenance = json.loads((out / "verl" / "provenance.json").read_text())
     assert provenance["rollout.response_length"] == "verl:data.max_response_length"
-    assert provenance["trainer.total_iterations"] == "verl:trainer.total_epochs"
+    assert provenance["trainer.total_iterations"] == provenance["trainer.total_epochs"] == "override"
     assert "trainer.logger=" in capsys.readouterr().err

@@ -214,7 +214,7 @@ def total_iterations(cfg: RunConfig) -> int:
     """The run's total: ``trainer.total_epochs`` x the loader's whole batches per epoch
     (verl's ``len(dataloader) * total_epochs``, after ``data.filter_overlong_prompts``),
     else ``trainer.total_iterations``."""
-    if cfg.trainer.total_epochs is None:
+    if not cfg.trainer.total_epochs:
         return cfg.trainer.total_iterations
     return cfg.trainer.total_epochs * make_loader(cfg).iterations_per_epoch
 
