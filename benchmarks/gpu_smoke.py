@@ -68,7 +68,8 @@ def main() -> int:
 
     from rlhf_core.testing.model_folders import QWEN2_0_5B, build_model_folder, write_verl_parquet
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import make_loader, save_checkpoint
+    from rlhf_core.trainer.restore import save_checkpoint
+    from rlhf_core.trainer.loaders import make_loader
     from rlhf_core.workers.worker_set import WorkerSet
 
     gpus = min(2, torch.cuda.device_count())

@@ -34,7 +34,7 @@ def profile_ours(rounds: int) -> dict:
 
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import make_loader
+    from rlhf_core.trainer.loaders import make_loader
     from rlhf_core.workers.actor import ActorRolloutRefWorker
     from rlhf_core.workers.reward import RewardWorker
 

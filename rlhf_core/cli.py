@@ -132,7 +132,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit("rlhf: --iterations (the run's total) and --more (iterations to add) exclude each other")
     if cfg.trainer.total_epochs and provenance["trainer.total_iterations"] == "default":
         from rlhf_core.data.dataset import DatasetError
-        from rlhf_core.trainer.restore import total_iterations
+        from rlhf_core.trainer.loaders import total_iterations
 
         try:  # verl's len(dataloader) * total_epochs; every iteration's process is told the total
             cfg.trainer.total_iterations = total_iterations(cfg)

@@ -126,7 +126,8 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
 
     from rlhf_core.export import export_checkpoint
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import make_loader, save_checkpoint
+    from rlhf_core.trainer.restore import save_checkpoint
+    from rlhf_core.trainer.loaders import make_loader
     from rlhf_core.workers.worker_set import WorkerSet
 
     cfg = apply_overrides(RunConfig(), [

@@ -12,10 +12,10 @@ from rlhf_core.config import ConfigError, RunConfig, apply_overrides, load_confi
 from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
 from rlhf_core.verl_keys import NEVER
 
-#: verl's examples/grpo_trainer/run_qwen2-7b.sh, its arguments as written there, less the
-#: validation and custom-reward keys (data.val_files, trainer.test_freq: added with those).
+#: verl's examples/grpo_trainer/run_qwen2-7b.sh, its arguments as written there.
 QWEN2_7B = [
     "algorithm.adv_estimator=grpo", "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.val_files=$HOME/data/gsm8k/test.parquet",
     "data.train_batch_size=1024", "data.max_prompt_length=512", "data.max_response_length=1024",
     "data.filter_overlong_prompts=True", "data.truncation=error",
     "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "actor_rollout_ref.actor.optim.lr=1e-6",
@@ -32,8 +32,15 @@ QWEN2_7B = [
     "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
     "trainer.critic_warmup=0", 'trainer.logger=["console","wandb"]', "trainer.project_name=verl_grpo_example_gsm8k",
     "trainer.experiment_name=qwen2_7b_function_rm", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
-    "trainer.save_freq=20", "trainer.total_epochs=15",
+    "trainer.save_freq=20", "trainer.test_freq=5", "trainer.total_epochs=15",
 ]
+#: What many verl scripts add: a reward function from the team's own file.
+CUSTOM_REWARD = ["custom_reward_function.path=$HOME/rewards/gsm8k_reward.py", "custom_reward_function.name=score"]
+REWARD_FILE = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    # a reward verl's way: one float per response (here: half credit for any answer)
+    return 0.5
+"""
 
 
 def test_the_qwen2_7b_script_maps_to_our_fields_with_verls_meaning():
@@ -48,6 +55,7 @@ def test_the_qwen2_7b_script_maps_to_our_fields_with_verls_meaning():
     assert (cfg.trainer.project_name, cfg.trainer.experiment_name) == ("verl_grpo_example_gsm8k",
                                                                        "qwen2_7b_function_rm")
     assert cfg.data.filter_overlong_prompts is True and cfg.model.enable_gradient_checkpointing is True
+    assert (cfg.data.val_files, cfg.trainer.test_freq) == ("$HOME/data/gsm8k/test.parquet", 5)
     cfg.validate()
     assert any(n.startswith('trainer.logger=["console","wandb"]: metrics go to metrics.jsonl') for n in notes)
     assert any(n.startswith("actor_rollout_ref.model.use_remove_padding=True: no effect") for n in notes)
@@ -146,7 +154,7 @@ def tiny_model(tmp_path_factory):
 
 
 def test_total_epochs_counts_whole_batches_of_the_filtered_set(tiny_model, tmp_path):
-    from rlhf_core.trainer.restore import total_iterations
+    from rlhf_core.trainer.loaders import total_iterations
 
     data = write_verl_parquet(tmp_path / "train.parquet", count=20)
     base = [f"model.path={tiny_model}", f"data.train_files={data}", "data.max_prompt_length=64"]
@@ -155,14 +163,20 @@ def test_total_epochs_counts_whole_batches_of_the_filtered_set(tiny_model, tmp_p
     assert total_iterations(apply_overrides(RunConfig(), ["trainer.total_iterations=7"])) == 7
 
 
-def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model, tmp_path, capsys):
-    """The script's keys, every one (less validation and custom reward, added with those),
-    values scaled to a tiny model on CPU, n_gpus_per_node left out (verl's meaning of
-    total_epochs: 2 epochs of floor(10 / 4) = 2 iterations)."""
+def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model, tmp_path, capsys, ray_local):
+    """The script's keys, every one, plus a custom reward file, values scaled to a tiny
+    model on CPU, n_gpus_per_node left out: verl's meaning of total_epochs (2 epochs of
+    floor(10 / 4) = 4 iterations), validation before training and every test_freq
+    iterations under verl's metric names, every score from the reward file."""
     from rlhf_core.cli import main
 
     data = write_verl_parquet(tmp_path / "train.parquet", count=10)
-    scaled = {"data.train_files": str(data), "data.train_batch_size": "4", "data.max_prompt_length": "64",
+    test = write_verl_parquet(tmp_path / "test.parquet", count=4)
+    reward = tmp_path / "gsm8k_reward.py"
+    reward.write_text(REWARD_FILE)
+    scaled = {"data.train_files": str(data), "data.val_files": str(test), "trainer.test_freq": "2",
+              "custom_reward_function.path": str(reward),
+              "data.train_batch_size": "4", "data.max_prompt_length": "64",
               "data.max_response_length": "4", "actor_rollout_ref.model.path": str(tiny_model),
               "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
@@ -170,7 +184,7 @@ def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model
               "actor_rollout_ref.rollout.tensor_model_parallel_size": "1", "actor_rollout_ref.rollout.name": "hf",
               "actor_rollout_ref.rollout.n": "2", "trainer.save_freq": "1", "trainer.total_epochs": "2"}
     argv = []
-    for item in QWEN2_7B:
+    for item in QWEN2_7B + CUSTOM_REWARD:
         key = item.split("=", 1)[0]
         if key in ("trainer.n_gpus_per_node",):
             continue
@@ -180,6 +194,10 @@ def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model
                  f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
     rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * (10 // 4)
+    assert all(r["critic/score/mean"] == 0.5 for r in rows)  # the file's reward scored every response
+    val = "val-core/openai/gsm8k/reward/mean@1"
+    assert [val in r for r in rows] == [True, False, True, False]  # before training, then every test_freq
+    assert rows[0][val] == rows[2][val] == 0.5
     provenance = json.loads((out / "verl" / "provenance.json").read_text())
     assert provenance["rollout.response_length"] == "verl:data.max_response_length"
     assert provenance["trainer.total_iterations"] == provenance["trainer.total_epochs"] == "override"

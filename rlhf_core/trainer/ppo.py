@@ -160,7 +160,7 @@ class PPOTrainer:
         """A side stage's input: every validation prompt (its own loader: the training
         data cursor never moves)."""
         if self._val_loader is None:
-            from rlhf_core.trainer.restore import make_val_loader
+            from rlhf_core.trainer.loaders import make_val_loader
 
             self._val_loader = make_val_loader(self.config)
         from rlhf_core.data.dataset import Cursor

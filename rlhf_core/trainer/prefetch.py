@@ -84,7 +84,7 @@ def compute_ahead(cfg: RunConfig, workers, state, key: dict, cancelled=lambda: F
     """Run the prefetchable stages of the iteration ``state`` is at (None when cancelled
     between two stages)."""
     from rlhf_core.trainer.ppo import PPOTrainer
-    from rlhf_core.trainer.restore import make_loader
+    from rlhf_core.trainer.loaders import make_loader
 
     trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), copy.deepcopy(state))
     batch = trainer.first_batch()

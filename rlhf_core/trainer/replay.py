@@ -183,7 +183,8 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     from rlhf_core.trainer import stages as stage_table
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
-    from rlhf_core.trainer.restore import load_checkpoint, make_loader
+    from rlhf_core.trainer.restore import load_checkpoint
+    from rlhf_core.trainer.loaders import make_loader
     from rlhf_core.ray_head import start_local_ray
     from rlhf_core.workers.worker_set import WorkerSet
 

@@ -1,4 +1,4 @@
-"""Where a run stands and how its workers get there: open a run, checkpoints, the loader.
+"""Where a run stands and how its workers get there: open a run, checkpoints.
 
 Used by the iteration loop (``trainer/run.py``), the long-lived session and replay; it
 imports neither, so none of them imports another through it.
@@ -197,36 +197,3 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
                                 f"starts from, {uri}, is missing")
 
 
-def make_val_loader(cfg: RunConfig):
-    """Every validation prompt (data.val_files) as one batch, in file order."""
-    from rlhf_core.data.dataset import PromptLoader, load_rows
-    from rlhf_core.data.tokenizer import PromptTokenizer
-    from rlhf_core.workers import modeling
-
-    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
-                                            weights=False)
-    rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files")
-    return PromptLoader(rows, PromptTokenizer(model_path), len(rows), cfg.data.max_prompt_length, cfg.trainer.seed,
-                        shuffle=False, truncation=cfg.data.truncation)
-
-
-def total_iterations(cfg: RunConfig) -> int:
-    """The run's total: ``trainer.total_epochs`` x the loader's whole batches per epoch
-    (verl's ``len(dataloader) * total_epochs``, after ``data.filter_overlong_prompts``),
-    else ``trainer.total_iterations``."""
-    if not cfg.trainer.total_epochs:
-        return cfg.trainer.total_iterations
-    return cfg.trainer.total_epochs * make_loader(cfg).iterations_per_epoch
-
-
-def make_loader(cfg: RunConfig, state=None):
-    from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
-    from rlhf_core.data.tokenizer import PromptTokenizer
-    from rlhf_core.workers import modeling
-
-    model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
-                                            weights=False)  # the controller only tokenizes
-    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
-                        cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
-                        cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
-                        truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts)

@@ -24,9 +24,9 @@ from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
 from rlhf_core.trainer.restore import (
-    checkpoint_due, finish_checkpoint, make_loader, open_run, restore_or_init, save_checkpoint, weights_checkpoint,
-    weights_plan,
+    checkpoint_due, finish_checkpoint, open_run, restore_or_init, save_checkpoint, weights_checkpoint, weights_plan,
 )
+from rlhf_core.trainer.loaders import make_loader
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
 
