@@ -85,7 +85,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
             seen["process_on_nodes"] = workers.pools[0].process_on_nodes
             trainer = PPOTrainer(cfg, workers, loader())
             trainer.run_iteration()
-            save_checkpoint(workers, trainer.state, cfg, ckpt)
+            digests = save_checkpoint(workers, trainer.state, cfg, ckpt)
             saved_state, saved_cursor = copy.deepcopy(trainer.state), Cursor(**trainer.loader.cursor.to_dict())
             saved_state.cursor = saved_cursor.to_dict()
             trainer.run_iteration()
@@ -97,7 +97,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
 
         workers = WorkerSet.build(cfg)  # fresh processes, placed again
         try:
-            workers.load_checkpoint(ckpt)
+            workers.load_checkpoint(ckpt, expected=digests)
             trainer = PPOTrainer(cfg, workers, loader(saved_cursor), state=saved_state)
             trainer.run_iteration()
             resumed = trainer.last_batch
