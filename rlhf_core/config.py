@@ -411,7 +411,8 @@ class RunConfig:
         if self.actor.world_size > slots:
             raise ConfigError(f"actor.world_size={self.actor.world_size} ranks do not fit the pool: "
                               f"resources.nnodes={res.nnodes} x {res.ranks_per_node(self.trainer.cpus_per_worker)} "
-                              f"ranks per node (one per GPU, or cpus_per_node / trainer.cpus_per_worker on CPU)")
+                              f"ranks per node (one per GPU, or resources.cpus_per_node / trainer.cpus_per_worker "
+                              f"on CPU)")
         if res.nnodes > 1 and self.actor.world_size % res.nnodes:
             raise ConfigError(f"actor.world_size={self.actor.world_size} must split evenly over resources.nnodes="
                               f"{res.nnodes} (the same number of ranks on every node)")
