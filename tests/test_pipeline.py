@@ -107,6 +107,17 @@ def _pipeline_run(out: Path, run_id: str, env: dict, **popen):
         env=env, **popen)
 
 
+def _rollout_committed(out: Path, proc, timeout_s: float = 600) -> bool:
+    """Wait until iteration 0's rollout snapshot of run r is committed (or ``proc`` ends)."""
+    import time
+
+    rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
+    deadline = time.monotonic() + timeout_s
+    while not rollout.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return rollout.exists()
+
+
 SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
 
 
@@ -129,11 +140,7 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
                    timeout=600)
     first = _pipeline_run(out, "r", env, start_new_session=True)
     try:
-        rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
-        deadline = time.monotonic() + 600
-        while not rollout.exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert rollout.exists(), first.communicate(timeout=60)
+        assert _rollout_committed(out, first), first.communicate(timeout=60)
         os.killpg(first.pid, signal.SIGKILL)  # the command, the local runner and the controller
         first.wait(30)
         assert not (out / "store" / "r" / "iter-000000" / "MANIFEST.json").exists()
@@ -156,17 +163,13 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
     no traceback, no dump of the runner's output. That command finishes the run."""
     import shlex
     import signal
-    import time
 
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "out"
     first = _pipeline_run(out, "r", env, start_new_session=True)
     try:
-        rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
-        deadline = time.monotonic() + 600
-        while not rollout.exists() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _rollout_committed(out, first)
         os.killpg(first.pid, signal.SIGINT)
         stdout, stderr = first.communicate(timeout=300)
         assert first.returncode == 130, stdout[-2000:] + stderr[-3000:]
