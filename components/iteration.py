@@ -22,7 +22,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], summary: dsl.Output[dsl.Markdown],
                   dashboard_url: str = "", kfp_run_id: str = "",
-                  kfp_task: str = "", lease_holder: str = "", prefetch_next: bool = True,
+                  kfp_task: str = "", lease_holder: str = "", prefetch_next: bool = True, follows: int = -1,
                   parent: dsl.Input[dsl.Model] = None) -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
@@ -33,6 +33,11 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     from (imported, so KFP's lineage links the runs); a run that has moved on since the
     submitter looked is refused. ``prefetch_next``: have the session compute the next
     iteration's inference stages ahead (the driver says False for a fine-tune's last).
+    ``follows`` (>= 0: a run started ahead, pipelined): this process starts, imports and
+    connects while iteration ``follows`` still runs, then waits for its commit; ``parent``
+    is what that iteration's controller announced, checked after the wait. When that
+    iteration ends uncommitted, or was committed by another attempt with another
+    checkpoint, this run does nothing (returns -1) and its starter starts it again.
     ``summary``: the run so far for the Kubeflow UI (reward curve, metrics, sampled
     responses), written here rather than by a pod of its own: one process start less
     per iteration, and this process has the libraries loaded already."""
@@ -50,19 +55,24 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     from rlhf_core.config import RunConfig, apply_overrides
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.report import markdown_report
-    from rlhf_core.session_iteration import iterate
+    from rlhf_core.session_iteration import iterate, wait_for_commit
 
     probes.phase("imported")
     probes.pod_started()  # no-op unless a benchmark simulates pod scheduling
 
-    if parent is not None:
+    istore = IterationStore(store, run_id)
+
+    def parent_differs() -> str:
         from rlhf_core.trainer.restore import weights_checkpoint
 
-        istore = IterationStore(store, run_id)
         starts_from = weights_checkpoint(istore, len(istore.committed_iterations()))
-        if parent.uri.rstrip("/") != (starts_from or ""):
-            raise ValueError(f"parent_model: expected the checkpoint run {run_id} continues from, "
-                             f"{starts_from or 'none yet (its initial checkpoint is not written)'}; found {parent.uri}")
+        if parent is None or parent.uri.rstrip("/") == (starts_from or ""):
+            return ""
+        return (f"parent_model: expected the checkpoint run {run_id} continues from, "
+                f"{starts_from or 'none yet (its initial checkpoint is not written)'}; found {parent.uri}")
+
+    if follows < 0 and parent_differs():  # refused before anything else: the submitter looked at a stale store
+        raise ValueError(parent_differs())
 
     if lease_holder:
         os.environ["RLHF_LEASE_HOLDER"] = lease_holder
@@ -74,7 +84,15 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     info = ray_head.resolve_head(head_root, ray_address if dashboard_url else "", dashboard_url)
     ray_head.connect(info, session.namespace_of(run_id))
     probes.phase("connected")
-    result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next)
+    result = {"rows": []}
+    if follows >= 0 and not wait_for_commit(istore, follows, log=print):
+        pass  # the iteration before never committed: its starter starts both again
+    elif follows >= 0 and parent_differs():  # another attempt committed it, with another checkpoint
+        print(f"{parent_differs()}: iteration {follows} was committed by another attempt than the one this run "
+              f"was started after; this run does nothing")
+    else:
+        probes.phase("waited")
+        result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next)
     probes.phase("iterated")
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     probes.phase("disconnected")

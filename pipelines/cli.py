@@ -18,7 +18,7 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.report import run_history, write_curve
 
-    from pipelines.local import NothingCommitted, run_local_iterations
+    from pipelines.local import NothingCommitted, PipelineRunFailed, run_local_iterations
 
     run_id = args.run_id
     root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
@@ -44,8 +44,8 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
               f"(its output: {log_path})", flush=True)
         run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
                              prefetch_next=not ours or bool(args.keep_session), on_run=show, log_path=log_path,
-                             wait_if_held=True)
-    except NothingCommitted as exc:
+                             wait_if_held=True, pipelined=getattr(args, "pipelined", True))
+    except (NothingCommitted, PipelineRunFailed) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     finally:
         if ours and not args.keep_session:

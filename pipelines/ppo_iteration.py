@@ -50,7 +50,7 @@ def _pod_settings(task, small: bool) -> None:
 
 
 def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder="",
-               parent_model="", prefetch_next=True, retry_backoff=RETRY_BACKOFF):
+               parent_model="", prefetch_next=True, follows=-1, retry_backoff=RETRY_BACKOFF):
     # One controller pod per iteration (plus the cluster's launch, and the parent's import
     # on a server): the controller makes sure the session is up itself (it submits the
     # session job when there is none and waits for it) and writes the report, so separate
@@ -60,7 +60,7 @@ def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashb
                              ray_address=ray_address, dashboard_url=dashboard_url,
                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                              kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, lease_holder=lease_holder,
-                             prefetch_next=prefetch_next, **parent)
+                             prefetch_next=prefetch_next, follows=follows, **parent)
         step.set_retry(num_retries=2, backoff_duration=retry_backoff)  # stages are idempotent: a retry resumes
         step.set_display_name("run-iteration")  # one of the two branches runs: the same name in the UI
         _pod_settings(step, small=False)
@@ -83,9 +83,9 @@ def _ppo_iteration(retry_backoff: str):
                               "stopped.")
     def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
                       head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
-                      prefetch_next: bool = True):
+                      prefetch_next: bool = True, follows: int = -1):
         _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder, parent_model=parent_model,
-                   prefetch_next=prefetch_next, retry_backoff=retry_backoff)
+                   prefetch_next=prefetch_next, follows=follows, retry_backoff=retry_backoff)
 
     return ppo_iteration
 
@@ -101,7 +101,8 @@ ppo_iteration_local = _ppo_iteration(LOCAL_RETRY_BACKOFF)
                           "resumable at the stage where it stopped.")
 def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
                           kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
-                          lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True):
+                          lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
+                          follows: int = -1):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
     with dsl.ExitHandler(teardown, name="iteration"):
@@ -111,7 +112,7 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         # what kube_spec may choose is not given to this pod: launch_cluster reads the policy
         # from the Ray namespace (where profile users cannot edit it), not from the profile's
         controllers = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
-                                 cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next)
+                                 cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next, follows)
         for step in controllers:  # they talk to the token-authenticated Ray cluster
             kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET,
                                          secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})

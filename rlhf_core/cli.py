@@ -416,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "of one Kubeflow pipeline run (KFP local runner) per iteration")
     run.add_argument("--keep-session", action="store_true", help="leave the local Ray head and the run's "
                      "session up afterwards (rlhf iterate / rlhf run continue on it)")
+    run.add_argument("--no-pipelining", dest="pipelined", action="store_false", help="start an iteration's "
+                     "pipeline run only once the one before it has ended (by default it starts while the one "
+                     "before runs its stages, and waits for its commit; the results are the same)")
     run.add_argument("--config", default=None, metavar="FILE.yaml", help="a config file, ours or a verl-style "
                      "one (nested keys); the overrides apply on top")
     run.add_argument("overrides", nargs="*", help="config overrides, ours or verl's, e.g. actor.lr=1e-5 "

@@ -17,7 +17,7 @@ from pathlib import Path
 from rlhf_core import session
 from rlhf_core.config import RunConfig
 from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld, holder_id
-from rlhf_core.trainer.restore import open_run
+from rlhf_core.trainer.restore import checkpoint_plan, open_run
 from rlhf_core.trainer.run import finish_outputs, run_iterations
 
 
@@ -86,7 +86,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         return {"run_id": run_id, "rows": [], "lease_held_by": holder, "snapshots": istore.run_uri,
                 "metrics": str(run_dir / "metrics.jsonl"), "session": None}
 
-    leases = IterationLeases(istore, lease_ttl_s)
+    # the lease says which checkpoint this controller will write: a run started ahead of
+    # this one's end (pipelined) names its parent from it
+    leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore))
     try:
         leases.take_first(state.global_step)
     except LeaseHeld as held:
@@ -121,3 +123,58 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
                              "code_version": last["code_version"], "checkpoint": last["checkpoint"],
                              "iteration_uri": istore.iteration_uri(last["iteration"])}
     return result
+
+
+#: How long a run started ahead (pipelined) waits for the iteration before it to be taken
+#: again once nobody holds it, before it gives up: longer than a retry's backoff and start.
+FOLLOW_GRACE_S = 120.0
+
+
+def wait_for_commit(istore, iteration: int, log=print, grace_s: float = FOLLOW_GRACE_S,
+                    lease_ttl_s: float = CONTROLLER_TTL_S, poll_s: float = 0.05) -> bool:
+    """For a run started before ``iteration`` committed (pipelined: its process start, imports
+    and Ray connect overlap that iteration's last stages): wait until ``iteration`` is
+    committed and its controller has handed the workers back on the session record (so
+    this controller finds them at the committed step and adopts what is computed ahead).
+    False when ``iteration`` stays uncommitted with nobody holding it for ``grace_s``
+    (its run failed and nobody took it again): the caller does nothing, and whoever
+    starts runs starts that iteration again. This process is connected to the session's
+    cluster in the run's namespace; it reads the record and the store and writes nothing."""
+    import time
+
+    import ray
+
+    try:
+        record = ray.get_actor(session.SESSION_ACTOR, namespace=session.namespace_of(istore.run_id))
+    except ValueError:
+        record = None  # no session yet: the store alone says when
+    lease = istore.lease_log(iteration, lease_ttl_s)
+    t0 = time.monotonic()
+    free_since, next_store_look, said = None, 0.0, False
+    while True:
+        now = time.monotonic()
+        if record is not None:
+            try:
+                if ray.get(record.get.remote(), timeout=30).get("step") == iteration + 1:
+                    return True  # committed, and the record marked the workers at its step
+            except Exception:  # noqa: BLE001 - the session is gone: the store decides
+                record = None
+        if now >= next_store_look:
+            next_store_look = now + (0.5 if record is not None else poll_s * 4)
+            latest = lease.latest()
+            held = latest is not None and not lease.is_free(latest[1], holder="")
+            if iteration in istore.committed_iterations() and not held:
+                return True  # its controller is done (or gone) without marking the record
+            if held or iteration in istore.committed_iterations():
+                free_since = None
+            elif free_since is None:
+                free_since = now
+            elif now - free_since >= grace_s:
+                log(f"[rlhf] iteration {iteration} of run {istore.run_id} was not committed and nobody has held it "
+                    f"for {grace_s:.0f}s; this run, started ahead of it, does nothing")
+                return False
+            if not said and now - t0 > 1.0:
+                log(f"[rlhf] waiting for iteration {iteration} of run {istore.run_id} to commit "
+                    f"(this run was started ahead of it)")
+                said = True
+        time.sleep(poll_s)

@@ -4,7 +4,8 @@ renewed in the background, and checked as a fencing token before anything is wri
 The scheme needs only the one primitive every store here honours: create-only writes
 (``If-None-Match: *`` on S3, ``link()`` on disk). A lease is a log of numbered records::
 
-    {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at", "process"}
+    {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at", "process",
+                                                        "checkpoint"}
 
 (the path grammar: ``rlhf_core.run_layout``).
 
@@ -22,6 +23,11 @@ boot, PID namespace, PID, start time), and a contender that can see that process
 (the same machine and container: a local ``rlhf run`` and its pipeline runs' controllers)
 and finds no such process takes over at once instead of waiting out the TTL. Pods on a
 cluster have their own hosts, so there the KFP task rule and the TTL decide.
+
+A session's controller also says in its records which checkpoint it will write
+(``checkpoint``: a fresh prefix chosen when it acquires, null when none is due): whoever
+starts the next iteration's run before this one commits (pipelined runs) names that run's
+parent from it. A holder that acquires again (a retry) chooses a new one.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rlhf_core import run_layout
 from rlhf_core.processes import known_dead, this_process
@@ -74,6 +80,7 @@ class Lease:
     iteration: int
     holder: str
     token: int  # the generation at which the holder acquired: the fencing token
+    plan: dict = field(default_factory=dict)  # what the holder announces in every record (``checkpoint``)
 
 
 class LeaseLog:
@@ -114,16 +121,17 @@ class LeaseLog:
             return True
         return known_dead(record.get("process"))
 
-    def acquire(self, holder: str, attempts: int = 20) -> Lease | str:
-        """The lease, or who holds it now (a fresh lease of another holder)."""
+    def acquire(self, holder: str, attempts: int = 20, plan: dict | None = None) -> Lease | str:
+        """The lease, or who holds it now (a fresh lease of another holder). ``plan``: what
+        the holder announces in its records (renewals repeat it)."""
         for _ in range(attempts):
             latest = self.latest()
             if latest is not None and not self.is_free(latest[1], holder):
                 return str(latest[1].get("holder"))
             generation = 1 if latest is None else latest[0] + 1
             if self._write(generation, {"holder": holder, "token": generation, "state": "held", "at": time.time(),
-                                        "process": this_process()}):
-                return Lease(self.iteration, holder, generation)
+                                        "process": this_process(), **(plan or {})}):
+                return Lease(self.iteration, holder, generation, dict(plan or {}))
         return "another contender (lost the race repeatedly)"
 
     def holds(self, lease: Lease) -> bool:
@@ -139,7 +147,7 @@ class LeaseLog:
                     or latest[1].get("state") != "held":
                 return False
             if self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "held",
-                                           "at": time.time(), "process": this_process()}):
+                                           "at": time.time(), "process": this_process(), **lease.plan}):
                 return True
         return False
 
@@ -202,14 +210,15 @@ class IterationLeases:
     controller that lost the race must not restore (reload) weights under the winner's
     running stages."""
 
-    def __init__(self, istore, ttl_s: float) -> None:
-        self.istore, self.ttl_s, self.me = istore, ttl_s, holder_id()
+    def __init__(self, istore, ttl_s: float, plan_for=None) -> None:
+        self.istore, self.ttl_s, self.me, self.plan_for = istore, ttl_s, holder_id(), plan_for
         self._first: LeaseKeeper | None = None
 
     def take(self, iteration: int) -> LeaseKeeper:
-        """The iteration's lease, or ``LeaseHeld`` naming who has it."""
+        """The iteration's lease, or ``LeaseHeld`` naming who has it. ``plan_for(iteration)``:
+        what the holder announces (a session's controller: the checkpoint it will write)."""
         log = self.istore.lease_log(iteration, self.ttl_s)
-        lease = log.acquire(self.me)
+        lease = log.acquire(self.me, plan=self.plan_for(iteration) if self.plan_for else None)
         if isinstance(lease, str):
             raise LeaseHeld(lease)
         if iteration in self.istore.committed_iterations():  # a holder committed it, then released

@@ -141,6 +141,26 @@ def weights_checkpoint(istore, step: int) -> str | None:
     return weights_checkpoint(istore, 0) if start == 0 else istore.legacy_checkpoint_uri(start)
 
 
+def checkpoint_plan(cfg: RunConfig, istore):
+    """What a session's controller announces in the lease of iteration N (``lease.py``):
+    the fresh prefix of the checkpoint it will write after N, or None when none is due."""
+    return lambda iteration: {"checkpoint": istore.new_checkpoint_uri(iteration + 1)
+                              if checkpoint_due(cfg, iteration + 1) else None}
+
+
+def announced_weights_checkpoint(istore, iteration: int, ttl_s: float) -> str | None:
+    """``weights_checkpoint(istore, iteration + 1)`` before ``iteration`` has committed, as
+    its live controller announced it in its lease: the parent of a run started ahead
+    (pipelined). None while nobody live runs ``iteration`` or its holder announces
+    nothing; "" when the run has no checkpoint yet."""
+    latest = istore.lease_log(iteration, ttl_s).latest()
+    if latest is None or latest[1].get("state") != "held" or "checkpoint" not in latest[1]:
+        return None
+    if istore.lease_log(iteration, ttl_s).is_free(latest[1], holder=""):
+        return None  # its holder is gone: whoever takes it over announces anew
+    return latest[1]["checkpoint"] or weights_checkpoint(istore, iteration) or ""
+
+
 def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list[int]:
     """Restore the workers to the state after ``step`` iterations, refusing any file that
     differs from what was committed: the newest checkpoint at or before it, then a redo of

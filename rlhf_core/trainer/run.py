@@ -68,6 +68,12 @@ class IterationCommit:
     started: str | None = None             # the checkpoint URI the workers are writing (a fresh prefix)
     started_step: int | None = None        # ... of the state after this many iterations
 
+    def new_checkpoint_uri(self, istore, step: int) -> str:
+        """The prefix the lease announced (pipelined runs name their parent from it), else a
+        fresh one: either way nothing committed is overwritten."""
+        planned = self.keeper.lease.plan.get("checkpoint") if self.keeper is not None else None
+        return planned if planned and step == self.keeper.lease.iteration + 1 else istore.new_checkpoint_uri(step)
+
     def check(self) -> None:
         if self.keeper is not None:
             self.keeper.check()  # nothing is written without the lease
@@ -77,7 +83,7 @@ class IterationCommit:
         (weight sync and the controller's bookkeeping overlap it; the commit waits)."""
         if checkpoint_due(cfg, step) or self.force_checkpoint:
             self.check()
-            self.started, self.started_step = istore.new_checkpoint_uri(step), step
+            self.started, self.started_step = self.new_checkpoint_uri(istore, step), step
             workers.start_checkpoint(self.started)
 
     def close(self) -> None:
@@ -133,10 +139,10 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
                     t_commit = time.perf_counter()
                     checkpoint_s = commit(cfg, workers, istore, trainer, iteration, metrics, version, this)
                     metrics.update(step_timing(metrics, time.perf_counter() - t_commit, checkpoint_s))
+                    if attachment is not None:  # before the lease goes: a run waiting on it finds the record marked
+                        attachment.committed(trainer.state.global_step)
                 finally:
                     this.close()
-                if attachment is not None:
-                    attachment.committed(trainer.state.global_step)
                 row = {"iteration": iteration, "wall_clock_s": time.monotonic() - train_start, **metrics}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -190,7 +196,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         checksums = finish_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     elif checkpoint_due(cfg, step) or this.force_checkpoint:
-        checkpoint = istore.new_checkpoint_uri(step)  # its own prefix: nothing committed is overwritten
+        checkpoint = this.new_checkpoint_uri(istore, step)  # its own prefix: nothing committed is overwritten
         checksums = save_checkpoint(workers, trainer.state, cfg, checkpoint)
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     else:  # the weights after this iteration: the last checkpoint plus a redo of what followed it
