@@ -7,6 +7,13 @@ the reward target met, the validation score reached, the wall-clock budget spent
 driver drives a run at a time: it holds the run's ``driver`` lease, like a controller
 holds an iteration's.
 
+Pipelined (``Plan.pipelined``, when only the count ends the fine-tune): once iteration n's
+controller holds its lease and has announced the checkpoint it will write, the driver
+submits n+1's run with that checkpoint as its parent and ``follows=n``; its pods start and
+its controller connects while n runs, then waits for n's commit. If n is not committed as
+announced (its run failed, a retry wrote another checkpoint), the run started ahead does
+nothing and is submitted again; it is not counted as a failed attempt.
+
 ``client`` is anything with kfp.Client's ``run_pipeline(experiment_id, job_name,
 pipeline_package_path, params, enable_caching, service_account)`` and ``get_run(run_id)``
 (``.state``): the real client inside the cluster, or the local stand-in
@@ -40,6 +47,7 @@ class Plan:
     budget_s: float | None = None
     max_retries: int = 2
     poll_s: float = 5.0
+    pipelined: bool = True  # start iteration n+1's run while n's runs (``pipelines_ahead`` says when)
 
 
 @dataclass
@@ -67,12 +75,22 @@ def _latest_validation(istore, committed: list[int]) -> float | None:
     return None
 
 
+def pipelines_ahead(plan: Plan) -> bool:
+    """Whether the driver starts iteration n+1's run while n's still runs (``Plan.pipelined``):
+    only when the count alone ends the fine-tune (whether a reward, validation or time target
+    is met is known only once n has committed: a run started ahead would train one iteration
+    too many) and the cluster outlives each iteration run (policy ``keep``: another policy
+    deletes it at the end of n's run, under n+1)."""
+    return (plan.pipelined and plan.stop_at_reward is None and plan.stop_at_val is None and plan.budget_s is None
+            and plan.arguments.get("cluster_policy", "keep") == "keep")
+
+
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
           service_account: str | None = None) -> Outcome:
     from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
-    from rlhf_core.trainer.restore import weights_checkpoint
+    from rlhf_core.trainer.restore import announced_weights_checkpoint, weights_checkpoint
 
     validate_run_id(plan.run_id, "run_id")  # before the store is resolved: it may be a network lookup
     validate_store_uri(plan.store, "store")
@@ -89,10 +107,59 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
     start = time.monotonic()
     first = len(istore.committed_iterations())
     target = plan.iterations if plan.iterations is not None else first + (plan.more or 0)
+    ahead_ok = pipelines_ahead(plan)
     runs: list[dict] = []
     attempts: dict[int, int] = {}
+    inflight: dict[int, dict] = {}  # iteration -> the run submitted for it
+
+    def submit(n: int, parent: str, follows: int) -> None:
+        attempt = attempts.get(n, 0)
+        name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
+        holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+        kwargs = {"service_account": service_account} if service_account else {}
+        # the checkpoint it starts from (none before the run's initial one is written),
+        # imported by the run (KFP lineage links the runs); the session computes the next
+        # iteration ahead unless this is the last one
+        params = {**plan.arguments, "lease_holder": holder, "parent_model": parent, "prefetch_next": n + 1 < target,
+                  **({"follows": follows} if follows >= 0 else {})}
+        run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
+                                  params=params, enable_caching=False, **kwargs)
+        log(f"[driver] submitted {name}: {run.run_id}" + (f" (ahead: it waits for iteration {follows})"
+                                                          if follows >= 0 else ""))
+        inflight[n] = {"kfp_run_id": run.run_id, "name": name, "holder": holder, "attempt": attempt,
+                       "t0": time.monotonic(), "ahead": follows >= 0}
+
+    def reap(n: int, sub: dict, state: str) -> None:
+        done = n in istore.committed_iterations()
+        runs.append({"iteration": n, "attempt": sub["attempt"], "kfp_run_id": sub["kfp_run_id"], "name": sub["name"],
+                     "state": state, "committed": done, "seconds": round(time.monotonic() - sub["t0"], 1)})
+        if done:
+            log(f"[driver] {sub['name']}: {state}")
+            return
+        iteration_lease = istore.lease_log(n, CONTROLLER_TTL_S)
+        latest = iteration_lease.latest()
+        if latest is not None and latest[1].get("holder") != sub["holder"] and \
+                not iteration_lease.is_free(latest[1], sub["holder"]):
+            log(f"[driver] {sub['name']}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
+                f"waiting for it")  # not this attempt's failure: it is not counted
+            return
+        if sub["ahead"] and (latest is None or latest[1].get("holder") != sub["holder"]):
+            log(f"[driver] {sub['name']}: {state}, started ahead, it stood down (the iteration before it was not "
+                f"committed as announced); it is started again")  # it ran nothing: not counted
+            return
+        # the run is over (its state is final), so whatever lease it left is released for
+        # it: the retry, a holder of its own, takes the iteration at once
+        iteration_lease.release_for(sub["holder"])
+        log(f"[driver] {sub['name']}: {state} (not committed: it will be retried)")
+        attempts[n] = sub["attempt"] + 1
+
     try:
         while True:
+            for n, sub in list(inflight.items()):
+                state = _state(client, sub["kfp_run_id"])
+                if state in FINAL_STATES:
+                    del inflight[n]
+                    reap(n, sub, state)
             committed = istore.committed_iterations()
             reward = _recent_reward(istore, committed) if plan.stop_at_reward is not None else None
             val = _latest_validation(istore, committed) if plan.stop_at_val is not None else None
@@ -108,47 +175,27 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                 reason = "stopped"
             else:
                 reason = None
-            if reason is not None:
+            if reason is not None and not inflight:  # (what is in flight ends first, as one run at a time did)
                 log(f"[driver] run {plan.run_id}: done ({reason})")
                 return Outcome(reason, committed, runs)
             keeper.check()
             n = len(committed)
-            attempt = attempts.get(n, 0)
-            if attempt > plan.max_retries:
-                raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
-                                 f"{plan.max_retries}); see its runs: {[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
-            name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
-            holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
-            iteration_lease = istore.lease_log(n, CONTROLLER_TTL_S)
-            if _wait_out(iteration_lease, holder, istore, n, keeper, plan.poll_s, log):
-                continue  # another controller (a child run of a driver before this one) had it
-            t0 = time.monotonic()
-            kwargs = {"service_account": service_account} if service_account else {}
-            # the checkpoint it starts from (none before the run's initial one is written),
-            # imported by the run (KFP lineage links the runs);
-            # the session computes the next iteration ahead unless this is the last one
-            params = {**plan.arguments, "lease_holder": holder,
-                      "parent_model": weights_checkpoint(istore, n) or "", "prefetch_next": n + 1 < target}
-            run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
-                                      params=params, enable_caching=False, **kwargs)
-            log(f"[driver] submitted {name}: {run.run_id}")
-            state = _wait(client, run.run_id, plan.poll_s)
-            done = n in istore.committed_iterations()
-            runs.append({"iteration": n, "attempt": attempt, "kfp_run_id": run.run_id, "name": name,
-                         "state": state, "committed": done, "seconds": round(time.monotonic() - t0, 1)})
-            if done:
-                log(f"[driver] {name}: {state}")
-                continue
-            latest = iteration_lease.latest()
-            if latest is not None and latest[1].get("holder") != holder and not iteration_lease.is_free(latest[1], holder):
-                log(f"[driver] {name}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
-                    f"waiting for it")  # not this attempt's failure: it is not counted
-                continue
-            # the run is over (its state is final), so whatever lease it left is released for
-            # it: the retry, a holder of its own, takes the iteration at once
-            iteration_lease.release_for(holder)
-            log(f"[driver] {name}: {state} (not committed: it will be retried)")
-            attempts[n] = attempt + 1
+            if reason is None and n not in inflight:
+                attempt = attempts.get(n, 0)
+                if attempt > plan.max_retries:
+                    raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
+                                     f"{plan.max_retries}); see its runs: "
+                                     f"{[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
+                holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+                if _wait_out(istore.lease_log(n, CONTROLLER_TTL_S), holder, istore, n, keeper, plan.poll_s, log):
+                    continue  # another controller (a child run of a driver before this one) had it
+                submit(n, weights_checkpoint(istore, n) or "", follows=-1)
+            elif reason is None and ahead_ok and n + 1 < target and n + 1 not in inflight \
+                    and attempts.get(n + 1, 0) <= plan.max_retries:
+                parent = announced_weights_checkpoint(istore, n, CONTROLLER_TTL_S)
+                if parent is not None:  # n's controller runs it and has said which checkpoint it will write
+                    submit(n + 1, parent, follows=n)
+            time.sleep(plan.poll_s)
     finally:
         keeper.close()
 
@@ -169,12 +216,8 @@ def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: floa
     return waited
 
 
-def _wait(client, kfp_run_id: str, poll_s: float) -> str:
-    while True:
-        state = str(getattr(client.get_run(kfp_run_id), "state", "") or "").upper()
-        if state in FINAL_STATES:
-            return state
-        time.sleep(poll_s)
+def _state(client, kfp_run_id: str) -> str:
+    return str(getattr(client.get_run(kfp_run_id), "state", "") or "").upper()
 
 
 def report_markdown(plan: Plan, outcome: Outcome, run_url=lambda kfp_run_id: "") -> str:

@@ -11,11 +11,14 @@ from components.iteration import IMAGE
 def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_reward: float, budget_s: float,
                    config_overrides: list, kube_spec: dict, cluster_policy: str, max_retries: int,
                    kfp_host: str, namespace: str, experiment: str, service_account: str,
-                   summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics], stop_at_val: float = -1.0):
+                   summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics], stop_at_val: float = -1.0,
+                   pipelined: bool = True):
     """Iterations until the run has ``iterations`` in all (or ``more`` than it had, when
     ``more`` > 0), the mean reward of the last five reaches ``stop_at_reward`` (< 0: never),
     the latest validation's score reaches ``stop_at_val`` (< 0: never)
-    or ``budget_s`` (<= 0: none) is spent. Ends with a report and the last metrics."""
+    or ``budget_s`` (<= 0: none) is spent. Ends with a report and the last metrics.
+    ``pipelined``: submit iteration n+1's run while n's runs, when only the count ends the
+    fine-tune (``components.driver.pipelines_ahead``)."""
     import signal
     from importlib import resources
 
@@ -40,7 +43,8 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
                 iterations=iterations if more <= 0 else None, more=more if more > 0 else None,
                 stop_at_reward=stop_at_reward if stop_at_reward >= 0 else None,
                 stop_at_val=stop_at_val if stop_at_val >= 0 else None,
-                budget_s=budget_s if budget_s > 0 else None, max_retries=max_retries, poll_s=15.0)
+                budget_s=budget_s if budget_s > 0 else None, max_retries=max_retries, poll_s=15.0,
+                pipelined=pipelined)
     outcome = drive(client, plan, package, experiment_id, stopping=lambda: bool(stop),
                     service_account=service_account or None)
     host = (kfp_host or "").rstrip("/")

@@ -36,7 +36,7 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
                          pipeline_root: str, lease_holder: str = "", parent_model: str = "",
                          prefetch_next: bool = True, on_run=None, log_path: str | None = None,
                          wait_if_held: bool = False, lease_ttl_s: float | None = None,
-                         pipelined: bool = False) -> list[dict]:
+                         pipelined: bool = False, follows: int = -1) -> list[dict]:
     """``iterations`` runs of the per-iteration pipeline, each given the checkpoint it
     continues from (``parent_model`` for the first when the caller knows it, else read from
     the store, as the fine-tune driver does). The session computes ahead after every run
@@ -55,7 +55,8 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
     controller holds the iteration's lease is followed by a wait until that one commits or
     its lease frees, then a new run; ``NothingCommitted`` when a run commits nothing with
     nobody holding it (twice in a row). Without it (one run for the fine-tune driver,
-    which decides itself) the runs are returned as they ended."""
+    which decides itself) the runs are returned as they ended. ``follows``: the first run
+    was started ahead of that iteration's commit (the driver's pipelined submissions)."""
     from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.iteration_store import IterationStore
 
@@ -67,13 +68,13 @@ def run_local_iterations(run_id: str, store: str, overrides: list, head_root: st
               "head_root": os.path.abspath(head_root), "lease_holder": lease_holder}
     if not pipelined:
         return _one_run_at_a_time(istore, params, iterations, pipeline_root, parent_model, prefetch_next, on_run,
-                                  log_path, wait_if_held, lease_ttl_s)
+                                  log_path, wait_if_held, lease_ttl_s, follows)
     return _pipelined_runs(istore, params, iterations, pipeline_root, parent_model, prefetch_next, on_run, log_path,
                            wait_if_held, lease_ttl_s)
 
 
 def _one_run_at_a_time(istore, params, iterations, pipeline_root, parent_model, prefetch_next, on_run, log_path,
-                       wait_if_held, lease_ttl_s) -> list[dict]:
+                       wait_if_held, lease_ttl_s, follows: int = -1) -> list[dict]:
     """Each run in this process, after the one before ended (the driver's single runs)."""
     from rlhf_core import probes
 
@@ -87,7 +88,8 @@ def _one_run_at_a_time(istore, params, iterations, pipeline_root, parent_model, 
         probes.phase("run_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
         with _runner_output(log_path):
             task = ppo_iteration(**params, parent_model=parent_model if k == 0 and parent_model else
-                                 _next_parent(istore), prefetch_next=prefetch_next or k + 1 < iterations)
+                                 _next_parent(istore), prefetch_next=prefetch_next or k + 1 < iterations,
+                                 follows=follows if k == 0 else -1)
         probes.phase("run_end")
         runs.append({"outputs": {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}})
         prune_run_folders(pipeline_root)
@@ -392,6 +394,7 @@ class LocalKfpStandIn:
                 "--head-root", self.head_root, "--root", os.path.join(self.pipeline_root, kfp_run_id),
                 "--lease-holder", params.get("lease_holder", ""), "--parent-model", params.get("parent_model", ""),
                 *([] if params.get("prefetch_next", True) else ["--no-prefetch-next"]),
+                "--follows", str(params.get("follows", -1)),
                 *params.get("config_overrides", [])]
         log = open(os.path.join(self.pipeline_root, f"{kfp_run_id}.log"), "wb")
         self.runs[kfp_run_id] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -423,10 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-holder", default="")
     parser.add_argument("--parent-model", default="")
     parser.add_argument("--no-prefetch-next", dest="prefetch_next", action="store_false")
+    parser.add_argument("--follows", type=int, default=-1, help="started ahead: wait for this iteration's commit")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     run_local_iterations(args.run_id, args.store, args.overrides, args.head_root, 1, args.root, args.lease_holder,
-                         args.parent_model, args.prefetch_next)
+                         args.parent_model, args.prefetch_next, follows=args.follows)
     return 0
 
 

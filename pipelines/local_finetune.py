@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stop-at-reward", type=float, default=None)
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--poll-s", type=float, default=0.5)
+    parser.add_argument("--no-pipelining", dest="pipelined", action="store_false",
+                        help="submit an iteration's run only once the one before it has ended")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     stop = []
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args.run_id, args.store, {"run_id": args.run_id, "store": args.store,
                                            "config_overrides": list(args.overrides)},
                 iterations=args.iterations, more=args.more, stop_at_reward=args.stop_at_reward,
-                budget_s=args.budget_s, poll_s=args.poll_s)
+                budget_s=args.budget_s, poll_s=args.poll_s, pipelined=args.pipelined)
     outcome = drive(LocalKfpStandIn(args.head_root, args.root), plan, "", "local", stopping=lambda: bool(stop))
     with open(os.path.join(args.root, "report.md"), "w", encoding="utf-8") as f:
         f.write(report_markdown(plan, outcome))

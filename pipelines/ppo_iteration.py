@@ -124,12 +124,13 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
 def finetune(run_id: str = "demo", store: str = "s3://rlhf/runs", iterations: int = 300, more: int = 0,
              stop_at_reward: float = -1.0, budget_s: float = 0.0, config_overrides: list = [], kube_spec: dict = {},
              cluster_policy: str = "keep", max_retries: int = 2, kfp_host: str = "", namespace: str = "",
-             experiment: str = "rlhf", service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0):
+             experiment: str = "rlhf", service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0,
+             pipelined: bool = True):
     driver = drive_finetune(run_id=run_id, store=store, iterations=iterations, more=more,
                             stop_at_reward=stop_at_reward, budget_s=budget_s, config_overrides=config_overrides,
                             kube_spec=kube_spec, cluster_policy=cluster_policy, max_retries=max_retries,
                             kfp_host=kfp_host, namespace=namespace, experiment=experiment,
-                            service_account=service_account, stop_at_val=stop_at_val)
+                            service_account=service_account, stop_at_val=stop_at_val, pipelined=pipelined)
     _pod_settings(driver, small=True)
     driver.set_retry(num_retries=3, backoff_duration="60s")  # a retried driver continues from the store
 

@@ -144,10 +144,12 @@ def wait_for_commit(istore, iteration: int, log=print, grace_s: float = FOLLOW_G
 
     import ray
 
-    try:
-        record = ray.get_actor(session.SESSION_ACTOR, namespace=session.namespace_of(istore.run_id))
-    except ValueError:
-        record = None  # no session yet: the store alone says when
+    record = None  # no session yet (or no cluster): the store alone says when
+    if ray.is_initialized():
+        try:
+            record = ray.get_actor(session.SESSION_ACTOR, namespace=session.namespace_of(istore.run_id))
+        except ValueError:
+            pass
     lease = istore.lease_log(iteration, lease_ttl_s)
     t0 = time.monotonic()
     free_since, next_store_look, said = None, 0.0, False

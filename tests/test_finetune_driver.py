@@ -43,25 +43,35 @@ def plan_for(place, run_id, **kw):
 
 
 def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
+    """Pipelined (the default): iteration n+1's run is submitted while n's runs, named after
+    the checkpoint n's controller announced. The second submission's controller is killed
+    in its reward stage: its iteration is retried (resuming at the stage where it stopped),
+    and a run started ahead of it that found it committed with another checkpoint stands
+    down and is submitted again, without counting as a failure."""
     plan = plan_for(place, "drive3", iterations=3)
     standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"), fail={2: "stage:reward"})
     os.makedirs(place / "kfp", exist_ok=True)
     outcome = drive(standin, plan, "", "local", log=lambda *a: None)
     assert outcome.committed == [0, 1, 2] and outcome.reason == "3 of 3 iterations committed"
-    assert [(r["iteration"], r["attempt"], r["state"], r["committed"]) for r in outcome.runs] == [
-        (0, 0, "SUCCEEDED", True), (1, 0, "FAILED", False), (1, 1, "SUCCEEDED", True), (2, 0, "SUCCEEDED", True)]
-    assert [s["name"] for s in standin.submitted] == ["drive3 iteration 000000", "drive3 iteration 000001",
-                                                       "drive3 iteration 000001 retry 1", "drive3 iteration 000002"]
-    # each run imports the checkpoint it continues from (the run's component refuses any
-    # other), and the session computes ahead after every iteration but the last
     store = place / "store" / "drive3"
-    # (the first has none: the run's initial checkpoint is written by its first controller)
     manifest = lambda n: json.loads((store / f"iter-{n:06d}" / "MANIFEST.json").read_text())
-    assert [s["params"]["parent_model"] for s in standin.submitted] == [
-        "", manifest(0)["checkpoint"], manifest(0)["checkpoint"], manifest(1)["checkpoint"]]
-    assert [s["params"]["prefetch_next"] for s in standin.submitted] == [True, True, True, False]
+    by_id = {s["kfp_run_id"]: s for s in standin.submitted}
+    committing = {r["iteration"]: by_id[r["kfp_run_id"]] for r in outcome.runs if r["committed"]}
+    assert sorted(committing) == [0, 1, 2]
+    # each committing run imported the checkpoint it continued from (the run's component
+    # refuses any other; the first has none: its first controller writes the initial one)
+    assert [committing[n]["params"]["parent_model"] for n in (0, 1, 2)] == [
+        "", manifest(0)["checkpoint"], manifest(1)["checkpoint"]]
+    # the killed attempt counted, and its retry committed; nothing else failed
+    assert [(r["iteration"], r["attempt"]) for r in outcome.runs if r["state"] == "FAILED"] == [(1, 0)]
+    assert committing[1]["name"] == "drive3 iteration 000001 retry 1" and committing[1]["fault"] is None
+    # runs were started ahead of the iteration before them (the second one at least: it
+    # was submitted while iteration 0 ran)
+    assert standin.submitted[1]["params"].get("follows") == 0
+    # the session computes ahead after every iteration but the last
+    assert all(s["params"]["prefetch_next"] == (s["name"].split()[2] != "000002") for s in standin.submitted)
     # the retry resumed: iteration 1's rollout was committed by the killed controller, not redone
-    it1 = place / "store" / "drive3" / "iter-000001"
+    it1 = store / "iter-000001"
     writer = lambda stage: json.loads((it1 / stage / "SNAPSHOT.json").read_text())["writer"]["pid"]
     assert writer("rollout") != writer("update_actor")
     report = report_markdown(plan, outcome)
@@ -70,6 +80,20 @@ def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
     again = drive(standin, plan, "", "local", log=lambda *a: None)
     assert again.runs == [] and again.committed == [0, 1, 2]
     stop_session(place, "drive3")
+
+
+def test_one_run_at_a_time_when_asked(place):
+    """``Plan(pipelined=False)``: a run is submitted only once the one before it ended, each
+    with the committed checkpoint it continues from."""
+    plan = plan_for(place, "seq2", iterations=2, pipelined=False)
+    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"))
+    outcome = drive(standin, plan, "", "local", log=lambda *a: None)
+    assert outcome.committed == [0, 1]
+    assert [s["name"] for s in standin.submitted] == ["seq2 iteration 000000", "seq2 iteration 000001"]
+    assert all("follows" not in s["params"] for s in standin.submitted)
+    manifest0 = json.loads((place / "store" / "seq2" / "iter-000000" / "MANIFEST.json").read_text())
+    assert standin.submitted[1]["params"]["parent_model"] == manifest0["checkpoint"]
+    stop_session(place, "seq2")
 
 
 def test_budget_and_reward_target_end_the_loop(place):
