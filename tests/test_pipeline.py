@@ -91,6 +91,15 @@ def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):
         assert (store / "iter-000000" / "MANIFEST.json").exists() and (store / "iter-000001" / "MANIFEST.json").exists()
         manifest = json.loads((store / "iter-000001" / "MANIFEST.json").read_text())
         assert manifest["parent_iteration"] == 0 and "/checkpoints/step-000002-" in manifest["checkpoint"]
+        # pipelined: iteration 1's run started before iteration 0 committed, with the
+        # checkpoint iteration 0's controller announced (and then wrote) as its parent
+        import datetime
+
+        started = sorted(datetime.datetime.strptime(p.name[len("rlhf-ppo-iteration-"):], "%Y-%m-%d-%H-%M-%S-%f")
+                         .timestamp() for p in (out / "kfp" / "kfp").iterdir() if p.is_dir())
+        assert len(started) == 2 and started[1] < (store / "iter-000000" / "MANIFEST.json").stat().st_mtime
+        announced = json.loads(sorted((store / "leases" / "iter-000000").iterdir())[0].read_text())["checkpoint"]
+        assert announced == json.loads((store / "iter-000000" / "MANIFEST.json").read_text())["checkpoint"]
         reports = list((out / "kfp" / "kfp").rglob("summary"))
         assert reports and "reward curve" in reports[-1].read_text()
         assert (out / "kfp" / "reward_curve.png").stat().st_size > 0

@@ -1,0 +1,103 @@
+"""Pipelined iterations, the parts that need no Ray: the checkpoint a controller announces in
+its lease, what a starter reads from it, and how a run started ahead waits for the commit
+of the iteration before it (the commit and the wait run at the same time)."""
+
+import json
+import threading
+import time
+
+from components.driver import Plan, pipelines_ahead
+from rlhf_core.config import RunConfig
+from rlhf_core.session_iteration import wait_for_commit
+from rlhf_core.trainer.iteration_store import IterationStore
+from rlhf_core.trainer.lease import IterationLeases, LeaseLog
+from rlhf_core.trainer.restore import announced_weights_checkpoint, checkpoint_plan
+from rlhf_core.trainer.run import IterationCommit
+
+
+def _istore(tmp_path, run_id="r"):
+    return IterationStore(f"file://{tmp_path}/store", run_id)
+
+
+def test_a_controller_announces_the_checkpoint_it_will_write_and_writes_it_there(tmp_path):
+    istore = _istore(tmp_path)
+    cfg = RunConfig()
+    leases = IterationLeases(istore, 900.0, plan_for=checkpoint_plan(cfg, istore))
+    keeper = leases.take(0)
+    try:
+        announced = announced_weights_checkpoint(istore, 0, 900.0)
+        assert announced and "/checkpoints/step-000001-" in announced
+        assert keeper.log.renew(keeper.lease)  # a renewal says it again
+        assert announced_weights_checkpoint(istore, 0, 900.0) == announced
+        # the commit writes the checkpoint under that prefix
+        assert IterationCommit(keeper=keeper).new_checkpoint_uri(istore, 1) == announced
+        assert IterationCommit(keeper=keeper).new_checkpoint_uri(istore, 2) != announced  # not this lease's step
+    finally:
+        keeper.close()
+    assert announced_weights_checkpoint(istore, 0, 900.0) is None  # released: nobody runs it
+
+
+def test_a_retry_announces_a_prefix_of_its_own_and_a_dead_holder_announces_nothing(tmp_path):
+    istore = _istore(tmp_path)
+    plan = checkpoint_plan(RunConfig(), istore)
+    log = istore.lease_log(0, 900.0)
+    first = log.acquire("kfp:run/task", plan=plan(0))
+    again = log.acquire("kfp:run/task", plan=plan(0))  # a KFP retry of the same task takes over at once
+    assert first.plan["checkpoint"] != again.plan["checkpoint"]  # never two writers under one prefix
+    assert announced_weights_checkpoint(istore, 0, 900.0) == again.plan["checkpoint"]
+    latest = log.latest()
+    record = {**latest[1], "process": {**latest[1]["process"], "pid": 2 ** 22 + 7, "started": "1"}}
+    (tmp_path / "store" / "r" / "leases" / "iter-000000" / f"{latest[0] + 1:08d}.json").write_text(json.dumps(record))
+    assert announced_weights_checkpoint(istore, 0, 900.0) is None  # that process is gone here
+
+
+def test_an_iteration_without_a_checkpoint_announces_the_one_it_started_from(tmp_path):
+    istore = _istore(tmp_path)
+    cfg = RunConfig()
+    cfg.trainer.checkpoint_every = 4
+    plan = checkpoint_plan(cfg, istore)
+    assert plan(0) == {"checkpoint": None} and plan(3)["checkpoint"].split("/")[-1].startswith("step-000004-")
+    istore.lease_log(0, 900.0).acquire("local:me", plan=plan(0))
+    assert announced_weights_checkpoint(istore, 0, 900.0) == ""  # the run has no checkpoint yet
+    old = LeaseLog(istore.run, 1, 900.0)
+    old.acquire("local:old-controller")  # a controller of an older version: no announcement
+    assert announced_weights_checkpoint(istore, 1, 900.0) is None
+
+
+def test_a_run_started_ahead_waits_for_the_commit_made_meanwhile(tmp_path):
+    istore = _istore(tmp_path)
+    keeper = IterationLeases(istore, 900.0).take(0)  # iteration 0's controller, live (this process)
+    waited: dict = {}
+
+    def follower():
+        t0 = time.monotonic()
+        waited["ok"] = wait_for_commit(istore, 0, log=lambda *a: None, grace_s=0.2)
+        waited["s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=follower)
+    thread.start()
+    time.sleep(0.6)  # longer than the grace: a live holder is waited for, however long
+    assert thread.is_alive()
+    istore.commit_iteration(0, {"checkpoint": "x", "metrics": {}})
+    keeper.close()
+    thread.join(10)
+    assert waited["ok"] is True and waited["s"] >= 0.6
+
+
+def test_a_run_started_ahead_of_an_iteration_nobody_runs_gives_up_after_the_grace(tmp_path):
+    istore = _istore(tmp_path)
+    keeper = IterationLeases(istore, 900.0).take(0)
+    keeper.close()  # its controller ended without committing (it failed)
+    t0 = time.monotonic()
+    assert wait_for_commit(istore, 0, log=lambda *a: None, grace_s=0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_the_driver_pipelines_only_when_the_count_alone_ends_the_run():
+    plan = lambda **kw: Plan("r", "file:///s", {"cluster_policy": kw.pop("policy", "keep")}, iterations=5, **kw)
+    assert pipelines_ahead(plan())
+    assert not pipelines_ahead(plan(pipelined=False))
+    assert not pipelines_ahead(plan(stop_at_reward=0.9))  # known only once the iteration before committed
+    assert not pipelines_ahead(plan(stop_at_val=0.5))
+    assert not pipelines_ahead(plan(budget_s=60.0))
+    assert not pipelines_ahead(plan(policy="delete"))  # the cluster would go under the run started ahead
