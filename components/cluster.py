@@ -14,7 +14,7 @@ from kfp import dsl
 from components.iteration import IMAGE
 
 
-@dsl.component(base_image=IMAGE)
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout_s: int) -> NamedTuple(
         "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
     """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
@@ -38,7 +38,7 @@ def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout
         address.name, address.ray_address, address.dashboard_url)
 
 
-@dsl.component(base_image=IMAGE)
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def teardown_cluster(run_id: str, kube_spec: dict, policy: str, status: dsl.PipelineTaskFinalStatus):
     """keep (default: the session serves the next iteration and ends itself when idle),
     delete, or delete-on-success (a failed run's cluster stays for debugging)."""

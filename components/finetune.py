@@ -7,7 +7,7 @@ from kfp import dsl
 from components.iteration import IMAGE
 
 
-@dsl.component(base_image=IMAGE)
+@dsl.component(base_image=IMAGE, install_kfp_package=False)
 def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_reward: float, budget_s: float,
                    config_overrides: list, kube_spec: dict, cluster_policy: str, max_retries: int,
                    kfp_host: str, namespace: str, experiment: str, service_account: str,

@@ -15,8 +15,8 @@ name matches the fnmatch ``<pattern>``. Points:
 before it does anything (``pod_started``): it stands for the pod being scheduled and its
 image started, which the KFP local runner does not have (benchmarks/orchestration.py).
 
-``RLHF_PHASE_LOG=<file>`` makes ``phase(name)`` append ``{"pid", "run", "phase", "t"}``
-(wall clock) to that file as one JSON line: where a Kubeflow component's time goes
+``RLHF_PHASE_LOG=<file>`` makes ``phase(name)`` append ``{"pid", "run", "phase", "t", "cpu"}``
+(wall clock; this process's CPU seconds) to that file as one JSON line: where a Kubeflow component's time goes
 (benchmarks/orchestration.py). ``run`` is ``RLHF_PHASE_RUN``, which a pipelined starter's
 runner sets per pipeline run (runs overlap, so their marks interleave). ``phase("process_start")`` logs when this process was
 created (from /proc), so the time before any Python code ran is counted too.
@@ -52,7 +52,7 @@ def phase(name: str) -> None:
     t = _process_start() if name == "process_start" else time.time()
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps({"pid": os.getpid(), "run": os.environ.get("RLHF_PHASE_RUN"), "phase": name,
-                            "t": t}) + "\n")
+                            "t": t, "cpu": time.process_time()}) + "\n")
 
 
 def _process_start() -> float:

@@ -298,7 +298,9 @@ def wait_job_ready(client, submission_id: str, timeout_s: float = 900.0) -> None
 # ------------------------------------------------------------- the controller's side
 
 
-def _attach(cfg: RunConfig, run_id: str, record, info: dict) -> AttachedSession | None:
+def attach_to(cfg: RunConfig, run_id: str, record, info: dict) -> AttachedSession | None:
+    """Handles on the workers ``info`` (the record's state) names, or None when one of them
+    is gone; refuses a session of another config."""
     if info["config_hash"] != cfg.config_hash():
         raise RuntimeError(f"session of run {run_id} runs another config (hash {info['config_hash'][:12]}, "
                            f"now {cfg.config_hash()[:12]}); stop it first (rlhf stop-session)")
@@ -331,7 +333,7 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
         except Exception:
             record, info = None, None
         if info is not None and info["status"] == "ready":
-            attached = _attach(cfg, run_id, record, info)
+            attached = attach_to(cfg, run_id, record, info)
             if attached is not None:
                 return attached
             if asked_rebuild_of != info["generation"]:

@@ -64,7 +64,8 @@ class SessionAttachment:
 
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
-            lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None) -> dict:
+            lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None,
+            attached: session.AttachedSession | None = None) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
@@ -72,7 +73,8 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     After its last commit the controller has the session compute the next iteration's
     inference stages ahead for the next controller to adopt, when ``trainer.prefetch`` is
     on and ``prefetch_next`` is not False (the driver says False for a fine-tune's last
-    iteration)."""
+    iteration). ``attached``: the session as ``attach_ahead`` found it (a run started
+    ahead attaches while it waits); used when the session is still that generation."""
     import ray
 
     from rlhf_core.trainer.prefetch import SessionPrefetch
@@ -94,7 +96,8 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     except LeaseHeld as held:
         return held_by(str(held))
     try:
-        attached = session.ensure(cfg, run_id, store, head)
+        if attached is None or ray.get(attached.record.get.remote())["generation"] != attached.info["generation"]:
+            attached = session.ensure(cfg, run_id, store, head)
         info = attached.info
         log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
         # the workers are this controller's (dirty until it commits) before anything else,
@@ -125,13 +128,30 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     return result
 
 
+def attach_ahead(cfg: RunConfig, run_id: str) -> session.AttachedSession | None:
+    """What a run started ahead does before its wait, off the critical path: import the
+    loop's modules and attach to the session's workers (no claim: the running controller
+    keeps them). None when there is no session to attach to yet."""
+    import rlhf_core.trainer.ppo  # noqa: F401 - imported now rather than after the commit
+    import rlhf_core.trainer.prefetch  # noqa: F401
+
+    import ray
+
+    try:  # only looking: asking for a rebuild or a session is iterate()'s, after the wait
+        record = ray.get_actor(session.SESSION_ACTOR, namespace=session.namespace_of(run_id))
+        info = ray.get(record.get.remote(), timeout=30)
+        return session.attach_to(cfg, run_id, record, info) if info.get("status") == "ready" else None
+    except Exception:  # noqa: BLE001 - iterate() attaches (or starts the session) itself
+        return None
+
+
 #: How long a run started ahead (pipelined) waits for the iteration before it to be taken
 #: again once nobody holds it, before it gives up: longer than a retry's backoff and start.
 FOLLOW_GRACE_S = 120.0
 
 
 def wait_for_commit(istore, iteration: int, log=print, grace_s: float = FOLLOW_GRACE_S,
-                    lease_ttl_s: float = CONTROLLER_TTL_S, poll_s: float = 0.05) -> bool:
+                    lease_ttl_s: float = CONTROLLER_TTL_S, poll_s: float = 0.1) -> bool:
     """For a run started before ``iteration`` committed (pipelined: its process start, imports
     and Ray connect overlap that iteration's last stages): wait until ``iteration`` is
     committed and its controller has handed the workers back on the session record (so
