@@ -106,6 +106,7 @@ def ray_connect_alone(samples: int = 3) -> float:
 def overhead(args) -> None:
     k = args.iterations
     work = Path(tempfile.mkdtemp(prefix="rlhf-orch-"))
+    print(f"[bench] outputs under {work}", flush=True)
     print("[bench] Ray connect alone ...", flush=True)
     alone = ray_connect_alone()
     print("[bench] direct run ...", flush=True)
@@ -161,6 +162,7 @@ def idle(args) -> None:
 
     latencies = [float(x) for x in args.latencies.split(",")]
     work = Path(tempfile.mkdtemp(prefix="rlhf-idle-"))
+    print(f"[bench] outputs under {work}", flush=True)
     head_root = work / "head"
     ray_head.start_head(head_root)
     store = f"file://{work / 'store'}"

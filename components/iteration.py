@@ -65,11 +65,15 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     probes.pod_started()  # no-op unless a benchmark simulates pod scheduling
 
     istore = IterationStore(store, run_id)
+    expected: dict = {}  # the iteration the parent check found next: the one this run may run
 
-    def parent_differs() -> str:
+    def parent_differs(step: int | None = None) -> str:
+        """Why ``parent`` is not the checkpoint iteration ``step`` (default: the next one)
+        starts from, or ""."""
         from rlhf_core.trainer.restore import weights_checkpoint
 
-        starts_from = weights_checkpoint(istore, len(istore.committed_iterations()))
+        expected["iteration"] = len(istore.committed_iterations()) if step is None else step
+        starts_from = weights_checkpoint(istore, expected["iteration"])
         if parent is None or parent.uri.rstrip("/") == (starts_from or ""):
             return ""
         return (f"parent_model: expected the checkpoint run {run_id} continues from, "
@@ -93,12 +97,14 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
         attached = attach_ahead(cfg, run_id)
     if follows >= 0 and not wait_for_commit(istore, follows, log=print):
         pass  # the iteration before never committed: its starter starts both again
-    elif follows >= 0 and parent_differs():  # another attempt committed it, with another checkpoint
-        print(f"{parent_differs()}: iteration {follows} was committed by another attempt than the one this run "
-              f"was started after; this run does nothing")
+    elif follows >= 0 and parent_differs(follows + 1):  # another attempt committed it, with another checkpoint
+        print(f"{parent_differs(follows + 1)}: iteration {follows} was committed by another attempt than the one "
+              f"this run was started after; this run does nothing")
     else:
         probes.phase("waited")
-        result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next, attached=attached)
+        result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next, attached=attached,
+                         only_iteration=follows + 1 if follows >= 0 else
+                         expected.get("iteration") if parent is not None else None)
     probes.phase("iterated")
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     probes.phase("disconnected")

@@ -65,7 +65,7 @@ class SessionAttachment:
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
             lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None,
-            attached: session.AttachedSession | None = None) -> dict:
+            attached: session.AttachedSession | None = None, only_iteration: int | None = None) -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
@@ -74,7 +74,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     inference stages ahead for the next controller to adopt, when ``trainer.prefetch`` is
     on and ``prefetch_next`` is not False (the driver says False for a fine-tune's last
     iteration). ``attached``: the session as ``attach_ahead`` found it (a run started
-    ahead attaches while it waits); used when the session is still that generation."""
+    ahead attaches while it waits); used when the session is still that generation.
+    ``only_iteration``: run that iteration or nothing (a run submitted for one iteration
+    must not train the next one when another run committed its own meanwhile)."""
     import ray
 
     from rlhf_core.trainer.prefetch import SessionPrefetch
@@ -90,6 +92,11 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
 
     # the lease says which checkpoint this controller will write: a run started ahead of
     # this one's end (pipelined) names its parent from it
+    if only_iteration is not None and state.global_step != only_iteration:
+        log(f"[rlhf] this run is for iteration {only_iteration} of run {run_id}, and the run is at iteration "
+            f"{state.global_step}; it does nothing")
+        return {"run_id": run_id, "rows": [], "snapshots": istore.run_uri, "metrics": str(run_dir / "metrics.jsonl"),
+                "session": None, "moved_on": state.global_step}
     leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore))
     try:
         leases.take_first(state.global_step)
