@@ -1,7 +1,11 @@
 """Run the per-iteration pipeline on this machine with the KFP local runner.
 
-Each iteration is one pipeline run (components as subprocesses of this Python), against
-the run's session on this project's own Ray head and a ``file://`` (or any) store.
+Each iteration is one pipeline run (components as subprocesses), against the run's
+session on this project's own Ray head and a ``file://`` (or any) store. ``rlhf run``
+pipelines them: the next iteration's run starts while the current one computes, in one
+of two runner processes (``_Runner``), and waits for its commit (``follows``). The
+fine-tune driver's stand-in of the KFP API (``LocalKfpStandIn``) starts each run as a
+process of its own.
 """
 
 import contextlib
