@@ -143,10 +143,11 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             log(f"[driver] {sub['name']}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
                 f"waiting for it")  # not this attempt's failure: it is not counted
             return
-        if sub["ahead"] and (latest is None or latest[1].get("holder") != sub["holder"]):
-            log(f"[driver] {sub['name']}: {state}, started ahead, it stood down (the iteration before it was not "
-                f"committed as announced); it is started again")  # it ran nothing: not counted
-            return
+        if sub["ahead"] and state not in ("FAILED", "ERROR") and (latest is None or
+                                                                  latest[1].get("holder") != sub["holder"]):
+            log(f"[driver] {sub['name']}: {state}, started ahead, it stood down or was cancelled before it began "
+                f"(the iteration before it was not committed as announced, or the driver stopped)")
+            return  # it ran nothing: not counted (a failed one is, like any other attempt)
         # the run is over (its state is final), so whatever lease it left is released for
         # it: the retry, a holder of its own, takes the iteration at once
         iteration_lease.release_for(sub["holder"])
@@ -178,6 +179,8 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             if reason is not None and not inflight:  # (what is in flight ends first, as one run at a time did)
                 log(f"[driver] run {plan.run_id}: done ({reason})")
                 return Outcome(reason, committed, runs)
+            if reason is not None:
+                _cancel_waiting(client, istore, inflight, log)
             keeper.check()
             n = len(committed)
             if reason is None and n not in inflight:
@@ -198,6 +201,22 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             time.sleep(plan.poll_s)
     finally:
         keeper.close()
+
+
+def _cancel_waiting(client, istore, inflight: dict, log) -> None:
+    """The driver stops: runs started ahead that have not begun their iteration (it is not
+    theirs yet) are terminated, so a stop ends with the iteration under way, as it did when
+    one run ran at a time. One that has begun finishes it."""
+    from rlhf_core.trainer.lease import CONTROLLER_TTL_S
+
+    for n, sub in inflight.items():
+        if not sub["ahead"] or sub.get("cancelled") or not hasattr(client, "terminate_run"):
+            continue
+        latest = istore.lease_log(n, CONTROLLER_TTL_S).latest()
+        if latest is None or latest[1].get("holder") != sub["holder"]:
+            client.terminate_run(sub["kfp_run_id"])
+            sub["cancelled"] = True
+            log(f"[driver] {sub['name']}: started ahead and not begun; terminated (the driver stops)")
 
 
 def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: float, log) -> bool:

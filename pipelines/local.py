@@ -139,6 +139,8 @@ def _pipelined_runs(istore, params, iterations, pipeline_root, parent_model, pre
                 del inflight[iteration]
                 runs.append(result)
                 prune_run_folders(pipeline_root)
+                if not result["ok"] and ahead and iteration not in istore.committed_iterations():
+                    continue  # started ahead: started again, as a run of its own (which fails the loop if it fails)
                 if not result["ok"]:
                     _show_tail(log_path)
                     raise PipelineRunFailed(f"the pipeline run of iteration {iteration} failed ({result['error']}); "
@@ -152,7 +154,9 @@ def _pipelined_runs(istore, params, iterations, pipeline_root, parent_model, pre
             committed = len(istore.committed_iterations())
             if committed >= target and not inflight:
                 return runs
-            free = [r for r in runners if all(r is not busy for busy, _ in inflight.values())]
+            if all(r.proc.poll() is not None for r in runners):
+                raise PipelineRunFailed(f"the runner processes ended; see {log_path or pipeline_root}")
+            free = [r for r in runners if r.proc.poll() is None and all(r is not busy for busy, _ in inflight.values())]
             if free and committed < target and committed not in inflight:
                 parent = parent_model if committed == first and parent_model else _next_parent(istore)
                 inflight[committed] = (free[0].start(**params, parent_model=parent, follows=-1,
@@ -375,6 +379,7 @@ class LocalKfpStandIn:
         self.fail = dict(fail or {})
         self.runs: dict[str, object] = {}
         self.submitted: list[dict] = []
+        self.terminated: set[str] = set()
 
     def run_pipeline(self, experiment_id: str, job_name: str, pipeline_package_path: str = "", params=None,
                      enable_caching: bool = False, **_):
@@ -410,7 +415,15 @@ class LocalKfpStandIn:
         from types import SimpleNamespace
 
         code = self.runs[run_id].poll()
+        if code is not None and run_id in self.terminated:
+            return SimpleNamespace(state="CANCELED")
         return SimpleNamespace(state="RUNNING" if code is None else ("SUCCEEDED" if code == 0 else "FAILED"))
+
+    def terminate_run(self, run_id: str) -> None:
+        """Terminate a run (kfp.Client's name): its process and what it started."""
+        self.terminated.add(run_id)
+        _kill_tree(self.runs[run_id].pid)
+        self.runs[run_id].wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlhf_core.net import free_port
+from rlhf_core.net import free_ports
 from rlhf_core.processes import known_dead, pid_alive, process_start_time, this_process
 
 
@@ -122,17 +122,20 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     if not token_path.exists():
         write_private(token_path, secrets.token_hex(32))
     temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
-    port, dashboard_port = free_port(), free_port()
+    # distinct ports, picked together (separate picks can return one port twice, and Ray
+    # refuses to start), none in the range Ray keeps for its workers
+    port, dashboard_port, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(
+        7, avoid=lambda p: 10002 <= p <= 19999)
     env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
     env.pop("RAY_AUTH_TOKEN", None)  # the file is this head's token, not one from our environment
     args = [_ray_binary(), "start", "--head", "--block", f"--port={port}",
             f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", f"--temp-dir={temp_dir}",
-            "--disable-usage-stats", f"--ray-client-server-port={free_port()}", "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats", f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1",
             # the dashboard serves the Jobs API; every port of ours is a free one, never a
             # default (another Ray on this machine may hold those)
             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
+            f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}",
             f"--system-config={json.dumps(RAY_SYSTEM_CONFIG)}"]
     log = open(root / "ray-head.log", "ab")
     process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

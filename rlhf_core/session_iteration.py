@@ -103,7 +103,13 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     except LeaseHeld as held:
         return held_by(str(held))
     try:
-        if attached is None or ray.get(attached.record.get.remote())["generation"] != attached.info["generation"]:
+        if attached is not None:
+            try:  # still that generation (its handles are still the workers)?
+                if ray.get(attached.record.get.remote(), timeout=30)["generation"] != attached.info["generation"]:
+                    attached = None
+            except Exception:  # noqa: BLE001 - the record is gone (the session restarted): ensure() finds out
+                attached = None
+        if attached is None:
             attached = session.ensure(cfg, run_id, store, head)
         info = attached.info
         log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
@@ -119,6 +125,8 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
                                            attachment=attachment, leases=leases)
             if rows and ahead is not None and cfg.trainer.prefetch and prefetch_next is not False:
                 ahead.start_next(trainer.state)
+            if rows:  # a run started ahead waits for this: it then adopts what is being computed ahead
+                ray.get(attached.record.update.remote(handed_over=trainer.state.global_step))
     except LeaseHeld as held:  # a later iteration's (this controller committed the ones before)
         return held_by(str(held))
     finally:
@@ -155,14 +163,23 @@ def attach_ahead(cfg: RunConfig, run_id: str) -> session.AttachedSession | None:
 #: How long a run started ahead (pipelined) waits for the iteration before it to be taken
 #: again once nobody holds it, before it gives up: longer than a retry's backoff and start.
 FOLLOW_GRACE_S = 120.0
+#: How long it waits, once that iteration is committed, for its controller to hand the
+#: workers over (mark the record, start computing ahead) before it goes on without: that
+#: controller may have died in between, where nobody can see its process (its lease then
+#: looks held for the TTL). Going on is safe: its claim voids the old one, and it reloads
+#: the committed checkpoint if the workers were not marked.
+HANDOVER_GRACE_S = 10.0
 
 
 def wait_for_commit(istore, iteration: int, log=print, grace_s: float = FOLLOW_GRACE_S,
-                    lease_ttl_s: float = CONTROLLER_TTL_S, poll_s: float = 0.1) -> bool:
+                    lease_ttl_s: float = CONTROLLER_TTL_S, poll_s: float = 0.1,
+                    handover_grace_s: float = HANDOVER_GRACE_S) -> bool:
     """For a run started before ``iteration`` committed (pipelined: its process start, imports
     and Ray connect overlap that iteration's last stages): wait until ``iteration`` is
-    committed and its controller has handed the workers back on the session record (so
-    this controller finds them at the committed step and adopts what is computed ahead).
+    committed and its controller has handed the workers over on the session record
+    (``handed_over``: marked at the committed step, computing ahead started), so this
+    controller finds them at that step and adopts what is computed ahead; at most
+    ``HANDOVER_GRACE_S`` after the commit.
     False when ``iteration`` stays uncommitted with nobody holding it for ``grace_s``
     (its run failed and nobody took it again): the caller does nothing, and whoever
     starts runs starts that iteration again. This process is connected to the session's
@@ -179,22 +196,24 @@ def wait_for_commit(istore, iteration: int, log=print, grace_s: float = FOLLOW_G
             pass
     lease = istore.lease_log(iteration, lease_ttl_s)
     t0 = time.monotonic()
-    free_since, next_store_look, said = None, 0.0, False
+    free_since, committed_at, next_store_look, said = None, None, 0.0, False
     while True:
         now = time.monotonic()
         if record is not None:
             try:
-                if ray.get(record.get.remote(), timeout=30).get("step") == iteration + 1:
-                    return True  # committed, and the record marked the workers at its step
+                if ray.get(record.get.remote(), timeout=30).get("handed_over") == iteration + 1:
+                    return True  # committed, the workers marked at its step, computing ahead started
             except Exception:  # noqa: BLE001 - the session is gone: the store decides
                 record = None
         if now >= next_store_look:
             next_store_look = now + (0.5 if record is not None else poll_s * 4)
             latest = lease.latest()
             held = latest is not None and not lease.is_free(latest[1], holder="")
-            if iteration in istore.committed_iterations() and not held:
-                return True  # its controller is done (or gone) without marking the record
-            if held or iteration in istore.committed_iterations():
+            committed = iteration in istore.committed_iterations()
+            committed_at = (committed_at or now) if committed else None
+            if committed and (not held or now - committed_at >= handover_grace_s):
+                return True  # its controller is done (or gone) without handing over
+            if held or committed:
                 free_since = None
             elif free_since is None:
                 free_since = now

@@ -101,3 +101,29 @@ def test_the_driver_pipelines_only_when_the_count_alone_ends_the_run():
     assert not pipelines_ahead(plan(stop_at_val=0.5))
     assert not pipelines_ahead(plan(budget_s=60.0))
     assert not pipelines_ahead(plan(policy="delete"))  # the cluster would go under the run started ahead
+
+
+def test_a_stopping_driver_terminates_runs_started_ahead_that_have_not_begun(tmp_path):
+    """The driver stops (SIGTERM, a reward target): a run started ahead that has not taken
+    its iteration's lease is terminated; one that has begun its iteration finishes it, as
+    the run under way did when one run ran at a time."""
+    from components.driver import _cancel_waiting
+
+    istore = _istore(tmp_path)
+    istore.lease_log(2, 900.0).acquire("driver:r/x/iteration-2/attempt-0")  # begun: its lease is taken
+
+    class Client:
+        terminated: list = []
+
+        def terminate_run(self, run_id):
+            self.terminated.append(run_id)
+
+    inflight = {1: {"ahead": True, "kfp_run_id": "waiting", "name": "r iteration 000001",
+                    "holder": "driver:r/x/iteration-1/attempt-0"},
+                2: {"ahead": True, "kfp_run_id": "begun", "name": "r iteration 000002",
+                    "holder": "driver:r/x/iteration-2/attempt-0"},
+                0: {"ahead": False, "kfp_run_id": "current", "name": "r iteration 000000", "holder": "h0"}}
+    client = Client()
+    _cancel_waiting(client, istore, inflight, log=lambda *a: None)
+    _cancel_waiting(client, istore, inflight, log=lambda *a: None)  # once each
+    assert client.terminated == ["waiting"]

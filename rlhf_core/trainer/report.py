@@ -84,8 +84,10 @@ def quick_curve_png(rows: list[dict], width: int = 480, height: int = 200) -> by
     pad = 6
     iterations = [r["iteration"] for r in rows]
     lo, hi = min(iterations), max(max(iterations), min(iterations) + 1)
+    values = [float(r[key]) for r in rows for key, _, _ in _SERIES if key in r]
+    bottom, top = min([0.0, *values]), max([1.0, *values])  # 0 to 1, wider for rewards outside it
     to_x = lambda it: pad + round((it - lo) / (hi - lo) * (width - 2 * pad - 1))
-    to_y = lambda v: pad + round((1 - max(0.0, min(1.0, v))) * (height - 2 * pad - 1))
+    to_y = lambda v: pad + round((top - max(bottom, min(top, v))) / (top - bottom) * (height - 2 * pad - 1))
 
     def dot(x: int, y: int, rgb) -> None:
         if 0 <= x < width and 0 <= y < height:
@@ -125,7 +127,10 @@ def quick_curve_caption(rows: list[dict]) -> str:
              if any(key in r for r in rows)]
     if validation_curve(rows):
         shown.append("validation (green dots)")
-    return (f"Reward 0-1 (grid every 0.25) over iterations {rows[0]['iteration']}-{rows[-1]['iteration']}: "
+    values = [float(r[key]) for r in rows for key, _, _ in _SERIES if key in r]
+    bottom, top = min([0.0, *values]), max([1.0, *values])
+    scale = "0-1 (grid every 0.25)" if (bottom, top) == (0.0, 1.0) else f"{bottom:.3g} to {top:.3g} (grid at 0-1 every 0.25)"
+    return (f"Reward {scale} over iterations {rows[0]['iteration']}-{rows[-1]['iteration']}: "
             + ", ".join(shown) + ".")
 
 
