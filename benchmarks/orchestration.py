@@ -21,7 +21,8 @@ prints every figure:
    through the local stand-in of the KFP API, with each component's start delayed by a
    simulated pod start (``RLHF_SIMULATED_POD_START_S``: scheduling and image start, which
    the local runner does not have), with and without pipelining; the session computes
-   ahead in both. The config is sized so an iteration takes ~30 s of worker time.
+   ahead in both. The config (``HEAVY``) made an iteration ~30-40 s of worker time when it
+   was chosen (3a0cca3); the work since (padding trimmed, bypass mode) makes it ~11 s.
 """
 
 from __future__ import annotations
@@ -149,8 +150,8 @@ def overhead(args) -> None:
           f"(the session computes ahead, or the iteration before runs, on the same cores)")
 
 
-#: An iteration of ~30 s of worker time on this machine's 2 cores, over half of it in
-#: the inference stages (rollout of 6144 responses, reward, old and reference log-probs).
+#: 6144 responses an iteration (rollout, reward, reference log-probs, update): ~30-40 s of
+#: worker time on this machine's 2 cores when chosen, ~11 s on 37499f8.
 HEAVY = ["data.train_batch_size=384", "rollout.n=16", "actor.ppo_mini_batch_size=384", "actor.use_kl_loss=true"]
 INFERENCE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values")
 
