@@ -261,7 +261,7 @@ def test_the_ray_token_and_the_credentials_are_private_from_their_first_byte(tmp
 
     monkeypatch.setattr(io, "open", io_open)
     monkeypatch.setattr(os, "open", os_open)
-    monkeypatch.setattr(ray_head, "free_port", stop)  # the first step after the token is written
+    monkeypatch.setattr(ray_head, "free_ports", stop)  # the first step after the token is written
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     umask = os.umask(0o022)
     try:
