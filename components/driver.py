@@ -111,11 +111,12 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
     runs: list[dict] = []
     attempts: dict[int, int] = {}
     inflight: dict[int, dict] = {}  # iteration -> the run submitted for it
+    holder_of = lambda n, attempt: f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
 
     def submit(n: int, parent: str, follows: int) -> None:
         attempt = attempts.get(n, 0)
         name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
-        holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+        holder = holder_of(n, attempt)
         kwargs = {"service_account": service_account} if service_account else {}
         # the checkpoint it starts from (none before the run's initial one is written),
         # imported by the run (KFP lineage links the runs); the session computes the next
@@ -189,7 +190,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                     raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
                                      f"{plan.max_retries}); see its runs: "
                                      f"{[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
-                holder = f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+                holder = holder_of(n, attempt)
                 if _wait_out(istore.lease_log(n, CONTROLLER_TTL_S), holder, istore, n, keeper, plan.poll_s, log):
                     continue  # another controller (a child run of a driver before this one) had it
                 submit(n, weights_checkpoint(istore, n) or "", follows=-1)

@@ -71,6 +71,12 @@ _SERIES = (("critic/score/mean", "mean reward", (31, 119, 180)),
 _VALIDATION_RGB = (44, 160, 44)
 
 
+def _reward_range(rows: list[dict]) -> tuple[float, float]:
+    """The quick curve's vertical range: 0 to 1, wider for rewards outside it."""
+    values = [float(r[key]) for r in rows for key, _, _ in _SERIES if key in r]
+    return min([0.0, *values]), max([1.0, *values])
+
+
 def quick_curve_png(rows: list[dict], width: int = 480, height: int = 200) -> bytes:
     """The reward curve drawn straight into PNG bytes (zlib, no plotting library): what
     each pipeline run's report shows in the Kubeflow UI. Importing matplotlib and drawing
@@ -84,8 +90,7 @@ def quick_curve_png(rows: list[dict], width: int = 480, height: int = 200) -> by
     pad = 6
     iterations = [r["iteration"] for r in rows]
     lo, hi = min(iterations), max(max(iterations), min(iterations) + 1)
-    values = [float(r[key]) for r in rows for key, _, _ in _SERIES if key in r]
-    bottom, top = min([0.0, *values]), max([1.0, *values])  # 0 to 1, wider for rewards outside it
+    bottom, top = _reward_range(rows)
     to_x = lambda it: pad + round((it - lo) / (hi - lo) * (width - 2 * pad - 1))
     to_y = lambda v: pad + round((top - max(bottom, min(top, v))) / (top - bottom) * (height - 2 * pad - 1))
 
@@ -127,8 +132,7 @@ def quick_curve_caption(rows: list[dict]) -> str:
              if any(key in r for r in rows)]
     if validation_curve(rows):
         shown.append("validation (green dots)")
-    values = [float(r[key]) for r in rows for key, _, _ in _SERIES if key in r]
-    bottom, top = min([0.0, *values]), max([1.0, *values])
+    bottom, top = _reward_range(rows)
     scale = "0-1 (grid every 0.25)" if (bottom, top) == (0.0, 1.0) else f"{bottom:.3g} to {top:.3g} (grid at 0-1 every 0.25)"
     return (f"Reward {scale} over iterations {rows[0]['iteration']}-{rows[-1]['iteration']}: "
             + ", ".join(shown) + ".")
