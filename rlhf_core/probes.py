@@ -11,6 +11,11 @@ name matches the fnmatch ``<pattern>``. Points:
     snapshot:<uri>      a snapshot's data is written, its manifest (the commit) is not
     commit:<iteration>  the checkpoint is written, the iteration manifest is not
 
+``RLHF_FREEZE_AT=<pattern>`` makes this process SIGSTOP itself at such a point instead: it
+hangs there (what a wedged node does) until something kills it. A test that kills a whole
+process group "in the middle of an iteration" freezes the controller first, so the
+iteration cannot commit before the kill arrives however fast it runs.
+
 ``RLHF_SIMULATED_POD_START_S=<seconds>`` makes every Kubeflow component wait that long
 before it does anything (``pod_started``): it stands for the pod being scheduled and its
 image started, which the KFP local runner does not have (benchmarks/orchestration.py).
@@ -37,6 +42,9 @@ def reached(point: str) -> None:
     pattern = os.environ.get("RLHF_KILL_AT")
     if pattern and fnmatch.fnmatchcase(point, pattern):
         os.kill(os.getpid(), signal.SIGKILL)
+    pattern = os.environ.get("RLHF_FREEZE_AT")
+    if pattern and fnmatch.fnmatchcase(point, pattern):
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def pod_started() -> None:

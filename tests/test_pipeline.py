@@ -147,7 +147,9 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
     subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", "--direct", "--iterations", "2", "--run-id", "r",
                     *SMALL, f"trainer.output_dir={ref}"], cwd=tmp_path, env=env, check=True, capture_output=True,
                    timeout=600)
-    first = _pipeline_run(out, "r", env, start_new_session=True)
+    # iteration 0's controller freezes once its rollout and reward are committed: however
+    # fast the rest of the iteration would run, the kill lands before its commit
+    first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
     try:
         assert _rollout_committed(out, first), first.communicate(timeout=60)
         os.killpg(first.pid, signal.SIGKILL)  # the command, the local runner and the controller

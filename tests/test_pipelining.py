@@ -127,3 +127,31 @@ def test_a_stopping_driver_terminates_runs_started_ahead_that_have_not_begun(tmp
     _cancel_waiting(client, istore, inflight, log=lambda *a: None)
     _cancel_waiting(client, istore, inflight, log=lambda *a: None)  # once each
     assert client.terminated == ["waiting"]
+
+
+def test_a_freeze_point_stops_the_process_there_until_it_is_killed(tmp_path):
+    """``RLHF_FREEZE_AT`` (what the kill tests use to hold a controller short of its commit):
+    the process stops at the first matching point and runs nothing after it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    after = tmp_path / "after"
+    code = ("from rlhf_core import probes; probes.reached('stage:reward'); probes.reached('stage:advantage'); "
+            f"open({str(after)!r}, 'w').close()")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RLHF_FREEZE_AT": "stage:adv*"})
+    try:
+        deadline = time.monotonic() + 60
+        while psutil.Process(proc.pid).status() != psutil.STATUS_STOPPED and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED
+        time.sleep(0.3)
+        assert not after.exists()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL and not after.exists()
