@@ -197,42 +197,63 @@ def idle(args) -> None:
                         (work / "out" / run_id / "metrics.jsonl").read_text().splitlines()][1:]
                 busy = sum(r["perf/worker_time_s"] for r in rows)
                 inference = sum(r.get(f"timing_worker_s/{s}", 0.0) for r in rows for s in INFERENCE)
+                # steady state: from the first driven iteration's commit to the last one's;
+                # the worker time in it is that of the iterations after the first (their
+                # computing ahead starts after the commit before them, and the last
+                # iteration computes nothing ahead)
+                committed = [_committed_at(work / "store" / run_id, n) for n in range(1, 1 + len(rows))]
+                steady_wall = committed[-1] - committed[0]
+                steady_busy = sum(r["perf/worker_time_s"] for r in rows[1:])
                 results.append({"latency": latency, "pipelined": pipelined, "runs": len(rows), "wall": wall,
                                 "busy": busy, "inference_share": inference / busy,
+                                "steady_wall": steady_wall, "steady_busy": steady_busy,
                                 "adopted": sum(r.get("perf/prefetch_adopted", 0) for r in rows),
                                 "submitted": len(outcome.runs)})
                 r = results[-1]
                 print(f"[idle] {run_id}: {r['runs']} iterations, {wall:.0f} s wall, {busy:.0f} s worker busy, "
-                      f"idle {1 - busy / wall:.1%}", flush=True)
+                      f"idle {1 - busy / wall:.1%}; steady state {1 - steady_busy / steady_wall:.1%}", flush=True)
     finally:
         os.environ.pop("RLHF_SIMULATED_POD_START_S", None)
         ray_head.stop_head(ray_head.read_head(head_root), head_root)
     print(f"\nworkers' idle share over {args.runs} iterations of a driven fine-tune (config: "
           f"{' '.join(HEAVY + args.overrides)}; the session computes ahead in every row)")
+    print("(whole: from the driver's start, so the first run's pod start and start-up, which nothing\n"
+          " can overlap, are in it; steady: from the first driven iteration's commit to the last's)")
     print(f"{'pod start s':>11}{'pipelining':>12}{'s/iteration':>13}{'worker s/it':>12}{'inference':>10}"
-          f"{'adopted':>9}{'idle share':>12}")
+          f"{'adopted':>9}{'idle whole':>12}{'steady s/it':>13}{'idle steady':>13}")
+    steady = lambda r: 1 - r["steady_busy"] / r["steady_wall"]
     for r in results:
         print(f"{r['latency']:>11.0f}{'on' if r['pipelined'] else 'off':>12}{r['wall'] / r['runs']:>13.1f}"
               f"{r['busy'] / r['runs']:>12.1f}{r['inference_share']:>10.0%}{r['adopted']:>6.0f}/{r['runs']:<2}"
-              f"{1 - r['busy'] / r['wall']:>12.1%}")
+              f"{1 - r['busy'] / r['wall']:>12.1%}{r['steady_wall'] / (r['runs'] - 1):>13.1f}{steady(r):>13.1%}")
     for latency in latencies:
         off, on = (next(r for r in results if r["latency"] == latency and r["pipelined"] == p) for p in (False, True))
         goal = "<= 5%" if latency <= 5 else "<= 15%" if latency <= 20 else "none"
-        print(f"pod start {latency:.0f} s: idle share {1 - off['busy'] / off['wall']:.1%} -> "
-              f"{1 - on['busy'] / on['wall']:.1%} pipelined (goal {goal}); s/iteration "
-              f"{off['wall'] / off['runs']:.1f} -> {on['wall'] / on['runs']:.1f}")
+        print(f"pod start {latency:.0f} s: steady idle share {steady(off):.1%} -> {steady(on):.1%} pipelined "
+              f"(goal {goal}; whole run {1 - off['busy'] / off['wall']:.1%} -> {1 - on['busy'] / on['wall']:.1%}); "
+              f"steady s/iteration {off['steady_wall'] / (off['runs'] - 1):.1f} -> "
+              f"{on['steady_wall'] / (on['runs'] - 1):.1f}")
+
+
+def _committed_at(store: Path, iteration: int) -> float:
+    from datetime import datetime
+
+    manifest = json.loads((store / f"iter-{iteration:06d}" / "MANIFEST.json").read_text())
+    return datetime.fromisoformat(manifest["committed_at"]).timestamp()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("mode", nargs="?", choices=("all", "overhead", "idle"), default="all")
     parser.add_argument("--iterations", type=int, default=None, help="default: the run's default total")
-    parser.add_argument("--runs", type=int, default=4, help="timed iterations per idle setting (after one untimed)")
+    parser.add_argument("--runs", type=int, default=5, help="timed iterations per idle setting (after one untimed)")
     parser.add_argument("--latencies", default="5,20", help="simulated pod start seconds, comma-separated")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the idle part (sizing)")
     args = parser.parse_args()
     if args.iterations is not None and args.iterations < 3:
         parser.error("--iterations: at least 3 (steady state is measured between runs 2 and K)")
+    if args.runs < 3:
+        parser.error("--runs: at least 3 (steady state is measured between the first driven commit and the last)")
     if args.mode in ("all", "overhead"):
         overhead(args)
     if args.mode in ("all", "idle"):
