@@ -116,7 +116,51 @@ def _new_run_id() -> str:
     return new_run_id()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill PID``, a container or a job scheduler stopping ``rlhf run``): handled
+    as Ctrl-C is, once the processes this one started are ended (see ``_raise_terminated``)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    """Unlike Ctrl-C, which the terminal sends to the whole foreground group, SIGTERM reached
+    this process alone: end its children in its own session, with all under them (the
+    pipeline runners, the components and their controllers: a controller left running
+    would hold its iteration's lease), before the exception unwinds. They go first because
+    unwinding can wait on them (``subprocess.Popen.__exit__`` waits for its child on any
+    exception but KeyboardInterrupt itself). A Ray head this process started is in a session
+    of its own and is left to the command's own cleanup, which stops it or keeps it."""
+    import psutil
+
+    own_session = os.getsid(0)
+    for child in psutil.Process().children():
+        try:
+            if os.getsid(child.pid) != own_session:
+                continue
+            tree = child.children(recursive=True) + [child]
+        except (OSError, psutil.NoSuchProcess):
+            continue
+        for proc in tree:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    raise Terminated()
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+        return _run(args)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     args.started = time.monotonic()  # wall time reported at the end counts from here
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, CONTROLLER_TTL_S, LeaseHeld
@@ -161,9 +205,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not args.direct:
             return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
         result = run_direct(cfg, iterations, store, args.run_id)
-    except KeyboardInterrupt:
-        print(_interrupted(args, cfg, store, committed + iterations), file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        terminated = isinstance(stop, Terminated)
+        print(_interrupted(args, cfg, store, committed + iterations, "terminated" if terminated else "interrupted"),
+              file=sys.stderr)
+        return 143 if terminated else 130  # 128 + the signal's number, as a shell reports it
     except LeaseHeld as held:
         raise SystemExit(f"rlhf: iteration {committed} of run {args.run_id} is being run by {held}; nothing was "
                          f"written: run again once it has ended (a holder that stopped renewing its lease loses it "
@@ -180,7 +226,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _interrupted(args, cfg, store: str, total: int) -> str:
+def _interrupted(args, cfg, store: str, total: int, how: str = "interrupted") -> str:
     """The one line a stopped run ends with: what the store kept and how to go on."""
     import shlex
 
@@ -198,7 +244,7 @@ def _interrupted(args, cfg, store: str, total: int) -> str:
     else:
         kept = f"{n} committed iteration(s)" + (f" and iteration {n}'s finished stages ({', '.join(stages)})"
                                                if stages else "")
-    return f"rlhf: interrupted; run {args.run_id} keeps {kept}; continue with: {shlex.join(again)}"
+    return f"rlhf: {how}; run {args.run_id} keeps {kept}; continue with: {shlex.join(again)}"
 
 
 def _default_store(cfg) -> str:

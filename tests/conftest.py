@@ -35,6 +35,7 @@ SLOW = (
     "test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",
     "test_pipeline.py::test_a_pipeline_mode_run_killed_in_its_first_iteration",
     "test_pipeline.py::test_ctrl_c_in_the_first_iteration",
+    "test_pipeline.py::test_sigterm_to_the_command_alone",
     "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused",
     "test_hardening.py::test_a_real_head_is_recognized_stopped_and_cleaned",
     "test_hardening.py::test_a_run_adopts_the_head_of_a_dead_run_but_not_a_users_head",
@@ -44,6 +45,7 @@ FIXTURE_MARKS = {"ray_local": ("ray", "slow"), "s3_server": ("s3",)}
 KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",
              "test_pipeline.py::test_a_pipeline_mode_run_killed_in_its_first_iteration",
              "test_pipeline.py::test_ctrl_c_in_the_first_iteration",
+             "test_pipeline.py::test_sigterm_to_the_command_alone",
              "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused")
 
 

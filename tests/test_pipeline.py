@@ -5,8 +5,10 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +168,65 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
         for root in (out / "head", ref / "head"):
             subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(root)],
                            capture_output=True, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "one-at-a-time"])
+def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode):
+    """``kill PID`` (SIGTERM to `rlhf run` only, as a container stop or a scheduler sends it):
+    the command ends with exit code 143 and the one line that says how to continue, and no
+    process it started lives on: not the runners, not the components, not a controller
+    frozen short of its commit (it would hold the iteration's lease), not its Ray head. The
+    same command then finishes the run without waiting for anybody."""
+    import signal
+
+    import psutil
+
+    from rlhf_core import ray_head
+
+    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "out"
+    extra = ["--no-pipelining"] if mode == "one-at-a-time" else []
+    first = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_core.cli", "run", *extra, "--iterations", "2", "--run-id", "r", *SMALL,
+         f"trainer.output_dir={out}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
+    try:
+        assert _rollout_committed(out, first), first.communicate(timeout=60)
+        started = [p for p in psutil.process_iter() if _in_session(p, first.pid) and p.pid != first.pid]
+        assert started  # the runner(s) and the component at least
+        first.send_signal(signal.SIGTERM)
+        stdout, stderr = first.communicate(timeout=120)
+        assert first.returncode == 143, stdout[-2000:] + stderr[-3000:]
+        last = stderr.strip().splitlines()[-1]
+        assert last.startswith("rlhf: terminated; run r keeps 0 committed iteration(s) and iteration 0's "
+                               "finished stages (rollout"), last
+        assert "Traceback" not in stdout + stderr
+        deadline = time.monotonic() + 30
+        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        assert ray_head.read_head(out / "head") is None  # the head it started is stopped
+        again = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", *extra, "--iterations", "2",
+                                "--run-id", "r", *SMALL, f"trainer.output_dir={out}"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+        assert "being run by" not in again.stdout + again.stderr
+        assert (out / "store" / "r" / "iter-000001" / "MANIFEST.json").exists()
+    finally:
+        try:
+            os.killpg(first.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
+                       capture_output=True, timeout=120)
+
+
+def _in_session(proc, sid: int) -> bool:
+    try:
+        return os.getsid(proc.pid) == sid
+    except OSError:
+        return False
 
 
 def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continue(tmp_path):
