@@ -257,7 +257,7 @@ def main() -> None:
     # what the image runs: its pip install byte-compiles the packages (here an editable
     # install and PYTHONDONTWRITEBYTECODE=1 would have every process compile them anew)
     subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", "rlhf_core", "components", "pipelines"],
-                   cwd=ROOT, check=True, capture_output=True)
+                   cwd=ROOT, check=True)  # (compileall -q prints only what failed)
     if args.mode in ("all", "overhead"):
         overhead(args)
     if args.mode in ("all", "idle"):

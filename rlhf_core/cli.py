@@ -118,33 +118,49 @@ def _new_run_id() -> str:
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM (``kill PID``, a container or a job scheduler stopping ``rlhf run``): handled
-    as Ctrl-C is, once the processes this one started are ended (see ``_raise_terminated``)."""
+    as Ctrl-C is, once the processes this one started are ended (see ``_on_sigterm``)."""
 
 
-def _raise_terminated(signum, frame) -> None:
-    """Unlike Ctrl-C, which the terminal sends to the whole foreground group, SIGTERM reached
-    this process alone: end its children in its own session, with all under them (the
-    pipeline runners, the components and their controllers: a controller left running
-    would hold its iteration's lease), before the exception unwinds. They go first because
-    unwinding can wait on them (``subprocess.Popen.__exit__`` waits for its child on any
-    exception but KeyboardInterrupt itself). A Ray head this process started is in a session
-    of its own and is left to the command's own cleanup, which stops it or keeps it."""
-    import psutil
+def _on_sigterm(end_children: bool):
+    """The SIGTERM handler of ``rlhf run``. Unlike Ctrl-C, which the terminal sends to the
+    whole foreground group, SIGTERM reached this process alone. With ``end_children`` (a
+    pipeline-mode run) its children in its own session are SIGKILLed, with all under them
+    (the runners, the components and their controllers: a controller left running would
+    hold its iteration's lease), before the exception unwinds: unwinding can wait on them
+    (``subprocess.Popen.__exit__`` waits for its child on any exception but
+    KeyboardInterrupt itself). A direct run's children are its own Ray's processes, which
+    its exit handler shuts down in order; a Ray head the run started is in a session of its
+    own and is left to the command's cleanup, which stops it or keeps it. The handler acts
+    once: a second SIGTERM while the first unwinds is ignored, not raised mid-cleanup."""
+    import psutil  # imported now: a handler should not import
 
+    fired = []
+
+    def handler(signum, frame) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        if end_children:
+            _kill_own_session_children(psutil)
+        raise Terminated()
+
+    return handler
+
+
+def _kill_own_session_children(psutil) -> None:
     own_session = os.getsid(0)
     for child in psutil.Process().children():
         try:
             if os.getsid(child.pid) != own_session:
                 continue
-            tree = child.children(recursive=True) + [child]
-        except (OSError, psutil.NoSuchProcess):
+            below = child.children(recursive=True)  # listed while the tree still links them
+        except (OSError, psutil.Error):
             continue
-        for proc in tree:
+        for proc in [child, *below]:  # the parent first: it cannot start another one meanwhile
             try:
                 proc.kill()
-            except psutil.NoSuchProcess:
+            except psutil.Error:
                 pass
-    raise Terminated()
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -153,11 +169,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
         return _run(args)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm(end_children=not args.direct))
     try:
         return _run(args)
+    except Terminated:  # before the run began (config, store, model checks): nothing to continue yet
+        print("rlhf: terminated", file=sys.stderr)
+        return 143
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:  # (None: a handler not installed from Python, which cannot be put back)
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:

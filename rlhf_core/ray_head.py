@@ -9,6 +9,7 @@ the processes whose command line names its private temp dir.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -18,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -142,8 +144,18 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     info = HeadInfo(address=f"127.0.0.1:{port}", token_path=str(token_path), temp_dir=str(temp_dir),
                     pid=process.pid, dashboard_url=f"http://127.0.0.1:{dashboard_port}",
                     started_at=process_start_time(process.pid), owner_pid=owner_pid)
+    try:  # a head not yet recorded is stopped on any way out (a timeout, SIGTERM, Ctrl-C): nobody else knows it
+        _wait_for_ports(process, (port, dashboard_port), timeout_s, root)
+        head_state_path(root).write_text(json.dumps(asdict(info), indent=1))
+    except BaseException:
+        stop_head(info)
+        raise
+    return info
+
+
+def _wait_for_ports(process: subprocess.Popen, ports: tuple[int, ...], timeout_s: float, root: Path) -> None:
     deadline = time.monotonic() + timeout_s
-    for probe in (port, dashboard_port):
+    for probe in ports:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"ray head exited with {process.returncode}; see {root / 'ray-head.log'}")
@@ -153,10 +165,7 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
             except OSError:
                 time.sleep(0.3)
         else:
-            stop_head(info)
             raise TimeoutError(f"ray head port {probe} not up after {timeout_s:.0f}s; see {root / 'ray-head.log'}")
-    head_state_path(root).write_text(json.dumps(asdict(info), indent=1))
-    return info
 
 
 def write_private(path: str | Path, text: str) -> None:
@@ -303,7 +312,20 @@ def connect(info: HeadInfo, namespace: str) -> None:
 
     if ray.is_initialized():
         return
-    ray.init(address=info.address, namespace=namespace, log_to_driver=False, configure_logging=False)
+    with _sigterm_handler_kept():
+        ray.init(address=info.address, namespace=namespace, log_to_driver=False, configure_logging=False)
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept():
+    """``ray.init`` sets SIGTERM's handler to ``sys.exit``; a handler the caller installed
+    (``rlhf run``'s, which ends the processes it started first) is put back after it."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def disconnect() -> None:
@@ -338,9 +360,10 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     remove_orphan_local_rays()
     temp_dir = tempfile.mkdtemp(prefix=LOCAL_RAY_PREFIX)
     (Path(temp_dir) / LOCAL_RAY_OWNER).write_text(json.dumps(this_process()))
-    ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-             _temp_dir=temp_dir, log_to_driver=False,
-             configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
+    with _sigterm_handler_kept():
+        ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+                 _temp_dir=temp_dir, log_to_driver=False,
+                 configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
 
     def end() -> None:  # Ray's processes write into the folder until they are gone
         ray.shutdown()

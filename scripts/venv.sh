@@ -27,7 +27,10 @@ want="$(cat pyproject.toml scripts/venv.sh | sha256sum | cut -c1-16)-$accel"
 # the image) every process would compile rlhf_core from source again: ~0.5 s of CPU for
 # each controller, component and worker start. Up-to-date files are skipped; a source
 # edited later falls back to its source (Python checks the .pyc against it).
-compile_ours() { "$venv/bin/python" -m compileall -q -j 0 rlhf_core components pipelines >/dev/null; }
+compile_ours() {
+  "$venv/bin/python" -m compileall -q -j 0 rlhf_core components pipelines >&2 \
+    || echo "[venv] warning: byte-compiling rlhf_core/components/pipelines failed (above); they run from source" >&2
+}
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   compile_ours

@@ -170,13 +170,14 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
                            capture_output=True, timeout=120)
 
 
-@pytest.mark.parametrize("mode", ["pipelined", "one-at-a-time"])
+@pytest.mark.parametrize("mode", ["pipelined", "one-at-a-time", "direct"])
 def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode):
     """``kill PID`` (SIGTERM to `rlhf run` only, as a container stop or a scheduler sends it):
     the command ends with exit code 143 and the one line that says how to continue, and no
     process it started lives on: not the runners, not the components, not a controller
-    frozen short of its commit (it would hold the iteration's lease), not its Ray head. The
-    same command then finishes the run without waiting for anybody."""
+    frozen short of its commit (it would hold the iteration's lease), not its Ray head nor
+    a direct run's own Ray. The same command then finishes the run without waiting for
+    anybody."""
     import signal
 
     import psutil
@@ -186,21 +187,26 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "out"
-    extra = ["--no-pipelining"] if mode == "one-at-a-time" else []
+    extra = {"pipelined": [], "one-at-a-time": ["--no-pipelining"], "direct": ["--direct"]}[mode]
+    # a pipeline run's controller is frozen short of its commit; a direct run is the process
+    # signalled, so it runs on (and may commit iteration 0 before the signal lands)
+    freeze = {} if mode == "direct" else {"RLHF_FREEZE_AT": "stage:advantage"}
     first = subprocess.Popen(
         [sys.executable, "-m", "rlhf_core.cli", "run", *extra, "--iterations", "2", "--run-id", "r", *SMALL,
          f"trainer.output_dir={out}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
+        env={**env, **freeze}, start_new_session=True)
     try:
         assert _rollout_committed(out, first), first.communicate(timeout=60)
         started = [p for p in psutil.process_iter() if _in_session(p, first.pid) and p.pid != first.pid]
-        assert started  # the runner(s) and the component at least
+        assert started  # the runner(s) and the component, or the direct run's Ray
         first.send_signal(signal.SIGTERM)
         stdout, stderr = first.communicate(timeout=120)
         assert first.returncode == 143, stdout[-2000:] + stderr[-3000:]
         last = stderr.strip().splitlines()[-1]
-        assert last.startswith("rlhf: terminated; run r keeps 0 committed iteration(s) and iteration 0's "
-                               "finished stages (rollout"), last
+        kept = "[01]" if mode == "direct" else "0"
+        assert re.match(rf"rlhf: terminated; run r keeps {kept} committed iteration\(s\)", last), last
+        if mode != "direct":
+            assert "and iteration 0's finished stages (rollout" in last, last
         assert "Traceback" not in stdout + stderr
         deadline = time.monotonic() + 30
         while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started) and time.monotonic() < deadline:
