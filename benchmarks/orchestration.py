@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed iterations per idle setting (after one untimed)")
     parser.add_argument("--latencies", default="5,20", help="simulated pod start seconds, comma-separated")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for the idle part (sizing)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # `idle --runs 5 data.x=1`: options among the overrides
     if args.iterations is not None and args.iterations < 3:
         parser.error("--iterations: at least 3 (steady state is measured between runs 2 and K)")
     if args.runs < 3:
