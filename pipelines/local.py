@@ -14,6 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from rlhf_core.processes import kill_tree
+
 #: Pipeline-run folders kept under the run's kfp/ folder (the store keeps every
 #: iteration's record; these are the local runner's scratch outputs).
 KEEP_RUN_FOLDERS = 5
@@ -261,7 +263,7 @@ class _Runner:
         if self.proc.poll() is not None:
             return
         if kill and self.waiting:
-            _kill_tree(self.proc.pid)
+            kill_tree(self.proc.pid)
         try:
             self.proc.stdin.close()
         except OSError:
@@ -269,24 +271,8 @@ class _Runner:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            _kill_tree(self.proc.pid)
+            kill_tree(self.proc.pid)
             self.proc.wait()
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` (a process this module started) and every process under it."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        tree = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for proc in tree:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def _serve_runs(pipeline_root: str) -> int:
@@ -422,7 +408,7 @@ class LocalKfpStandIn:
     def terminate_run(self, run_id: str) -> None:
         """Terminate a run (kfp.Client's name): its process and what it started."""
         self.terminated.add(run_id)
-        _kill_tree(self.runs[run_id].pid)
+        kill_tree(self.runs[run_id].pid)
         self.runs[run_id].wait()
 
 

@@ -132,7 +132,9 @@ def _on_sigterm(end_children: bool):
     its exit handler shuts down in order; a Ray head the run started is in a session of its
     own and is left to the command's cleanup, which stops it or keeps it. The handler acts
     once: a second SIGTERM while the first unwinds is ignored, not raised mid-cleanup."""
-    import psutil  # imported now: a handler should not import
+    import psutil  # noqa: F401 - imported now, not in the handler
+
+    from rlhf_core.processes import kill_tree  # noqa: F401 - likewise
 
     fired = []
 
@@ -141,26 +143,24 @@ def _on_sigterm(end_children: bool):
             return
         fired.append(signum)
         if end_children:
-            _kill_own_session_children(psutil)
+            _kill_own_session_children()
         raise Terminated()
 
     return handler
 
 
-def _kill_own_session_children(psutil) -> None:
+def _kill_own_session_children() -> None:
+    import psutil
+
+    from rlhf_core.processes import kill_tree
+
     own_session = os.getsid(0)
     for child in psutil.Process().children():
         try:
-            if os.getsid(child.pid) != own_session:
-                continue
-            below = child.children(recursive=True)  # listed while the tree still links them
-        except (OSError, psutil.Error):
+            if os.getsid(child.pid) == own_session:
+                kill_tree(child.pid)
+        except OSError:
             continue
-        for proc in [child, *below]:  # the parent first: it cannot start another one meanwhile
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -68,3 +68,21 @@ def known_dead(process: object) -> bool:
     if not pid_alive(pid):
         return True
     return bool(process.get("started")) and process_start_time(pid) != process.get("started")  # PID reused
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` (a process the caller started) and every process under it: the
+    parent first (it cannot start another child meanwhile), the ones under it as listed
+    while the tree still linked them."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        below = parent.children(recursive=True)
+    except psutil.Error:
+        return
+    for proc in [parent, *below]:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass

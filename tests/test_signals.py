@@ -3,6 +3,7 @@ session's process trees, nothing outside them), that it acts once, and that ``ra
 does not take the handler away. The end-to-end behaviour, in every run mode, is in
 tests/test_pipeline.py (``test_sigterm_to_the_command_alone_...``)."""
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -43,39 +44,37 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_sigterm_handler_ends_its_own_sessions_trees_and_nothing_else_and_acts_once():
-    done = subprocess.run([sys.executable, "-c", HANDLER_SCRIPT], capture_output=True, text=True, timeout=120)
+@contextlib.contextmanager
+def _handler_called_twice(end_children: bool):
+    """Run the script; yield what it saw; SIGKILL whatever of its processes is left."""
+    script = HANDLER_SCRIPT.replace("end_children=True", f"end_children={end_children}")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     try:
+        yield seen
+    finally:
+        for pid in [seen["apart"], *seen["tree"]]:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
+def test_the_sigterm_handler_ends_its_own_sessions_trees_and_nothing_else_and_acts_once():
+    with _handler_called_twice(end_children=True) as seen:
         assert seen["outcomes"] == ["Terminated", "returned"]  # a second SIGTERM is not raised mid-cleanup
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in seen["tree"]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [pid for pid in seen["tree"] if _alive(pid)] == []  # the child and the ones below it
         assert _alive(seen["apart"])  # another session's process (a Ray head) is the command's cleanup's
-    finally:
-        for pid in [seen["apart"], *seen["tree"]]:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
 
 
 def test_a_direct_runs_handler_ends_no_process():
-    script = HANDLER_SCRIPT.replace("end_children=True", "end_children=False")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    try:
+    with _handler_called_twice(end_children=False) as seen:
         assert seen["outcomes"] == ["Terminated", "returned"]
         assert all(_alive(pid) for pid in seen["tree"])  # its own Ray's exit handler ends those in order
-    finally:
-        for pid in [seen["apart"], *seen["tree"]]:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
 
 
 def test_ray_init_does_not_take_the_callers_sigterm_handler_away():
