@@ -129,3 +129,32 @@ def s3_server():
 
     with LocalS3() as server:
         yield server
+
+
+#: Names the folder of KubeRay's CRD files (``ray.io_rayclusters.yaml``, ...) that rendered
+#: objects are validated against. CI sets it (``.ci/run``); without it those tests skip.
+KUBERAY_CRDS_ENV = "RLHF_KUBERAY_CRDS"
+
+
+@pytest.fixture(scope="session")
+def kuberay_crds():
+    """The folder of KubeRay's CRD schemas, from ``$RLHF_KUBERAY_CRDS``. Unset: the test
+    is skipped with how to get them (the render checks that need no schema run anyway);
+    set to a folder without them: an error, so a misconfigured CI never passes by skipping."""
+    from pathlib import Path
+
+    from components.kuberay.crd import CRD_FILES
+
+    where = os.environ.get(KUBERAY_CRDS_ENV, "")
+    if not where:
+        pytest.skip(f"KubeRay's CRD schemas are not here: set {KUBERAY_CRDS_ENV} to a folder holding "
+                    f"{', '.join(CRD_FILES.values())} (from a cluster with KubeRay: kubectl get crd "
+                    f"rayclusters.ray.io -o yaml, one file per CRD; or ray-operator/config/crd/bases/ of a "
+                    f"KubeRay v1.7 release)")
+    folder = Path(where)
+    missing = [name for name in CRD_FILES.values() if not (folder / name).is_file()]
+    if missing:
+        pytest.fail(f"{KUBERAY_CRDS_ENV}={where}: expected {', '.join(missing)} there; found "
+                    f"{sorted(p.name for p in folder.iterdir()) if folder.is_dir() else 'no such folder'}",
+                    pytrace=False)
+    return folder

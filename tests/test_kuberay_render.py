@@ -1,6 +1,8 @@
-"""KubeRay objects rendered from run configs, validated against the real KubeRay v1.7.0
-CRD schemas (../shared/kuberay-crds/): the example configs, a property-based sweep of pool
-shapes and run ids, and bad input refused before anything is written or sent."""
+"""KubeRay objects rendered from run configs: their structure, names, resources and pod
+security everywhere; validated against the real KubeRay v1.7.0 CRD schemas where
+``$RLHF_KUBERAY_CRDS`` names them (CI sets it; conftest's ``kuberay_crds``): the example
+configs, a property-based sweep of pool shapes and run ids, and bad input refused before
+anything is written or sent."""
 
 import copy
 from pathlib import Path
@@ -19,20 +21,39 @@ from components.kuberay.spec import DeploySpecError, KubeSpec, load_deployment
 from rlhf_core.cli import main
 from rlhf_core.config import RunConfig, apply_overrides
 
-CRDS = ROOT.parent / "shared" / "kuberay-crds"
 CONFIGS = sorted((ROOT / "manifests" / "configs").glob("*.yaml"))
+VOLUME = {"name": "models", "claim": "team-models", "mount_path": "/models"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def crds_present():
-    assert (CRDS / "ray.io_rayclusters.yaml").exists(), f"the KubeRay CRDs are expected at {CRDS}"
+def render_example(path: Path) -> dict:
+    return render_all(*load_deployment(path), "nightly-ppo", "s3://bucket/runs")
+
+
+def render_critic_pool() -> dict:
+    cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
+                                        "resources.gpus_per_node=8", "critic.world_size=8",
+                                        "resources.critic_nnodes=1"]).validate()
+    return render_all(cfg, KubeSpec(node_gpus=8).validate(), "ppo-7b", "s3://b/runs")
+
+
+def render_with_volumes() -> dict:
+    spec = KubeSpec(node_gpus=8, volumes=[VOLUME, {"name": "scratch", "claim": "team-scratch",
+                                                   "mount_path": "/scratch", "read_only": False}]).validate()
+    cfg = apply_overrides(RunConfig(), ["actor.world_size=16", "resources.nnodes=2", "resources.gpus_per_node=8"])
+    return render_all(cfg.validate(), spec, "ppo-7b", "s3://b/runs")
+
+
+#: Every fixed set of objects the tests below render, for the one test that checks them
+#: against KubeRay's schemas.
+RENDERED = {**{f"example-{p.stem}": (lambda p=p: render_example(p)) for p in CONFIGS},
+            "critic-pool": render_critic_pool, "volumes": render_with_volumes}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_example_configs_render_valid_objects(path):
     cfg, spec = load_deployment(path)
-    objects = render_all(cfg, spec, "nightly-ppo", "s3://bucket/runs")
-    validate_all(objects)
+    objects = render_example(path)
+    validate_core_kinds(objects)
     cluster, job = objects["raycluster.yaml"], objects["rayjob.yaml"]
     group = cluster["spec"]["workerGroupSpecs"][0]
     assert group["replicas"] == cfg.resources.nnodes
@@ -43,56 +64,83 @@ def test_example_configs_render_valid_objects(path):
     assert job["spec"]["entrypoint"].startswith("rlhf serve --foreground --run-id nightly-ppo")
 
 
-def validate_all(objects: dict) -> None:
-    """KubeRay kinds against the CRDs; the head's account and RBAC against Kubernetes' schema."""
+def validate_core_kinds(objects: dict) -> None:
+    """The head's account and RBAC against Kubernetes' own schema (shipped with
+    kubernetes-validate: no CRD needed)."""
     import kubernetes_validate
 
+    lists = [obj for obj in objects.values() if obj["kind"] == "List"]
+    assert len(lists) == 1
+    assert [o["kind"] for o in lists[0]["items"]] == ["Role", "RoleBinding", "ServiceAccount"]
+    for item in lists[0]["items"]:
+        kubernetes_validate.validate(item, kubernetes_validate.latest_version(), strict=True)
+
+
+def validate_kuberay_kinds(objects: dict, crds: Path) -> None:
+    kinds = [obj["kind"] for obj in objects.values() if obj["kind"] != "List"]
+    assert sorted(kinds) == ["RayCluster", "RayJob"], kinds
     for obj in objects.values():
-        if obj["kind"] == "List":
-            assert [o["kind"] for o in obj["items"]] == ["Role", "RoleBinding", "ServiceAccount"]
-            for item in obj["items"]:
-                kubernetes_validate.validate(item, kubernetes_validate.latest_version(), strict=True)
-        else:
-            crd.validate(obj, CRDS)
+        if obj["kind"] != "List":
+            crd.validate(obj, crds)
 
 
-def test_the_validator_is_strict():
+@pytest.mark.parametrize("name", RENDERED)
+def test_rendered_objects_fit_kuberays_crds(name, kuberay_crds):
+    validate_kuberay_kinds(RENDERED[name](), kuberay_crds)
+
+
+def test_the_validator_is_strict(kuberay_crds):
     cfg, spec = load_deployment(None)
     good = render_all(cfg, spec, "demo", "s3://b/r")["raycluster.yaml"]
-    crd.validate(good, CRDS)
+    crd.validate(good, kuberay_crds)
     typo = copy.deepcopy(good)
     typo["spec"]["workerGroupSpecs"][0]["replica"] = 2
     with pytest.raises(crd.SchemaViolation, match=r"spec.workerGroupSpecs.0: .*'replica' was unexpected"):
-        crd.validate(typo, CRDS)
+        crd.validate(typo, kuberay_crds)
     wrong_type = copy.deepcopy(good)
     wrong_type["spec"]["workerGroupSpecs"][0]["replicas"] = "2"
     with pytest.raises(crd.SchemaViolation, match=r"spec.workerGroupSpecs.0.replicas: '2' is not of type 'integer'"):
-        crd.validate(wrong_type, CRDS)
+        crd.validate(wrong_type, kuberay_crds)
     start_params = copy.deepcopy(good)
     start_params["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # must be a string
     with pytest.raises(crd.SchemaViolation, match="rayStartParams.num-cpus"):
-        crd.validate(start_params, CRDS)
+        crd.validate(start_params, kuberay_crds)
 
 
 run_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", fullmatch=True)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(nnodes=st.integers(1, 64), gpus=st.integers(0, 8), cpus=st.integers(1, 256), memory=st.integers(2, 2048),
-       store_fraction=st.floats(0.05, 0.9), run_id=run_ids.filter(lambda s: any(c.isalnum() for c in s)))
-def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, memory, store_fraction, run_id):
+def render_pool_shape(nnodes, gpus, cpus, memory, store_fraction, run_id) -> dict:
     cfg = apply_overrides(RunConfig(), [f"resources.nnodes={nnodes}", f"resources.gpus_per_node={gpus}",
                                         f"resources.cpus_per_node={cpus}", f"resources.memory_gib_per_node={memory}",
                                         f"resources.object_store_gib_per_node={memory * store_fraction}",
                                         "trainer.cpus_per_worker=1", f"actor.world_size={nnodes}"]).validate()
     spec = KubeSpec(node_gpus=8, node_selector={"pool": "train"},
                     tolerations=[{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]).validate()
-    objects = render_all(cfg, spec, run_id, "s3://b/runs")
-    validate_all(objects)
+    return render_all(cfg, spec, run_id, "s3://b/runs")
+
+
+pool_shapes = dict(nnodes=st.integers(1, 64), gpus=st.integers(0, 8), cpus=st.integers(1, 256),
+                   memory=st.integers(2, 2048), store_fraction=st.floats(0.05, 0.9),
+                   run_id=run_ids.filter(lambda s: any(c.isalnum() for c in s)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**pool_shapes)
+def test_every_pool_shape_and_run_id_renders_valid_objects(nnodes, gpus, cpus, memory, store_fraction, run_id):
+    objects = render_pool_shape(nnodes, gpus, cpus, memory, store_fraction, run_id)
+    validate_core_kinds(objects)
     for obj in (objects["raycluster.yaml"], objects["rayjob.yaml"]):
         assert is_dns1035_label(obj["metadata"]["name"], limit=40)
     for item in objects["head-account.yaml"]["items"]:
         assert is_dns1035_label(item["metadata"]["name"], limit=45)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**pool_shapes)
+def test_every_pool_shape_and_run_id_fits_kuberays_crds(kuberay_crds, nnodes, gpus, cpus, memory, store_fraction,
+                                                         run_id):
+    validate_kuberay_kinds(render_pool_shape(nnodes, gpus, cpus, memory, store_fraction, run_id), kuberay_crds)
 
 
 @given(a=run_ids, b=run_ids)
@@ -129,9 +177,28 @@ def test_bad_deployments_are_refused_with_the_field(tmp_path):
     assert not out.exists()  # nothing written
 
 
-def test_rlhf_manifests_writes_validated_yaml(tmp_path, capsys):
+def test_rlhf_manifests_writes_validated_yaml_when_given_the_crds(tmp_path, kuberay_crds):
     assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "Dev_Run",
-                 "--out", str(tmp_path), "--crds", str(CRDS)]) == 0
+                 "--out", str(tmp_path), "--crds", str(kuberay_crds)]) == 0
+    assert yaml.safe_load((tmp_path / "raycluster.yaml").read_text())["kind"] == "RayCluster"
+    bad = tmp_path / "crds"  # a RayCluster schema that wants a field we never set: the command refuses
+    bad.mkdir()
+    for name in crd.CRD_FILES.values():
+        schema = yaml.safe_load((kuberay_crds / name).read_text())
+        if name == crd.CRD_FILES["RayCluster"]:
+            for version in schema["spec"]["versions"]:
+                version["schema"]["openAPIV3Schema"]["properties"]["spec"].setdefault("required", []).append(
+                    "noSuchField")
+        (bad / name).write_text(yaml.safe_dump(schema))
+    with pytest.raises(SystemExit, match="noSuchField"):
+        main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--out", str(tmp_path / "o"),
+              "--crds", str(bad)])
+    assert not (tmp_path / "o").exists()  # nothing written
+
+
+def test_rlhf_manifests_writes_the_yaml(tmp_path, capsys):
+    assert main(["manifests", "--config", str(ROOT / "manifests/configs/cpu-dev.yaml"), "--run-id", "Dev_Run",
+                 "--out", str(tmp_path)]) == 0
     account = yaml.safe_load((tmp_path / "head-account.yaml").read_text())
     assert account["items"][2] == {"apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
                                    "metadata": {**account["items"][2]["metadata"], "name": cluster_name("Dev_Run")
@@ -159,7 +226,6 @@ def test_every_ray_pod_meets_restricted_pod_security():
     for obj in render_all(cfg, kube, "hardened", "s3://b/runs").values():
         if obj["kind"] == "List":
             continue
-        crd.validate(obj, CRDS)
         templates = list(_pod_templates(obj))
         assert len(templates) == (3 if obj["kind"] == "RayJob" else 2)
         for template in templates:
@@ -245,28 +311,20 @@ def test_the_cluster_pipeline_takes_no_policy_from_the_profile_namespace_and_set
 
 
 def test_a_critic_pool_of_its_own_renders_a_worker_group_of_its_own():
-    cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
-                                        "resources.gpus_per_node=8", "critic.world_size=8",
-                                        "resources.critic_nnodes=1"]).validate()
-    spec = KubeSpec(node_gpus=8).validate()
-    objects = render_all(cfg, spec, "ppo-7b", "s3://b/runs")
-    validate_all(objects)
+    objects = render_critic_pool()
+    validate_core_kinds(objects)
     groups = {g["groupName"]: g for g in objects["raycluster.yaml"]["spec"]["workerGroupSpecs"]}
     assert {name: g["replicas"] for name, g in groups.items()} == {"train": 2, "critic": 1}
     assert groups["critic"]["rayStartParams"]["num-gpus"] == "8"
+    cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
+                                        "resources.gpus_per_node=8", "critic.world_size=8", "resources.critic_nnodes=1"])
     with pytest.raises(Exception, match=r"critic.world_size=3 must split evenly over resources.critic_nnodes=2"):
         apply_overrides(cfg, ["critic.world_size=3", "resources.critic_nnodes=2"]).validate()
 
 
-VOLUME = {"name": "models", "claim": "team-models", "mount_path": "/models"}
-
-
 def test_volumes_are_mounted_into_every_ray_node_and_not_the_submitter():
-    spec = KubeSpec(node_gpus=8, volumes=[VOLUME, {"name": "scratch", "claim": "team-scratch",
-                                                   "mount_path": "/scratch", "read_only": False}]).validate()
-    cfg = apply_overrides(RunConfig(), ["actor.world_size=16", "resources.nnodes=2", "resources.gpus_per_node=8"])
-    objects = render_all(cfg.validate(), spec, "ppo-7b", "s3://b/runs")
-    validate_all(objects)
+    objects = render_with_volumes()
+    validate_core_kinds(objects)
     job = objects["rayjob.yaml"]
     pods = list(_pod_templates(job))
     for template in pods[:-1]:  # head, workers
