@@ -120,10 +120,13 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
         return -1
     lineage = result["lineage"]
     snapshots.uri = lineage["iteration_uri"]
+    # the checkpoint the iteration's weights come from: its own, or an earlier one plus a
+    # redo of the committed updates after it (trainer.checkpoint_every > 1), said in metadata
     model.uri = lineage["checkpoint"]
     for artifact in (snapshots, model):
         artifact.metadata.update({k: lineage[k] for k in ("run_id", "iteration", "config_hash", "parent_iteration")})
         artifact.metadata["code_version"] = lineage["code_version"]["source_sha256"]
+    model.metadata.update({"checkpoint_step": lineage["checkpoint_step"], "redo_iterations": lineage["redo"]})
     for key, value in result["rows"][-1].items():
         if isinstance(value, (int, float)) and not key.startswith(("timing_worker", "perf/worker")):
             metrics.log_metric(key.replace("/", "."), float(value))

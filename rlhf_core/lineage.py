@@ -56,7 +56,8 @@ def chain(uri: str) -> list[dict]:
         m = istore.read_manifest(n)
         out.append({"run_id": run_id, "iteration": n, "parent_iteration": m["parent_iteration"],
                     "config_hash": m["config_hash"], "code_version": m["code_version"],
-                    "data_cursor": m["data_cursor"], "checkpoint": m["checkpoint"],
+                    "data_cursor": m["data_cursor"], "checkpoint": m["weights"]["checkpoint"],
+                    "redo": list(m["weights"]["redo"]), "wrote_checkpoint": m["checkpoint"],
                     "global_step": m["global_step"], "kl_coef": m["kl_coef"],
                     "reward": m["metrics"].get("critic/score/mean"), "metrics": m["metrics"],
                     "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n)})
@@ -77,8 +78,10 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
             it = f"it{r['iteration']}"
             lines.append(f'  {it} [label="iteration {r["iteration"]}\\nconfig {r["config_hash"][:12]}\\n'
                          f'code {r["code_version"].get("source_sha256", "")[:12]}\\nreward {r["reward"]:.3f}"];')
-            lines.append(f'  ck{r["global_step"]} [label="{r["checkpoint"].rsplit("/", 1)[-1]}", shape=cylinder];')
-            lines.append(f"  {it} -> ck{r['global_step']} [label=wrote];")
+            ck = "ck" + r["checkpoint"].rstrip("/").rsplit("/", 1)[-1].replace("-", "_")
+            lines.append(f'  {ck} [label="{r["checkpoint"].rsplit("/", 1)[-1]}", shape=cylinder];')
+            lines.append(f"  {it} -> {ck} [label=wrote];" if r["wrote_checkpoint"] else
+                         f"  {it} -> {ck} [label=\"weights from, redo {','.join(map(str, r['redo']))}\"];")
             if r["parent_iteration"] is not None:
                 lines.append(f"  {it} -> it{r['parent_iteration']} [label=parent];")
         lines.append("}")
@@ -92,5 +95,6 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
         lines.append(f"{r['iteration']:>5} {parent:>6} {r['config_hash'][:12]:<13} "
                      f"{r['code_version'].get('source_sha256', '')[:12]:<13} {cursor:<14} "
                      f"{r['reward'] if r['reward'] is not None else float('nan'):>7.3f}  {r['checkpoint']}"
+                     + (f" + redo {','.join(map(str, r['redo']))}" if r["redo"] else "")
                      + (f"  (git {git[:10]})" if git else ""))
     return "\n".join(lines)

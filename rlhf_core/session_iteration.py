@@ -138,7 +138,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         last = istore.read_manifest(rows[-1]["iteration"])
         result["lineage"] = {"run_id": run_id, "iteration": last["iteration"],
                              "parent_iteration": last["parent_iteration"], "config_hash": last["config_hash"],
-                             "code_version": last["code_version"], "checkpoint": last["checkpoint"],
+                             "code_version": last["code_version"], "checkpoint": last["weights"]["checkpoint"],
+                             "checkpoint_step": last["weights"]["checkpoint_step"],
+                             "redo": list(last["weights"]["redo"]),
                              "iteration_uri": istore.iteration_uri(last["iteration"])}
     return result
 

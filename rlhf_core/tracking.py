@@ -66,10 +66,13 @@ def _export(run_id: str, manifest: dict) -> str:
     for i in range(0, len(metrics), 1000):
         client.log_batch(mlflow_run, metrics=metrics[i:i + 1000])
     lineage = {k: manifest.get(k) for k in ("iteration", "parent_iteration", "config_hash", "code_version",
-                                            "checkpoint", "data_cursor", "global_step", "kl_coef", "snapshots")}
+                                            "checkpoint", "weights", "data_cursor", "global_step", "kl_coef",
+                                            "snapshots")}
     from rlhf_core.run_layout import iteration_dir
 
     client.log_dict(mlflow_run, lineage, f"lineage/{iteration_dir(n)}.json")
     client.set_tag(mlflow_run, "rlhf.last_iteration", str(n))
-    client.set_tag(mlflow_run, "rlhf.last_checkpoint", manifest["checkpoint"])
+    # the checkpoint the weights come from; a redo of the iterations listed completes them
+    client.set_tag(mlflow_run, "rlhf.last_checkpoint", manifest["weights"]["checkpoint"])
+    client.set_tag(mlflow_run, "rlhf.last_checkpoint_redo", ",".join(str(i) for i in manifest["weights"]["redo"]))
     return mlflow_run

@@ -43,3 +43,37 @@ def committed_checkpoints(run: Path) -> list[Path]:
         body = json.loads(manifest.read_text())
         named.append((body.get("weights") or {}).get("checkpoint") or body["checkpoint"])
     return sorted({run / "checkpoints" / uri.rstrip("/").rsplit("/", 1)[-1] for uri in named})
+
+
+def names_nothing(uri: str) -> bool:
+    """Whether ``uri`` (a checkpoint, a stage snapshot, an iteration) names nothing in its
+    store: a checkpoint without its trainer state, a snapshot or an iteration without its
+    commit marker."""
+    import fsspec
+
+    from rlhf_core import run_layout
+
+    fs, path = fsspec.core.url_to_fs(uri.rstrip("/"))
+    loc = run_layout.parse(uri.rstrip("/"))
+    if loc is not None and loc.step is not None:
+        return not fs.exists(f"{path}/{run_layout.TRAINER_STATE_FILE}")
+    if loc is not None and loc.iteration is not None and loc.stage is None:
+        return not fs.exists(f"{path}/{run_layout.MANIFEST}")
+    return not fs.exists(f"{path}/{run_layout.SNAPSHOT_MARKER}")
+
+
+def uris_naming_nothing(store: str, run_id: str) -> list[str]:
+    """Every URI the run's committed manifests and ``rlhf lineage`` name that names
+    nothing (empty when each one is there)."""
+    from rlhf_core.lineage import chain
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    istore = IterationStore(store, run_id)
+    named = []
+    for n in istore.committed_iterations():
+        manifest = istore.read_manifest(n)
+        named += [u for u in (manifest["checkpoint"], manifest["weights"]["checkpoint"]) if u is not None]
+        named += list(manifest["snapshots"].values())
+    for row in chain(istore.run_uri):
+        named += [row["checkpoint"], row["manifest"], *row["snapshots"].values()]
+    return sorted({uri for uri in named if names_nothing(uri)})

@@ -213,9 +213,12 @@ def _with(**values):
      "data_cursor.epoch: expected a whole number >= 0; found \"zero\""),
     (["replay", "{run}/iter-000000/reward"], _without("config"), "no key config"),
     (["replay", "{run}/iter-000000/reward"], _with(parent_iteration="none"), "parent_iteration: expected null or"),
-    (["gc", "{run}", "--dry-run"], _with(weights={}), "weights.checkpoint_step: expected a whole number >= 0; "
+    (["gc", "{run}", "--dry-run"], _with(weights={}), "weights.checkpoint: expected a string (a checkpoint URI); "
                                                       "found nothing"),
-    (["gc", "{run}", "--dry-run"], _with(weights={"checkpoint_step": 0, "redo": "0"}), "weights.redo: expected a list"),
+    (["gc", "{run}", "--dry-run"], _with(weights={"checkpoint": "x"}), "weights.checkpoint_step: expected a whole "
+                                                                        "number >= 0; found nothing"),
+    (["gc", "{run}", "--dry-run"], _with(weights={"checkpoint": "x", "checkpoint_step": 0, "redo": "0"}),
+     "weights.redo: expected a list"),
     (["gc", "{run}", "--dry-run"], lambda m: b"{not json", "expected a JSON object; found bytes that are not JSON"),
     (["lineage", "{run}"], lambda m: b"[1, 2]", "expected a JSON object; found list"),
     (["lineage", "{run}"], _with(iteration=7), "iteration: expected 0 (the folder it is in); found 7"),

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import names_nothing, uris_naming_nothing
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -84,24 +86,38 @@ def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):
     out = tmp_path / "out"
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "rlhf_core.cli", "run", "--iterations", "2", "--run-id", "kfp",
+            [sys.executable, "-m", "rlhf_core.cli", "run", "--iterations", "3", "--run-id", "kfp",
              "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false",
-             f"trainer.output_dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env)
+             "trainer.checkpoint_every=2", f"trainer.output_dir={out}"], cwd=tmp_path, capture_output=True, text=True,
+            timeout=900, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert f"snapshots: file://{out}/store/kfp" in proc.stdout
         store = out / "store" / "kfp"
-        assert (store / "iter-000000" / "MANIFEST.json").exists() and (store / "iter-000001" / "MANIFEST.json").exists()
-        manifest = json.loads((store / "iter-000001" / "MANIFEST.json").read_text())
-        assert manifest["parent_iteration"] == 0 and "/checkpoints/step-000002-" in manifest["checkpoint"]
-        # pipelined: iteration 1's run started before iteration 0 committed, with the
-        # checkpoint iteration 0's controller announced (and then wrote) as its parent
+        manifests = [json.loads((store / f"iter-00000{n}" / "MANIFEST.json").read_text()) for n in range(3)]
+        # checkpoint_every=2: iteration 1 writes step 2's checkpoint; 0 and 2 write none and say so
+        assert manifests[1]["parent_iteration"] == 0 and "/checkpoints/step-000002-" in manifests[1]["checkpoint"]
+        assert manifests[0]["checkpoint"] is None and manifests[2]["checkpoint"] is None
+        assert manifests[2]["weights"] == {"checkpoint": manifests[1]["checkpoint"], "checkpoint_step": 2, "redo": [2]}
+        # pipelined: each run after the first started before the one before it committed,
+        # with the checkpoint that one's controller announced (and then wrote) as its parent
         import datetime
 
         started = sorted(datetime.datetime.strptime(p.name[len("rlhf-ppo-iteration-"):], "%Y-%m-%d-%H-%M-%S-%f")
                          .timestamp() for p in (out / "kfp" / "kfp").iterdir() if p.is_dir())
-        assert len(started) == 2 and started[1] < (store / "iter-000000" / "MANIFEST.json").stat().st_mtime
-        announced = json.loads(sorted((store / "leases" / "iter-000000").iterdir())[0].read_text())["checkpoint"]
-        assert announced == json.loads((store / "iter-000000" / "MANIFEST.json").read_text())["checkpoint"]
+        assert len(started) == 3 and started[1] < (store / "iter-000000" / "MANIFEST.json").stat().st_mtime
+        announced = json.loads(sorted((store / "leases" / "iter-000001").iterdir())[0].read_text())["checkpoint"]
+        assert announced == manifests[1]["checkpoint"]
+        # every URI the manifests, the lineage and the runs' Model artifacts name is there;
+        # each Model artifact names the checkpoint its iteration's weights come from
+        assert not uris_naming_nothing(f"file://{out}/store", "kfp")
+        models = {}
+        for output in (out / "kfp" / "kfp").rglob("executor_output.json"):
+            for artifact in json.loads(output.read_text()).get("artifacts", {}).get("model", {}).get("artifacts", []):
+                models[int(artifact["metadata"]["iteration"])] = artifact
+        assert sorted(models) == [0, 1, 2], models
+        for n, artifact in models.items():
+            assert artifact["uri"] == manifests[n]["weights"]["checkpoint"] and not names_nothing(artifact["uri"])
+            assert artifact["metadata"]["redo_iterations"] == manifests[n]["weights"]["redo"]
         reports = list((out / "kfp" / "kfp").rglob("summary"))
         assert reports and "reward curve" in reports[-1].read_text()
         assert (out / "kfp" / "reward_curve.png").stat().st_size > 0

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from helpers import fingerprint, small_config
+from helpers import fingerprint, names_nothing, small_config, uris_naming_nothing
+from rlhf_core.lineage import chain, format_lineage
 from rlhf_core.config import ConfigError, apply_overrides
 from rlhf_core.trainer.run import run_direct
 
@@ -144,10 +145,21 @@ def test_checkpoint_every_k_and_a_redo_of_the_rest_resume_bit_identically(tmp_pa
     assert weights["checkpoint_step"] == 3 and weights["redo"] == [3]
     assert re.fullmatch(rf"file://{store_b}/run/checkpoints/step-000003-[0-9a-f]+", weights["checkpoint"])
     manifest = json.loads((store_b / "run/iter-000001/MANIFEST.json").read_text())
-    assert manifest["weights"]["redo"] == [0, 1] and manifest["checkpoint_sha256"] == {}
+    # it wrote no checkpoint, and says so; its weights: the initial checkpoint + a redo of 0, 1
+    assert manifest["checkpoint"] is None and manifest["checkpoint_sha256"] is None
+    assert manifest["weights"]["redo"] == [0, 1]
+    assert manifest["weights"]["checkpoint"] == json.loads((store_b / "run/checkpoints/INITIAL.json").read_text())[
+        "checkpoint"]
 
     result = run_direct(cfg(), 1, f"file://{store_b}", "run", log=quiet)
     assert [r["iteration"] for r in result["rows"]] == [4]
+    # every URI the manifests, the run's outputs and the lineage name is there
+    assert not uris_naming_nothing(f"file://{store_b}", "run")
+    assert not names_nothing(result["checkpoint"]) and "step-000005-" in result["checkpoint"]
+    table = format_lineage(chain(f"file://{store_b}/run/iter-000004"))
+    rows = {int(line.split()[0]): line for line in table.splitlines()[1:]}
+    assert re.search(r"checkpoints/step-000005-[0-9a-f]+(  \(git .*)?$", rows[4]) and \
+        re.search(r"checkpoints/step-000003-[0-9a-f]+ \+ redo 3(  \(git .*)?$", rows[3]), table
     a, b = fingerprint(store_a, "run"), fingerprint(store_b, "run")
     assert sorted(a) == sorted(b) and any("step-000005" in k for k in a)
     different = [k for k in a if a[k] != b[k]]

@@ -236,11 +236,14 @@ def test_gc_keeps_the_checkpoint_and_the_stage_inputs_a_redo_needs(tmp_path):
             istore.save(it, stage, batch)
         step = it + 1
         if step % 4 == 0:
-            sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
-            weights = {"checkpoint_step": step, "redo": []}  # without "checkpoint": the step's fixed folder
+            written = istore.new_checkpoint_uri(step)
+            sfs.write_durably(written, {"trainer_state.json": b"{}"})
+            weights = {"checkpoint": written, "checkpoint_step": step, "redo": []}
         else:
-            weights = {"checkpoint_step": step - step % 4, "redo": list(range(step - step % 4, step))}
-        istore.commit_iteration(it, {"config": RunConfig().to_dict(), "global_step": step, "weights": weights})
+            weights = {"checkpoint": written if step > 4 else f"{istore.run_uri}/checkpoints/step-000000-0",
+                       "checkpoint_step": step - step % 4, "redo": list(range(step - step % 4, step))}
+        istore.commit_iteration(it, {"config": RunConfig().to_dict(), "global_step": step, "weights": weights,
+                                     "checkpoint": written if step % 4 == 0 else None})
     plan = plan_gc(istore.run_uri, RetentionPolicy(keep_checkpoints=1, keep_snapshots=1), **later())
     assert plan.checkpoints == []  # step 4 is the only one, and the newest weights start from it
     dropped = sorted({u.rsplit("/", 2)[-2] for u in plan.snapshots})

@@ -41,7 +41,9 @@ _TYPES = {
     "config_hash": (lambda v: isinstance(v, str), "a string"),
     "config": (lambda v: isinstance(v, dict), "an object"),
     "code_version": (lambda v: isinstance(v, dict), "an object"),
-    "checkpoint": (lambda v: isinstance(v, str), "a string (a checkpoint URI)"),
+    # the checkpoint this iteration wrote; null when it wrote none (``weights`` names the one
+    # its model comes from, and the redo that completes it)
+    "checkpoint": (lambda v: v is None or isinstance(v, str), "null or a string (a checkpoint URI)"),
     "checkpoint_sha256": (lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
                           "null or an object of sha256 strings"),
     "data_cursor": (lambda v: isinstance(v, dict), "an object"),
@@ -57,7 +59,8 @@ _TYPES = {
     "weights": (lambda v: isinstance(v, dict), "an object"),
     "lease": (lambda v: isinstance(v, dict), "an object"),
 }
-_REQUIRED_IN = {"weights": {"checkpoint_step": (_whole, "a whole number >= 0"),
+_REQUIRED_IN = {"weights": {"checkpoint": (lambda v: isinstance(v, str), "a string (a checkpoint URI)"),
+                            "checkpoint_step": (_whole, "a whole number >= 0"),
                             "redo": (_whole_list, "a list of whole numbers >= 0")}}
 
 

@@ -7,15 +7,17 @@ import io
 
 
 def run_history(store: str, run_id: str) -> list[dict]:
-    """One row per committed iteration: its number and checkpoint plus the metrics in its
-    manifest."""
+    """One row per committed iteration: its number, the checkpoint its weights come from
+    (and the iterations redone after it to complete them), plus the metrics in its manifest."""
     from rlhf_core.trainer.iteration_store import IterationStore
 
     istore = IterationStore(store, run_id)
     rows = []
     for n in istore.committed_iterations():
         manifest = istore.read_manifest(n)
-        rows.append({"iteration": n, "checkpoint": manifest["checkpoint"], **manifest["metrics"]})
+        weights = manifest["weights"]
+        rows.append({"iteration": n, "checkpoint": weights["checkpoint"], "redo": list(weights["redo"]),
+                     **manifest["metrics"]})
     return rows
 
 

@@ -201,9 +201,8 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         weights = {"checkpoint_step": step, "checkpoint": checkpoint, "redo": []}
     else:  # the weights after this iteration: the last checkpoint plus a redo of what followed it
         start, redo = weights_plan(istore, iteration)
-        checksums = {}
-        # no checkpoint of its own: "checkpoint" keeps naming the step's (unwritten) fixed folder
-        checkpoint = istore.legacy_checkpoint_uri(step)
+        # no checkpoint of its own: "checkpoint" is null, "weights" says where its model comes from
+        checkpoint, checksums = None, None
         weights = {"checkpoint_step": start, "checkpoint": weights_checkpoint(istore, iteration),
                    "redo": redo + [iteration]}
     checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
@@ -232,10 +231,11 @@ def finish_outputs(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trai
 
 
 def last_checkpoint(istore, step: int) -> str:
-    """The checkpoint the manifest of iteration ``step - 1`` names (at step 0: the initial one)."""
-    if step == 0:
-        return (istore.initial_checkpoint() or ("",))[0]
-    return istore.read_manifest(step - 1)["checkpoint"]
+    """The checkpoint the weights after ``step`` iterations come from (at step 0: the
+    initial one); "" before there is one."""
+    from rlhf_core.trainer.restore import weights_checkpoint
+
+    return weights_checkpoint(istore, step) or ""
 
 
 def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
