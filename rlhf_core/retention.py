@@ -26,6 +26,8 @@ cannot go below ``MIN_GRACE_S``: what is younger may be a write still under way.
 
 from __future__ import annotations
 
+import errno
+
 import os
 import time
 import uuid
@@ -199,6 +201,13 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         latest = log.latest()
         return latest is not None and not log.is_free(latest[1], holder="rlhf-gc")
 
+    def lease_released(iteration: int) -> bool:
+        """Whether the committed ``iteration``'s lease is released or its holder gone: a
+        holder commits, then releases, and its log must be there for the release."""
+        log = LeaseLog(istore.run, iteration, ttl_s=lease_ttl_s)
+        latest = log.latest()
+        return latest is None or log.is_free(latest[1], holder="rlhf-gc")
+
     # what the newest weights are made of: a checkpoint and the iterations redone after it
     redo = weights_plan(istore, newest + 1)[1] if committed else []
     needed = weights_checkpoint(istore, newest + 1)
@@ -213,8 +222,11 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
             if step not in kept and loc.uri != (needed or "").rstrip("/"):
                 plan.checkpoints.append(loc.uri)
         # named by nothing: a writer that crashed or lost a race, unless the iteration
-        # that writes it (step S: iteration S - 1; the initial one: iteration 0) is live
-        elif not writing(max(step - 1, 0)) and _age_s(loc, now) >= grace_s:
+        # that writes it (step S: iteration S - 1; the initial one: iteration 0) is live,
+        # or committed it since ``named`` was read: a writer commits before it releases
+        # its lease, so a record read after the lease read shows such a commit
+        elif not writing(max(step - 1, 0)) and _age_s(loc, now) >= grace_s \
+                and name not in _committed_checkpoints(istore, istore.committed_iterations()):
             plan.orphans.append(loc.uri)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)
@@ -236,7 +248,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     for name in _children(run.child(run_layout.LEASES)):
         iteration = run_layout.iteration_of_dir(name)
         lease_loc = run.child(run_layout.LEASES, name)
-        if iteration in committed_set and _age_s(lease_loc, now) >= grace_s:
+        if iteration in committed_set and _age_s(lease_loc, now) >= grace_s and lease_released(iteration):
             plan.leases.append(lease_loc.uri)
     plan.scratch = _stale_scratch(run, grace_s, now)
     plan.uploads = _stale_uploads(run, grace_s, now)
@@ -315,6 +327,9 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
             loc.fs.rm(loc.path, recursive=True)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # a file written into it meanwhile (ENOTEMPTY): the next pass decides
+            if exc.errno != errno.ENOTEMPTY:
+                raise
     return plan
 
 

@@ -92,8 +92,9 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
     # an orphaned writer prefix in a committed iteration (a writer that lost a race)
     orphan = sfs.resolve(f"{istore.stage_uri(1, 'reward')}/data-deadbeef", opts)
     sfs.write_durably(orphan.uri, {"zarr.json": b"{}"}, opts)
-    # a committed iteration's lease log, and a live controller on iteration 6 writing now
-    LeaseLog(istore.run, 2, ttl_s=900).acquire("task-2")
+    # a committed iteration's released lease log, and a live controller on iteration 6 writing now
+    done = LeaseLog(istore.run, 2, ttl_s=900)
+    done.release(done.acquire("task-2"))
     assert LeaseLog(istore.run, 6, ttl_s=900).acquire("task-6").token >= 0
     _iteration(istore, 6, commit=False)
     live_orphan = sfs.resolve(f"{istore.stage_uri(6, 'rollout')}/data-inflight", opts)
@@ -207,6 +208,36 @@ def test_gc_racing_a_writer_never_removes_what_it_commits(run_store, monkeypatch
         for stage in STAGES:
             verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
     assert sfs.read_bytes(sfs.resolve(f"{fresh.legacy_checkpoint_uri(8)}/trainer_state.json", opts)) is not None
+
+
+def test_a_checkpoint_committed_while_gc_plans_is_kept_and_so_is_its_lease_log(tmp_path, monkeypatch):
+    """The interleaving the race above can hit: gc reads the committed iterations, then
+    the writer commits iteration 1 (which names its checkpoint) and releases its lease,
+    then gc looks at the checkpoint folders and the leases. The checkpoint is named by a
+    commit gc did not see, and must stay; iteration 0's lease log, still held by a live
+    holder after its commit, stays too."""
+    istore = IterationStore(f"file://{tmp_path}/store", "run-r")
+    _iteration(istore, 0)
+    LeaseLog(istore.run, 0, ttl_s=900).acquire("still-releasing")  # committed, not yet released
+    log = LeaseLog(istore.run, 1, ttl_s=900)
+    lease = log.acquire("controller")
+    _iteration(istore, 1, commit=False)
+    checkpoint = istore.legacy_checkpoint_uri(2)
+    original, reads = IterationStore.committed_iterations, []
+
+    def committed_then_the_writer_commits(self):
+        seen = original(self)
+        if not reads:
+            reads.append(seen)
+            istore.commit_iteration(1, {"config": RunConfig().to_dict(), "checkpoint": checkpoint, "global_step": 2})
+            log.release(lease)
+        return seen
+
+    monkeypatch.setattr(IterationStore, "committed_iterations", committed_then_the_writer_commits)
+    plan = plan_gc(istore.run_uri, RetentionPolicy(keep_checkpoints=0), **later())
+    assert reads == [[0]]  # gc planned from a list without iteration 1
+    assert not [u for u in plan.all() if "step-000002" in u], plan.all()
+    assert not [u for u in plan.leases if u.endswith("iter-000000")], plan.leases
 
 
 def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):

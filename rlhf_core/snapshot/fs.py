@@ -128,8 +128,14 @@ def put_create_only(loc: Location, data: bytes) -> None:
                 return
             raise SnapshotExistsError(f"{loc.uri} already exists; snapshots are written once") from None
         finally:
-            os.unlink(tmp)
-        fsync_path(directory)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:  # the folder went meanwhile (gc of a released lease log)
+                pass
+        try:
+            fsync_path(directory)
+        except FileNotFoundError:
+            pass
         return
     check_create_only(loc)
     for attempt in range(CONFLICT_RETRIES + 1):
