@@ -146,6 +146,7 @@ def _on_sigterm(end_children: bool):
             _kill_own_session_children()
         raise Terminated()
 
+    handler.fired = fired  # the run reads it: code under it may turn Terminated into a plain KeyboardInterrupt
     return handler
 
 
@@ -169,7 +170,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
         return _run(args)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm(end_children=not args.direct))
+    handler = _on_sigterm(end_children=not args.direct)
+    args.sigterm_fired = handler.fired
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         return _run(args)
     except Terminated:  # before the run began (config, store, model checks): nothing to continue yet
@@ -226,7 +229,8 @@ def _run(args: argparse.Namespace) -> int:
             return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
         result = run_direct(cfg, iterations, store, args.run_id)
     except KeyboardInterrupt as stop:
-        terminated = isinstance(stop, Terminated)
+        # (a library under the run, Ray's for one, may catch ours and raise a KeyboardInterrupt of its own)
+        terminated = isinstance(stop, Terminated) or bool(getattr(args, "sigterm_fired", ()))
         print(_interrupted(args, cfg, store, committed + iterations, "terminated" if terminated else "interrupted"),
               file=sys.stderr)
         return 143 if terminated else 130  # 128 + the signal's number, as a shell reports it

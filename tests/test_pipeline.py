@@ -134,6 +134,37 @@ def _pipeline_run(out: Path, run_id: str, env: dict, **popen):
         env=env, **popen)
 
 
+def _frozen_processes(sid: int, leader, timeout_s: float = 600) -> list:
+    """Wait until a process of session ``sid`` has stopped itself at its freeze point
+    (``RLHF_FREEZE_AT``), or ``leader`` ended; return the session's processes then."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while leader.poll() is None and time.monotonic() < deadline:
+        procs = [p for p in psutil.process_iter() if _in_session(p, sid)]
+        if any(_status(p) == psutil.STATUS_STOPPED for p in procs):
+            return procs
+        time.sleep(0.2)
+    raise AssertionError(f"no process of session {sid} reached its freeze point (leader exit code {leader.poll()})")
+
+
+def _status(proc) -> str | None:
+    import psutil
+
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
+
+
+def _gone(procs, timeout_s: float = 120) -> list:
+    """The processes of ``procs`` still alive (zombies count as gone) after waiting for them."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return [p for p in alive if _status(p) not in (None, psutil.STATUS_ZOMBIE)]
+
+
 def _rollout_committed(out: Path, proc, timeout_s: float = 600) -> bool:
     """Wait until iteration 0's rollout snapshot of run r is committed (or ``proc`` ends)."""
     import time
@@ -169,16 +200,14 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
     # fast the rest of the iteration would run, the kill lands before its commit
     first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
     try:
-        assert _rollout_committed(out, first), first.communicate(timeout=60)
+        started = _frozen_processes(first.pid, first)
         os.killpg(first.pid, signal.SIGKILL)  # the command, the local runner and the controller
-        first.wait(30)
+        assert _gone(started) == []  # all of them dead before the command runs again
         assert not (out / "store" / "r" / "iter-000000" / "MANIFEST.json").exists()
-        t0 = time.monotonic()
         again = _pipeline_run(out, "r", env)
         stdout, stderr = again.communicate(timeout=900)
         assert again.returncode == 0, stdout[-3000:] + stderr[-3000:]
         assert "being run by" not in stdout + stderr  # nobody waited for the dead controller
-        assert time.monotonic() - t0 < 600
         assert fingerprint(out / "store", "r") == fingerprint(ref / "store", "r")
     finally:
         for root in (out / "head", ref / "head"):
@@ -212,7 +241,10 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
          f"trainer.output_dir={out}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**env, **freeze}, start_new_session=True)
     try:
-        assert _rollout_committed(out, first), first.communicate(timeout=60)
+        if mode == "direct":
+            assert _rollout_committed(out, first), first.communicate(timeout=60)
+        else:
+            _frozen_processes(first.pid, first)
         started = [p for p in psutil.process_iter() if _in_session(p, first.pid) and p.pid != first.pid]
         assert started  # the runner(s) and the component, or the direct run's Ray
         first.send_signal(signal.SIGTERM)
@@ -224,10 +256,7 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
         if mode != "direct":
             assert "and iteration 0's finished stages (rollout" in last, last
         assert "Traceback" not in stdout + stderr
-        deadline = time.monotonic() + 30
-        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert [p for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        assert _gone(started) == []
         assert ray_head.read_head(out / "head") is None  # the head it started is stopped
         again = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", *extra, "--iterations", "2",
                                 "--run-id", "r", *SMALL, f"trainer.output_dir={out}"], cwd=tmp_path, env=env,
@@ -261,17 +290,20 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "out"
-    first = _pipeline_run(out, "r", env, start_new_session=True)
+    # iteration 0's controller stops itself short of its commit; the Ctrl-C reaches every
+    # process of the group, the frozen one as it goes on
+    first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
     try:
-        _rollout_committed(out, first)
+        started = _frozen_processes(first.pid, first)
         os.killpg(first.pid, signal.SIGINT)
+        os.killpg(first.pid, signal.SIGCONT)
         stdout, stderr = first.communicate(timeout=300)
         assert first.returncode == 130, stdout[-2000:] + stderr[-3000:]
         assert "Traceback" not in stdout + stderr and "the pipeline run failed" not in stdout + stderr
         last = stderr.strip().splitlines()[-1]
-        # the iteration is short: it may have committed by the time the signal arrived
-        assert re.match(r"rlhf: interrupted; run r keeps [01] committed iteration\(s\)( and iteration [01]'s "
-                        r"finished stages \([a-z_, ]+\))?; continue with: rlhf run ", last), last
+        assert re.match(r"rlhf: interrupted; run r keeps 0 committed iteration\(s\) and iteration 0's "
+                        r"finished stages \(rollout, reward[a-z_, ]*\); continue with: rlhf run ", last), last
+        assert _gone(started) == []
         command = last.split("continue with: ", 1)[1]
         argv = shlex.split(command)
         assert argv[:6] == ["rlhf", "run", "--run-id", "r", "--iterations", "2"], command

@@ -98,3 +98,27 @@ def test_ray_init_does_not_take_the_callers_sigterm_handler_away():
         assert signal.getsignal(signal.SIGTERM) is rays
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_sigterm_that_code_under_the_run_turned_into_a_keyboard_interrupt_still_exits_143(tmp_path, monkeypatch,
+                                                                                             capsys):
+    """A library under the run (Ray's, for one) may catch the handler's ``Terminated`` and
+    raise a plain KeyboardInterrupt of its own: the run still says "terminated" and exits
+    143 (a direct run once came back with 130, Ctrl-C's code, on a loaded machine)."""
+    import os
+
+    from rlhf_core import cli
+    from rlhf_core.trainer import run as trainer_run
+
+    def a_library_that_rewraps(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)  # the handler raises in here, at once
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt() from None
+
+    monkeypatch.setattr(trainer_run, "run_direct", a_library_that_rewraps)
+    code = cli.main(["run", "--direct", "--iterations", "1", "--run-id", "r", "--store", f"file://{tmp_path}/s",
+                     f"trainer.output_dir={tmp_path / 'out'}"])
+    assert code == 143
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("rlhf: terminated; run r keeps 0 committed")
