@@ -100,13 +100,28 @@ def test_a_live_holder_slower_than_the_ttl_keeps_its_lease(run):
         keeper.close()
 
 
+class _Later:
+    """The ``time`` module as seen ``seconds`` later (for the lease module only)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def time(self) -> float:
+        return time.time() + self.seconds
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
 def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run, monkeypatch):
     monkeypatch.setattr(lease_module, "CLOCK_SKEW_MARGIN_S", 0.0)  # the margin has its own test below
     dead = LeaseLog(run, 0, ttl_s=900).acquire("local:another-host:4242")  # it never renews: that host is gone
     assert isinstance(dead, Lease)
     assert LeaseLog(run, 0, ttl_s=900).acquire("local:this-host-b:1") == "local:another-host:4242"  # fresh: not yet
-    time.sleep(1.2)  # older than a 1 s TTL from now on (ages only grow)
-    outcome = race(run, ["kfp:a/run-iteration", "kfp:b/run-iteration"], ttl_s=1.0)
+    # the contenders come 1000 s later (their clock, not a sleep): the dead record is past
+    # the TTL, and the winner's own record is fresh for every contender
+    monkeypatch.setattr(lease_module, "time", _Later(1000.0))
+    outcome = race(run, ["kfp:a/run-iteration", "kfp:b/run-iteration"], ttl_s=900)
     assert sorted(outcome.values())[0] in ("already committed", "committed") and \
         list(outcome.values()).count("committed") == 1, outcome
     assert committed(run)["token"] > dead.token
@@ -267,10 +282,11 @@ def test_only_a_process_that_can_see_the_holder_declares_it_dead(tmp_path):
 class _Contended:
     """A KFP client whose every run finds iteration 0 taken by another live controller
     (it wins the race between the driver's look and the run's start), which commits a
-    moment later; the run itself ends SUCCEEDED having done nothing (the component's -1)."""
+    once the driver has said who runs it (``said``); the run itself ends SUCCEEDED having
+    done nothing (the component's -1)."""
 
     def __init__(self, run) -> None:
-        self.run, self.submitted = run, []
+        self.run, self.submitted, self.said = run, [], threading.Event()
 
     def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
         from types import SimpleNamespace
@@ -281,7 +297,7 @@ class _Contended:
             other = log.acquire("kfp:other/run-iteration")
 
             def commit_later():
-                time.sleep(1.0)
+                self.said.wait(timeout=300)
                 sfs.put_create_only(self.run.child("iter-000000", "MANIFEST.json"), b"{}")
                 log.release(other)
 
@@ -303,8 +319,14 @@ def test_a_run_that_found_its_iteration_held_is_not_a_failed_attempt(tmp_path):
     store = f"file://{tmp_path / 'store'}"
     client = _Contended(sfs.resolve(str(tmp_path / "store" / "r")))
     lines = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if "kfp:other/run-iteration runs the iteration" in line:
+            client.said.set()
+
     outcome = drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=1, max_retries=0,
-                                 poll_s=0.1), "", "e", log=lines.append)
+                                 poll_s=0.1), "", "e", log=log)
     assert outcome.committed == [0] and outcome.reason == "1 of 1 iterations committed", lines
     assert len(client.submitted) == 1 and any("kfp:other/run-iteration runs the iteration" in line for line in lines)
 

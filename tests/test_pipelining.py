@@ -70,18 +70,18 @@ def test_a_run_started_ahead_waits_for_the_commit_made_meanwhile(tmp_path):
     waited: dict = {}
 
     def follower():
-        t0 = time.monotonic()
         waited["ok"] = wait_for_commit(istore, 0, log=lambda *a: None, grace_s=0.2)
-        waited["s"] = time.monotonic() - t0
+        waited["returned"] = time.monotonic()
 
     thread = threading.Thread(target=follower)
     thread.start()
     time.sleep(0.6)  # longer than the grace: a live holder is waited for, however long
     assert thread.is_alive()
+    committing = time.monotonic()
     istore.commit_iteration(0, {"checkpoint": "x", "metrics": {}})
     keeper.close()
-    thread.join(10)
-    assert waited["ok"] is True and waited["s"] >= 0.6
+    thread.join(120)
+    assert waited["ok"] is True and waited["returned"] >= committing  # it returned for the commit, not before
 
 
 def test_a_run_started_ahead_of_an_iteration_nobody_runs_gives_up_after_the_grace(tmp_path):
@@ -90,7 +90,7 @@ def test_a_run_started_ahead_of_an_iteration_nobody_runs_gives_up_after_the_grac
     keeper.close()  # its controller ended without committing (it failed)
     t0 = time.monotonic()
     assert wait_for_commit(istore, 0, log=lambda *a: None, grace_s=0.3) is False
-    assert 0.3 <= time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 >= 0.3  # it gave the iteration its grace (and then gave up: it returned)
 
 
 def test_the_driver_pipelines_only_when_the_count_alone_ends_the_run():
