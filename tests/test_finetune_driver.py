@@ -135,6 +135,26 @@ def test_a_killed_driver_started_again_continues_from_the_committed_iteration(pl
     stop_session(place, "killed")
 
 
+def _frozen_in_session(sid: int, leader, timeout_s: float = 600) -> list:
+    """The processes of session ``sid`` stopped at their freeze point (``RLHF_FREEZE_AT``),
+    once there is one; fails if ``leader`` ends first."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while leader.poll() is None and time.monotonic() < deadline:
+        stopped = []
+        for proc in psutil.process_iter():
+            try:
+                if os.getsid(proc.pid) == sid and proc.status() == psutil.STATUS_STOPPED:
+                    stopped.append(proc)
+            except (OSError, psutil.Error):
+                continue
+        if stopped:
+            return stopped
+        time.sleep(0.2)
+    raise AssertionError(f"nothing of session {sid} reached its freeze point (leader exit code {leader.poll()})")
+
+
 def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_running(place):
     """The driver's pod dies, its child pipeline run does not: the driver started again
     (its pod retried) has lease holders of its own, so it cannot take over the live
@@ -144,19 +164,29 @@ def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_run
     argv = [sys.executable, "-m", "pipelines.local_finetune", "--run-id", "orphan", "--store", store,
             "--head-root", str(place / "head"), "--root", str(place / "kfp-orphan"), "--iterations", "2",
             *SMALL, f"trainer.output_dir={place / 'out'}"]
-    first = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    # the child run's controller stops itself once iteration 0's rollout is committed: it
+    # holds the lease, alive, until the second driver has said it waits for it. (The first
+    # driver submits one run at a time: pipelined, it would have submitted iteration 1's
+    # run ahead by then, and the second driver would have nothing left to run itself.)
+    first = subprocess.Popen([*argv[:3], "--no-pipelining", *argv[3:]], cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "RLHF_FREEZE_AT": "snapshot:*/iter-000000/rollout"})
     leases = place / "store" / "orphan" / "leases"
     try:
-        deadline = time.monotonic() + 600
-        while not list(leases.glob("iter-000000/*.json")):
-            assert time.monotonic() < deadline and first.poll() is None
-            time.sleep(0.2)
+        frozen = _frozen_in_session(first.pid, first)
         os.kill(first.pid, signal.SIGKILL)  # the driver only: its child run goes on
         first.wait()
-        second = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
-        assert "iteration 0 is being run by driver:orphan/" in second.stdout
+        second = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        said = []
+        for line in second.stdout:
+            said.append(line)
+            if "iteration 0 is being run by driver:orphan/" in line:
+                break
+        for proc in frozen:
+            proc.resume()
+        rest, _ = second.communicate(timeout=900)
+        output = "".join(said) + rest
+        assert second.returncode == 0, output[-5000:]
+        assert "iteration 0 is being run by driver:orphan/" in output
         assert IterationStore(store, "orphan").committed_iterations() == [0, 1]
         for iteration in (0, 1):
             records = [json.loads(p.read_text()) for p in sorted(leases.glob(f"iter-{iteration:06d}/*.json"))]
