@@ -23,7 +23,8 @@ def exit_without_teardown() -> None:
     with ``os._exit(0)`` instead of tearing the interpreter down: with torch, tensordict
     and ray loaded that teardown takes 1-1.5 s of every pipeline run on 2 cores. If the
     file was not written (the executor failed after the component returned), the normal
-    exit runs, with its exit status. Call it last in a component body."""
+    exit runs, with its exit status. It acts only at exit, so a component body may call it
+    anywhere (before it sets its outputs too)."""
     import atexit
     import logging
     import sys

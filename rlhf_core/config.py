@@ -21,13 +21,12 @@ from typing import Any
 
 
 def _f(default, help: str, *, choices: tuple | None = None, registry: str | None = None, ge=None, gt=None,
-       le=None, lt=None, hashed: bool | str = True, checkpoint: bool = False, **kw):
+       le=None, lt=None, hashed: bool = True, checkpoint: bool = False, **kw):
     """A field with its documentation, valid values and class attached: ``rlhf config``
     shows the help (``field_help``: with the choices, or the names registered in
     ``rlhf_core.algorithms.<registry>``); ``RunConfig.validate`` checks choices, registry
     and bounds. ``hashed=False``: the field changes how a run is shown, stored or placed,
-    never what it trains (left out of ``config_hash``). ``hashed=IF_SET``: a field added
-    after runs were recorded, hashed only away from its default (so their hash stays). ``checkpoint=True``: a checkpoint's
+    never what it trains (left out of ``config_hash``). ``checkpoint=True``: a checkpoint's
     tensors depend on it (a replay cannot change it)."""
     meta = {"help": help, "choices": choices, "registry": registry, "ge": ge, "gt": gt, "le": le, "lt": lt,
             "hashed": hashed, "checkpoint": checkpoint}
@@ -36,7 +35,6 @@ def _f(default, help: str, *, choices: tuple | None = None, registry: str | None
     return field(default=default, metadata=meta, **kw)
 
 
-IF_SET = "if-set"
 POSITIVE = {"gt": 0}
 NON_NEGATIVE = {"ge": 0}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -75,7 +73,7 @@ class DataConfig:
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
     filter_overlong_prompts: bool = _f(False, "drop the prompts longer than max_prompt_length (after the chat "
                                        "template) when the dataset loads, as verl does; data.truncation then never "
-                                       "applies", hashed=IF_SET)
+                                       "applies")
     val_files: str = _f("", "validation prompts (verl's data.val_files; the same formats as train_files): "
                         "generated (rollout.val_kwargs) and scored by the run's reward every trainer.test_freq "
                         "iterations; empty: no validation", hashed=False)
@@ -195,8 +193,8 @@ class CustomRewardFunctionConfig:
     trusted code of the run's owner, like ``reward.function``; it replaces it when set."""
 
     path: str = _f("", "a .py file defining the reward function (verl's signature); empty: reward.function "
-                   "scores", hashed=IF_SET)
-    name: str = _f("compute_score", "the function's name in that file", hashed=IF_SET)
+                   "scores")
+    name: str = _f("compute_score", "the function's name in that file")
 
 
 @dataclass
@@ -243,7 +241,7 @@ class TrainerConfig:
                            **NON_NEGATIVE)
     critic_warmup: int = _f(0, "verl's critic warmup: the actor updates from iteration critic_warmup on, counted "
                             "from 1 as verl does (so N-1 critic-only iterations first; 0 and 1: none)",
-                            hashed=IF_SET, **NON_NEGATIVE)
+                            **NON_NEGATIVE)
     project_name: str | None = _f(None, "the MLflow experiment (None: $RLHF_MLFLOW_EXPERIMENT, else rlhf)",
                                   hashed=False)
     experiment_name: str | None = _f(None, "the MLflow run's name (None: the run id)", hashed=False)
@@ -367,9 +365,7 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
-        unset = [path for path, f in _leaf_paths(self).items()
-                 if f.metadata.get("hashed") == IF_SET and _get(self, path) == f.default]
-        for path in fields_where(lambda meta: not meta["hashed"]) + unset:
+        for path in fields_where(lambda meta: not meta["hashed"]):
             *parents, key = path.split(".")
             chain = [data]
             for part in parents:

@@ -61,7 +61,7 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
         raise ExportError(f"{uri}: no committed record names this checkpoint ({record} names {named or 'none'}); "
                           f"only the checkpoint a record commits is exported")
     if not checksums:
-        raise ExportError(f"{uri}: no committed checksums in {record} (written before they were recorded); a "
+        raise ExportError(f"{uri}: no committed checksums in {record}; a "
                           f"checkpoint is read only from files whose sha256 its record lists")
     return checksums
 

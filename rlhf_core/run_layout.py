@@ -12,7 +12,6 @@
 Every checkpoint write goes to a fresh prefix (its attempt id), so no writer overwrites a
 committed checkpoint: the manifest that commits an iteration names the one it wrote (its
 ``weights.checkpoint``), and readers use that URI, never one recomputed from the step.
-Runs written before attempt ids have ``step-{S:06d}`` folders; their manifests name them.
 
 An iteration exists once its MANIFEST.json does; everything else under it is either a
 finished stage (committed snapshot) of an interrupted iteration, or garbage of a writer

@@ -95,35 +95,13 @@ def test_controllers_starting_a_run_at_once_agree_on_its_initial_checkpoint(tmp_
     assert third.loaded == [(record["checkpoint"], record["checkpoint_sha256"])]
 
 
-def test_runs_written_before_attempt_ids_still_read(tmp_path):
-    """A run from before: fixed ``step-N`` folders, no INITIAL.json, a manifest without
-    ``weights`` and one with. Readers find each checkpoint where its record says, and a
-    controller continuing the run writes its next checkpoint under a prefix of its own."""
-    istore = IterationStore(f"file://{tmp_path}/store", "old")
-    written = {step: sfs.write_durably(istore.legacy_checkpoint_uri(step), {"trainer_state.json": b"{}"})
-               for step in (0, 1)}
-    istore.commit_iteration(0, {"config": {}, "global_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1),
-                                "checkpoint_sha256": written[1]})
-    istore.commit_iteration(1, {"config": {}, "global_step": 2, "checkpoint": istore.legacy_checkpoint_uri(2),
-                                "weights": {"checkpoint_step": 1, "checkpoint": istore.legacy_checkpoint_uri(1),
-                                            "redo": [1]}})
-    assert weights_checkpoint(istore, 0) == istore.legacy_checkpoint_uri(0)
-    assert weights_checkpoint(istore, 1) == weights_checkpoint(istore, 2) == istore.legacy_checkpoint_uri(1)
-    workers = StandInWorkers(b"D")
-    restore_or_init(workers, istore, TrainerState(global_step=1), RunConfig(), None)
-    assert workers.loaded == [(istore.legacy_checkpoint_uri(1), written[1])]  # checked against its manifest
-    trainer = SimpleNamespace(state=TrainerState(global_step=3), adopted=[])
-    commit(RunConfig(), workers, istore, trainer, 2, {}, {}, IterationCommit())
-    newest = istore.read_manifest(2)["checkpoint"]
-    assert newest.startswith(f"{istore.run_uri}/checkpoints/step-000003-") and weights_checkpoint(istore, 3) == newest
-
-
 def test_a_run_at_step_0_records_a_new_initial_checkpoint_rather_than_load_one_unchecked(tmp_path):
-    """A run from before INITIAL.json, still at step 0: its step-000000 has no record of
-    its checksums, so it is not loaded; the controller writes the initial checkpoint under
-    a prefix of its own and records it, checksums included, as the run's one step-0 record."""
+    """A run still at step 0 with a step-0 folder no INITIAL.json names (its writer died
+    before recording it): nothing records its checksums, so it is not loaded; the
+    controller writes the initial checkpoint under a prefix of its own and records it,
+    checksums included, as the run's one step-0 record."""
     istore = IterationStore(f"file://{tmp_path}/store", "old")
-    sfs.write_durably(istore.legacy_checkpoint_uri(0), {"trainer_state.json": b"{}"})
+    sfs.write_durably(f"{istore.run_uri}/checkpoints/step-000000", {"trainer_state.json": b"{}"})
     workers = StandInWorkers(b"E")
     restore_or_init(workers, istore, TrainerState(), RunConfig(), None)
     assert workers.loaded == []

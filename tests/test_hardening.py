@@ -208,7 +208,8 @@ def test_lineage_stops_on_a_cycle(tmp_path):
         (run / f"iter-{n:06d}" / "MANIFEST.json").write_text(json.dumps({
             "format": "rlhf.iteration", "schema_version": 1, "parent_iteration": parent, "config_hash": "h",
             "code_version": {}, "data_cursor": {}, "checkpoint": "", "global_step": n + 1, "kl_coef": 0,
-            "metrics": {}, "config": {}, "snapshots": {}}))
+            "metrics": {}, "config": {}, "snapshots": {},
+            "weights": {"checkpoint": "", "checkpoint_step": 0, "redo": list(range(n + 1))}}))
     with pytest.raises(LineageError, match="iteration 1 names 1 as its parent"):
         chain(f"file://{run}/iter-000001")
 

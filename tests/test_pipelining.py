@@ -14,6 +14,9 @@ from rlhf_core.trainer.lease import IterationLeases, LeaseLog
 from rlhf_core.trainer.restore import announced_weights_checkpoint, checkpoint_plan
 from rlhf_core.trainer.run import IterationCommit
 
+#: what a manifest that wrote checkpoint "x" says of its weights
+OWN_CHECKPOINT = {"checkpoint": "x", "weights": {"checkpoint": "x", "checkpoint_step": 1, "redo": []}}
+
 
 def _istore(tmp_path, run_id="r"):
     return IterationStore(f"file://{tmp_path}/store", run_id)
@@ -78,7 +81,7 @@ def test_a_run_started_ahead_waits_for_the_commit_made_meanwhile(tmp_path):
     time.sleep(0.6)  # longer than the grace: a live holder is waited for, however long
     assert thread.is_alive()
     committing = time.monotonic()
-    istore.commit_iteration(0, {"checkpoint": "x", "metrics": {}})
+    istore.commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {}})
     keeper.close()
     thread.join(120)
     assert waited["ok"] is True and waited["returned"] >= committing  # it returned for the commit, not before

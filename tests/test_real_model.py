@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import LastBatch
 import torch
 
 from rlhf_core.config import RunConfig, apply_overrides
@@ -139,9 +141,9 @@ def test_grpo_through_vllm_on_the_folder_then_export_loads_in_transformers_and_v
     # so without the entropy term every advantage is 0 and nothing would move
     workers = WorkerSet.build(cfg)
     try:
-        trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState()))
+        trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState()), stage_store=LastBatch())
         metrics = [trainer.run_iteration() for _ in range(2)]
-        batch = trainer.last_batch
+        batch = trainer.stage_store.batch
         uri = f"file://{tmp_path}/ckpt"
         checksums = save_checkpoint(workers, trainer.state, cfg, uri)  # no run: its commit would record these
         probe = batch.select(["input_ids", "attention_mask", "position_ids", "responses"], [])

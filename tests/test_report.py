@@ -11,6 +11,9 @@ from rlhf_core.trainer.iteration_store import IterationStore
 from rlhf_core.trainer.progress import ProgressLine
 from rlhf_core.trainer.report import markdown_report
 
+#: what a manifest that wrote checkpoint "x" says of its weights
+OWN_CHECKPOINT = {"checkpoint": "x", "weights": {"checkpoint": "x", "checkpoint_step": 1, "redo": []}}
+
 
 class FakeClock:
     def __init__(self) -> None:
@@ -58,7 +61,7 @@ def test_report_shows_best_and_worst_responses_and_renders(tmp_path):
     store = f"file://{tmp_path}/store"
     istore = IterationStore(store, "run-r")
     istore.save(0, "reward", _reward_stage())
-    istore.commit_iteration(0, {"checkpoint": "x", "metrics": {"critic/score/mean": 0.59, "actor/entropy": 1.5}})
+    istore.commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {"critic/score/mean": 0.59, "actor/entropy": 1.5}})
     text = markdown_report(store, "run-r")
     html = MarkdownIt("commonmark").enable("table").render(text)
     assert "<img" in html and "data:image/png;base64," in html  # the reward curve
@@ -73,7 +76,7 @@ def test_report_shows_best_and_worst_responses_and_renders(tmp_path):
 
 def test_report_without_a_reward_snapshot_has_no_sample_table(tmp_path):
     store = f"file://{tmp_path}/store"
-    IterationStore(store, "run-s").commit_iteration(0, {"checkpoint": "x", "metrics": {"critic/score/mean": 0.1}})
+    IterationStore(store, "run-s").commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {"critic/score/mean": 0.1}})
     text = markdown_report(store, "run-s")
     assert "reward curve" in text and "Sampled responses" not in text
 
@@ -104,7 +107,7 @@ def test_the_per_run_report_draws_its_curve_without_matplotlib(tmp_path):
         metrics = {"critic/score/mean": reward, "critic/reward_extra/exact/mean": reward / 2}
         if n == 2:
             metrics["val-core/digits/reward/mean@1"] = 0.3
-        istore.commit_iteration(n, {"checkpoint": "x", "metrics": metrics})
+        istore.commit_iteration(n, {**OWN_CHECKPOINT, "metrics": metrics})
     code = ("import sys; from rlhf_core.trainer.report import markdown_report; "
             f"text = markdown_report({store!r}, 'run-v'); print(text); "
             "print('MATPLOTLIB', 'matplotlib' in sys.modules)")

@@ -33,19 +33,34 @@ def _batch(seed: int, n: int = 6) -> DataProto:
                                {"uid": object_column([f"u{i}" for i in range(n)])}, {"global_step": seed})
 
 
-def _iteration(istore: IterationStore, it: int, commit: bool = True) -> None:
+def _iteration(istore: IterationStore, it: int, commit: bool = True) -> str:
+    """Iteration ``it``'s stages and the checkpoint after it (each under its own prefix, as
+    controllers write them); committed unless ``commit`` is false. Returns the checkpoint."""
     batch = _batch(it)
     for stage in STAGES:
         batch.batch[f"{stage}_out"] = torch.full((len(batch), 4), float(it))
         istore.save(it, stage, batch)
     istore.flush()
-    # the fixed step-N folders and manifests without "weights" of runs written before attempt ids
-    ckpt = sfs.resolve(istore.legacy_checkpoint_uri(it + 1), istore.storage_options)
+    ckpt = sfs.resolve(istore.new_checkpoint_uri(it + 1), istore.storage_options)
     sfs.write_durably(ckpt.uri, {"actor_model.safetensors": b"w" * 1000, "trainer_state.json": b"{}"},
                       istore.storage_options)
     if commit:
-        cfg = RunConfig()
-        istore.commit_iteration(it, {"config": cfg.to_dict(), "checkpoint": ckpt.uri, "global_step": it + 1})
+        istore.commit_iteration(it, _manifest(ckpt.uri, it + 1))
+    return ckpt.uri
+
+
+def _manifest(checkpoint: str, step: int) -> dict:
+    """What a controller commits for the iteration that wrote ``checkpoint`` (step ``step``)."""
+    return {"config": RunConfig().to_dict(), "checkpoint": checkpoint, "global_step": step,
+            "weights": {"checkpoint": checkpoint, "checkpoint_step": step, "redo": []}}
+
+
+def _unattempted(rel: str) -> str:
+    """``checkpoints/step-000003-<attempt>`` as ``checkpoints/step-000003``."""
+    parts = rel.split("/")
+    if parts[0] == "checkpoints":
+        parts[1] = parts[1][:len("step-000000")]
+    return "/".join(parts)
 
 
 def later() -> dict:
@@ -102,7 +117,7 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
 
     policy = RetentionPolicy(keep_checkpoints=2, keep_snapshots=2, keep_snapshots_every=3)
     dry = collect(istore.run_uri, policy, dry_run=True, storage_options=opts, **later())
-    rel = sorted(u[len(istore.run_uri) + 1:] for u in dry.all())
+    rel = sorted(_unattempted(u[len(istore.run_uri) + 1:]) for u in dry.all())
     assert rel == sorted([*(f"checkpoints/step-{s:06d}" for s in (1, 2, 3, 4)),
                           *(f"iter-{i:06d}/{s}" for i in (1, 2) for s in STAGES),
                           "leases/iter-000002"]), rel
@@ -122,7 +137,8 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
             load_snapshot(fresh.stage_uri(it, "rollout"), storage_options=opts)
     if hasattr(fresh.run.fs, "invalidate_cache"):
         fresh.run.fs.invalidate_cache()
-    steps = sorted({p[len(fresh.run.path):].split("/")[2] for p in fresh.run.fs.find(fresh.run.child("checkpoints").path)})
+    steps = sorted({p[len(fresh.run.path):].split("/")[2][:len("step-000000")]
+                    for p in fresh.run.fs.find(fresh.run.child("checkpoints").path)})
     # the last 2 of the committed steps (the newest, 6, is what resume loads) and the live
     # controller's step 7, which no committed iteration produced yet
     assert steps == ["step-000005", "step-000006", "step-000007"]
@@ -207,7 +223,8 @@ def test_gc_racing_a_writer_never_removes_what_it_commits(run_store, monkeypatch
     for it in (6, 7):
         for stage in STAGES:
             verify_snapshot(fresh.stage_uri(it, stage), storage_options=opts)
-    assert sfs.read_bytes(sfs.resolve(f"{fresh.legacy_checkpoint_uri(8)}/trainer_state.json", opts)) is not None
+    newest = fresh.read_manifest(7)["checkpoint"]
+    assert sfs.read_bytes(sfs.resolve(f"{newest}/trainer_state.json", opts)) is not None
 
 
 def test_a_checkpoint_committed_while_gc_plans_is_kept_and_so_is_its_lease_log(tmp_path, monkeypatch):
@@ -221,15 +238,14 @@ def test_a_checkpoint_committed_while_gc_plans_is_kept_and_so_is_its_lease_log(t
     LeaseLog(istore.run, 0, ttl_s=900).acquire("still-releasing")  # committed, not yet released
     log = LeaseLog(istore.run, 1, ttl_s=900)
     lease = log.acquire("controller")
-    _iteration(istore, 1, commit=False)
-    checkpoint = istore.legacy_checkpoint_uri(2)
+    checkpoint = _iteration(istore, 1, commit=False)
     original, reads = IterationStore.committed_iterations, []
 
     def committed_then_the_writer_commits(self):
         seen = original(self)
         if not reads:
             reads.append(seen)
-            istore.commit_iteration(1, {"config": RunConfig().to_dict(), "checkpoint": checkpoint, "global_step": 2})
+            istore.commit_iteration(1, _manifest(checkpoint, 2))
             log.release(lease)
         return seen
 

@@ -84,9 +84,9 @@ def test_dcp_metadata_is_unpickled_with_its_own_classes_only(stored, tmp_path):
 
 def test_the_initial_checkpoint_is_loaded_only_against_the_checksums_of_its_record(stored, tmp_path):
     """The step-0 checkpoint's one record is the run's INITIAL.json: its checksums are
-    those of the folder it names, and they are what a load of step 0 checks. A run whose
-    step-000000 predates that record (no checksums) has it refused, in one line, before
-    anything of it is unpickled."""
+    those of the folder it names, and they are what a load of step 0 checks. A step-0
+    folder no record names (no checksums) is refused, in one line, before anything of it
+    is unpickled."""
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.restore import committed_checksums
     from rlhf_core.workers.checked_load import CheckpointRefusedError
@@ -99,18 +99,18 @@ def test_the_initial_checkpoint_is_loaded_only_against_the_checksums_of_its_reco
     assert not list(run.glob("checkpoints/*/CHECKSUMS.json")), "one step-0 record: INITIAL.json"
     assert committed_checksums(IterationStore(f"file://{stored / 'store'}", "run"), 0) == record["checkpoint_sha256"]
 
-    # the same run as written before INITIAL.json: step-000000, no record of its checksums
+    # the same run with its step-0 folder but no INITIAL.json: nothing records its checksums
     marker = tmp_path / "created"
     uri = copy_with(stored, tmp_path, {f"{named(run, 0)}/actor/.metadata": pickle.dumps(CreatesAFile(marker))})
     old = tmp_path / "store/run/checkpoints"
     (old / named(run, 0).split("/")[1]).rename(old / "step-000000")
     (old / "INITIAL.json").unlink()
-    with pytest.raises(CheckpointRefusedError, match=r"step-000000: no committed checksums"):
+    with pytest.raises(CheckpointRefusedError, match=r"INITIAL.json: no committed checksums"):
         committed_checksums(IterationStore(uri.rsplit("/", 1)[0], "run"), 0)
     with pytest.raises(SystemExit) as exc:
         main(["replay", f"{uri}/iter-000000/update_actor"])
     assert not marker.exists(), "replay unpickled a step-0 checkpoint no record lists the checksums of"
-    assert "step-000000: no committed checksums" in one_line_refusal(exc)
+    assert "INITIAL.json: no committed checksums" in one_line_refusal(exc)
 
 
 def test_export_of_a_checkpoint_changed_after_its_commit_runs_nothing(stored, tmp_path):

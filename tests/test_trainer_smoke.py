@@ -8,6 +8,8 @@ import math
 import os
 
 import pytest
+
+from helpers import LastBatch
 import torch
 
 from rlhf_core.config import RunConfig, apply_overrides
@@ -42,7 +44,7 @@ def run_iterations(overrides, iterations=2, after=None):
                           cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed)
     workers = WorkerSet.build(cfg)
     try:
-        trainer = PPOTrainer(cfg, workers, loader)
+        trainer = PPOTrainer(cfg, workers, loader, stage_store=LastBatch())
         metrics = [trainer.run_iteration() for _ in range(iterations)]
         if after is not None:
             after(cfg, trainer, workers)
@@ -97,7 +99,7 @@ def checkpoint_roundtrip(tmp_path):
 
     def check(cfg, trainer, workers):
         uri = "file://" + str(tmp_path / "ckpt")
-        probe = trainer.last_batch.select(SEQUENCE_KEYS, [])
+        probe = trainer.stage_store.batch.select(SEQUENCE_KEYS, [])
         before = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
         digests = save_checkpoint(workers, trainer.state, cfg, uri)
         trainer.run_iteration()
@@ -121,7 +123,7 @@ def test_grpo_with_vllm(ray_local, tmp_path):
         assert not missing, missing
         check_metric_values(m)
         assert m["actor/kl_loss"] >= 0  # low_var_kl is non-negative
-    batch = trainer.last_batch
+    batch = trainer.stage_store.batch
     check_batch(cfg, batch)
     # GRPO: within a group the (per-sequence) advantages sum to ~0
     seq_adv = batch.batch["advantages"][:, 0].reshape(-1, cfg.rollout.n)
@@ -138,8 +140,8 @@ def test_ppo_gae_with_critic_and_hf_rollout(ray_local):
         assert not missing, missing
         check_metric_values(m, roles=("actor", "critic"))
         assert m["critic/vf_loss"] > 0
-    check_batch(cfg, trainer.last_batch)
-    assert "values" in trainer.last_batch.batch.keys()
+    check_batch(cfg, trainer.stage_store.batch)
+    assert "values" in trainer.stage_store.batch.batch.keys()
 
 
 def test_one_mini_batch_one_epoch_update_skips_the_old_log_prob_stage(ray_local):
@@ -153,7 +155,7 @@ def test_one_mini_batch_one_epoch_update_skips_the_old_log_prob_stage(ray_local)
         assert "timing_s/old_log_prob" not in m
         assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
         assert m["actor/entropy"] > 0 and m["actor/grad_norm"] > 0
-    assert "old_log_probs" not in trainer.last_batch.batch.keys()
+    assert "old_log_probs" not in trainer.stage_store.batch.batch.keys()
     # a KL penalty in the reward needs the old log-probs before the update: the stage
     # stays, or (bypass mode) the rollout's log-probs serve
     kl = apply_overrides(cfg, ["algorithm.use_kl_in_reward=true", RECOMPUTE]).validate()
@@ -175,24 +177,24 @@ def test_bypass_mode_trains_as_the_recomputed_old_log_probs_do(ray_local):
 
     def probe(name):
         def after(cfg, trainer, workers):
-            probes[name] = workers["actor"].compute_log_prob(trainer.last_batch.select(SEQUENCE_KEYS, []))
+            probes[name] = workers["actor"].compute_log_prob(trainer.stage_store.batch.select(SEQUENCE_KEYS, []))
         return after
 
     cfg, trainer, metrics = run_iterations(["rollout.name=hf"], after=probe("bypass"))
     assert cfg.old_log_prob_column == "rollout_log_probs"
     assert "old_log_prob" not in [s.name for s in stages.plan(cfg)]
-    assert "old_log_probs" not in trainer.last_batch.batch.keys()
+    assert "old_log_probs" not in trainer.stage_store.batch.batch.keys()
     for m in metrics:
         assert "timing_s/old_log_prob" not in m
         check_metric_values(m)
     _, recomputed, _ = run_iterations(["rollout.name=hf", RECOMPUTE], after=probe("recompute"))
-    assert torch.equal(trainer.last_batch.batch["responses"], recomputed.last_batch.batch["responses"])
-    mask = trainer.last_batch.batch["response_mask"] == 1
+    assert torch.equal(trainer.stage_store.batch.batch["responses"], recomputed.stage_store.batch.batch["responses"])
+    mask = trainer.stage_store.batch.batch["response_mask"] == 1
     after_bypass, after_recompute = probes["bypass"].batch["old_log_probs"], probes["recompute"].batch["old_log_probs"]
     # float rounding, which Adam's normalisation amplifies a little, against what one
     # iteration's update moves (the last batch was sampled before it)
     rounding = (after_bypass - after_recompute).abs()[mask].max().item()
-    moved = (after_bypass - trainer.last_batch.batch["rollout_log_probs"]).abs()[mask].max().item()
+    moved = (after_bypass - trainer.stage_store.batch.batch["rollout_log_probs"]).abs()[mask].max().item()
     assert rounding < 1e-3 and moved > 20 * rounding, (rounding, moved)
 
 
@@ -201,7 +203,7 @@ def test_remax_baseline_is_the_greedy_response_reward(ray_local):
     scores it; every row of the prompt carries that score, and the advantage is the
     return minus it."""
     cfg, trainer, _ = run_iterations(["algorithm.adv_estimator=remax", "rollout.name=hf"], iterations=1)
-    batch = trainer.last_batch
+    batch = trainer.stage_store.batch
     baselines = batch.batch["reward_baselines"]
     assert baselines.shape == (len(batch),)
     per_prompt = baselines.reshape(-1, cfg.rollout.n)

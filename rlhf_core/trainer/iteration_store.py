@@ -114,15 +114,9 @@ class IterationStore:
         names it, and readers take it from there (``restore.weights_checkpoint``)."""
         return f"{self.run.uri}/{checkpoint_dir(step, uuid.uuid4().hex[:12])}"
 
-    def legacy_checkpoint_uri(self, step: int) -> str:
-        """Where runs before attempt ids wrote step S's checkpoint; nothing writes there now."""
-        return f"{self.run.uri}/{checkpoint_dir(step)}"
-
     def initial_checkpoint(self) -> tuple[str, dict | None] | None:
         """(URI, {file: sha256}) of the step-0 checkpoint the run starts from, as
-        ``commit_initial_checkpoint`` recorded it; a run from before that record has its
-        ``step-000000`` folder (no checksums: it is loaded by nothing, and a run still at
-        step 0 writes and records a new one); None when there is neither yet. The record's
+        ``commit_initial_checkpoint`` recorded it; None before it is recorded. The record's
         checksums are the ones every load of the step-0 checkpoint checks its bytes against
         (``restore.committed_checksums``); a record that is not one is refused in one line."""
         loc = self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT)
@@ -141,9 +135,6 @@ class IterationStore:
                 raise CheckpointRefusedError(f"{loc.uri}: expected the run's initial-checkpoint record (checkpoint, "
                                              f"checkpoint_sha256); found something else")
             return body["checkpoint"], body["checkpoint_sha256"]
-        legacy = self.legacy_checkpoint_uri(0)
-        if sfs.read_bytes(sfs.resolve(f"{legacy}/{run_layout.TRAINER_STATE_FILE}", self.storage_options)) is not None:
-            return legacy, None
         return None
 
     def commit_initial_checkpoint(self, uri: str, checksums: dict) -> str:

@@ -137,7 +137,6 @@ class PPOTrainer:
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()
         self.state.kl_coef = self.kl_ctrl.value
-        self.last_batch = batch
         return self._metrics(batch, timing, time.perf_counter() - t_start)
 
     def _run_side_stages(self, iteration: int, timing: dict) -> dict:

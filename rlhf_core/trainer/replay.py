@@ -202,7 +202,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
                          kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
     end_ckpt = manifest["checkpoint"]
 
-    replayable = [stage.name for stage in stage_table.side_plan(cfg, n) + stage_table.plan(cfg) if stage.replayable]
+    replayable = [stage.name for stage in stage_table.side_plan(cfg, n) + stage_table.plan(cfg) if stage.persisted]
     wanted = stages or ([uri_stage] if uri_stage else replayable)
     for stage in wanted:  # before any worker is placed
         if stage not in replayable:

@@ -89,7 +89,7 @@ def committed_checksums(istore, step: int) -> dict:
     """{file: sha256} of the checkpoint after ``step`` iterations as its commit recorded
     it: the manifest of iteration ``step - 1`` (which wrote it), or for step 0 the run's
     INITIAL.json (``IterationStore.initial_checkpoint``). A checkpoint whose record has no
-    checksums (written before they were recorded) or that no record names is refused."""
+    checksums or that no record names is refused."""
     from rlhf_core.workers.checked_load import CheckpointRefusedError
 
     if step == 0:
@@ -99,9 +99,8 @@ def committed_checksums(istore, step: int) -> dict:
         manifest = istore.read_manifest(step - 1)
         uri, checksums = manifest.get("checkpoint"), manifest.get("checkpoint_sha256")
     if not checksums:
-        raise CheckpointRefusedError(f"{uri}: no committed checksums (written before they were recorded, or never "
-                                     f"committed); a checkpoint is loaded only from files whose sha256 its record "
-                                     f"lists")
+        raise CheckpointRefusedError(f"{uri}: no committed checksums (the checkpoint was never committed); a "
+                                     f"checkpoint is loaded only from files whose sha256 its record lists")
     return checksums
 
 
@@ -117,9 +116,7 @@ def weights_plan(istore, step: int) -> tuple[int, list[int]]:
     manifest of iteration ``step - 1`` recorded it."""
     if step == 0:
         return 0, []
-    weights = istore.read_manifest(step - 1).get("weights")
-    if weights is None:  # written before checkpoints could be skipped: one per iteration
-        return step, []
+    weights = istore.read_manifest(step - 1)["weights"]
     return int(weights["checkpoint_step"]), [int(i) for i in weights["redo"]]
 
 
@@ -131,14 +128,7 @@ def weights_checkpoint(istore, step: int) -> str | None:
     if step == 0:
         initial = istore.initial_checkpoint()
         return initial[0] if initial else None
-    manifest = istore.read_manifest(step - 1)
-    weights = manifest.get("weights")
-    if weights is None:  # written before checkpoints could be skipped: its own, one per iteration
-        return manifest["checkpoint"]
-    if weights.get("checkpoint"):
-        return weights["checkpoint"]
-    start = int(weights["checkpoint_step"])
-    return weights_checkpoint(istore, 0) if start == 0 else istore.legacy_checkpoint_uri(start)
+    return istore.read_manifest(step - 1)["weights"]["checkpoint"]
 
 
 def checkpoint_plan(cfg: RunConfig, istore):
@@ -168,11 +158,8 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
     CPU bit-identical to having trained them; ``trainer`` runs the stages). Returns the
     iterations redone."""
     start, redo = weights_plan(istore, step)
-    uri = weights_checkpoint(istore, step)
-    if uri is None:
-        raise FileNotFoundError(f"run {istore.run_id}: no initial checkpoint is committed "
-                                f"({istore.run_uri}/checkpoints/INITIAL.json missing)")
-    workers.load_checkpoint(uri, expected=committed_checksums(istore, start))
+    expected = committed_checksums(istore, start)  # refused here when no record names it
+    workers.load_checkpoint(weights_checkpoint(istore, step), expected=expected)
     if redo and trainer is None:
         raise ValueError(f"step {step} is checkpoint step {start} plus a redo of iterations {redo}: pass the trainer")
     for iteration in redo:
@@ -203,10 +190,9 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
     if workers_at_step == state.global_step:
         return
     uri = weights_checkpoint(istore, state.global_step)
-    # at step 0 a run without a record of its initial checkpoint's checksums (none yet, or
-    # a run's step-000000 from before they were recorded) writes one under a fresh prefix
-    # and records it: no stage ran after it, and nothing loads a checkpoint unchecked
-    fresh = state.global_step == 0 and (istore.initial_checkpoint() or (None, None))[1] is None
+    # at step 0 a run without a record of its initial checkpoint writes one under a fresh
+    # prefix and records it (a folder no record names is never loaded: nothing is unchecked)
+    fresh = state.global_step == 0 and istore.initial_checkpoint() is None
     if not fresh and uri is not None and checkpoint_exists(uri):
         load_checkpoint(workers, istore, state.global_step, trainer)
     elif state.global_step == 0:  # a fresh prefix, then the record that makes it the run's

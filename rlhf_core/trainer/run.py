@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-import uuid
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable, Protocol
 
 from rlhf_core.config import RunConfig, describe
 from rlhf_core.ray_head import start_local_ray
+from rlhf_core.run_ids import new_run_id
 from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
@@ -125,15 +126,14 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     restore_or_init(workers, istore, state, cfg, attachment.workers_at_step if attachment else None, trainer)
     version = code_version()
     rows = []
-    train_start = trainer.started_at = time.monotonic()
-    this = IterationCommit()
-    trainer.on_updated = lambda: this.start_checkpoint(cfg, workers, istore, trainer.state.global_step + 1)
+    train_start = time.monotonic()
     try:
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for k in range(iterations):
                 iteration = trainer.state.global_step
                 this = IterationCommit(keeper=leases.for_iteration(iteration) if leases else None,
                                        force_checkpoint=checkpoint_last and k == iterations - 1)
+                trainer.on_updated = partial(this.start_checkpoint, cfg, workers, istore, iteration + 1)
                 try:
                     metrics = trainer.run_iteration()
                     t_commit = time.perf_counter()
@@ -250,7 +250,7 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     an iteration that was interrupted resumes at its first uncommitted stage.
     ``time_budget_s`` / ``stop_at_reward`` (mean of the last 5) stop early (benchmarks).
     """
-    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    run_id = run_id or new_run_id()
     istore, state = open_run(cfg, store, run_id, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -273,4 +273,4 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
             workers.kill()
     finally:
         leases.close()
-    return {**finish_outputs(cfg, run_dir, rows, istore, trainer), "started": trainer.started_at}
+    return finish_outputs(cfg, run_dir, rows, istore, trainer)

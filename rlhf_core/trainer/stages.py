@@ -2,12 +2,13 @@
 
 The iteration loop, computing ahead, the redo of updates on restore and replay all run
 stages through one loop (``PPOTrainer.run_stages``) over this table; resume (which stages
-are loaded, which re-run), the iteration manifest (which snapshots it lists) and the roles
-a run needs read it too. A stage's ``method`` is the ``PPOTrainer`` method that runs it.
+are loaded, which re-run), the iteration manifest (which snapshots it lists) and replay
+(which stages it can replay, whose weights a stateful one changes) read it too. A stage's
+``method`` names the ``PPOTrainer`` method that runs it.
 
     stateful   it changes worker state (weights, optimizer, engine): on resume it re-runs
                from the restored checkpoint instead of being loaded from its snapshot
-    persisted  its output batch is committed as a snapshot (and can be replayed)
+    persisted  its output batch is committed as a snapshot, so it can be replayed
     inference  it only reads worker state: the leading run of inference stages can be
                computed ahead (``prefetchable``) while no controller is attached
     side       its input and output are a batch of their own, not the iteration's (validation):
@@ -40,10 +41,6 @@ class Stage:
     due: Callable[[RunConfig, int], bool] | None = None  # side stages: the iterations that run it
 
     @property
-    def replayable(self) -> bool:
-        return self.persisted
-
-    @property
     def inference(self) -> bool:
         return not self.stateful and bool(self.roles)
 
@@ -69,7 +66,8 @@ SIDE_STAGES: tuple[Stage, ...] = (
 )
 
 BY_NAME = {stage.name: stage for stage in STAGES + SIDE_STAGES}
-#: The stage whose snapshot holds the decoded responses and their scores (the report's samples).
+#: The stage whose snapshot holds the decoded responses and their scores (the report's samples
+#: come from it).
 SCORED = BY_NAME["reward"].name
 
 
