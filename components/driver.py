@@ -26,6 +26,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from rlhf_core.trainer.progress import StopRule
+
 FINAL_STATES = {"SUCCEEDED", "FAILED", "CANCELED", "SKIPPED", "CANCELLED", "ERROR"}
 
 
@@ -48,6 +50,12 @@ class Plan:
     max_retries: int = 2
     poll_s: float = 5.0
     pipelined: bool = True  # start iteration n+1's run while n's runs (``pipelines_ahead`` says when)
+    prefetch_after_last: bool = False  # the session computes ahead after the last run too (it outlives the drive)
+
+    @property
+    def stop(self) -> StopRule:
+        """The targets that end the fine-tune before its count: the rule direct runs use too."""
+        return StopRule(self.budget_s, self.stop_at_reward, self.stop_at_val)
 
 
 @dataclass
@@ -57,11 +65,12 @@ class Outcome:
     runs: list[dict] = field(default_factory=list)   # iteration, attempt, kfp run id, state, seconds
 
 
-def _recent_reward(istore, committed: list[int]) -> float | None:
-    from rlhf_core.trainer.progress import REWARD_WINDOW, recent_mean
+def _recent_rewards(istore, committed: list[int]) -> list[float]:
+    """The rewards of the newest committed iterations, as many as the rule averages over."""
+    from rlhf_core.trainer.progress import REWARD_WINDOW
 
     rewards = [istore.read_manifest(n)["metrics"].get("critic/score/mean") for n in committed[-REWARD_WINDOW:]]
-    return recent_mean([r for r in rewards if r is not None])
+    return [r for r in rewards if r is not None]
 
 
 def _latest_validation(istore, committed: list[int]) -> float | None:
@@ -81,12 +90,13 @@ def pipelines_ahead(plan: Plan) -> bool:
     is met is known only once n has committed: a run started ahead would train one iteration
     too many) and the cluster outlives each iteration run (policy ``keep``: another policy
     deletes it at the end of n's run, under n+1)."""
-    return (plan.pipelined and plan.stop_at_reward is None and plan.stop_at_val is None and plan.budget_s is None
-            and plan.arguments.get("cluster_policy", "keep") == "keep")
+    return plan.pipelined and plan.stop.by_count_only and plan.arguments.get("cluster_policy", "keep") == "keep"
 
 
 def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopping=lambda: False,
-          service_account: str | None = None) -> Outcome:
+          service_account: str | None = None, on_commit=lambda iteration: None) -> Outcome:
+    """Drive ``plan`` to its end (see the module's docstring); ``on_commit(n)`` is called
+    once for each iteration committed while it drives, in order."""
     from rlhf_core.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
@@ -105,7 +115,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
         return Outcome(f"driven by {lease}", istore.committed_iterations())
     keeper = LeaseKeeper(lease_log, lease)
     start = time.monotonic()
-    first = len(istore.committed_iterations())
+    first = shown = len(istore.committed_iterations())
     target = plan.iterations if plan.iterations is not None else first + (plan.more or 0)
     ahead_ok = pipelines_ahead(plan)
     runs: list[dict] = []
@@ -121,7 +131,8 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
         # the checkpoint it starts from (none before the run's initial one is written),
         # imported by the run (KFP lineage links the runs); the session computes the next
         # iteration ahead unless this is the last one
-        params = {**plan.arguments, "lease_holder": holder, "parent_model": parent, "prefetch_next": n + 1 < target,
+        params = {**plan.arguments, "lease_holder": holder, "parent_model": parent,
+                  "prefetch_next": n + 1 < target or plan.prefetch_after_last,
                   **({"follows": follows} if follows >= 0 else {})}
         run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
                                   params=params, enable_caching=False, **kwargs)
@@ -163,20 +174,15 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                     del inflight[n]
                     reap(n, sub, state)
             committed = istore.committed_iterations()
-            reward = _recent_reward(istore, committed) if plan.stop_at_reward is not None else None
+            for k in committed[shown:]:
+                on_commit(k)
+            shown = len(committed)
+            rewards = _recent_rewards(istore, committed) if plan.stop_at_reward is not None else []
             val = _latest_validation(istore, committed) if plan.stop_at_val is not None else None
             if len(committed) >= target:
                 reason = f"{len(committed)} of {target} iterations committed"
-            elif reward is not None and reward >= plan.stop_at_reward:
-                reason = f"mean reward {reward:.3f} of the last iterations reached {plan.stop_at_reward}"
-            elif val is not None and val >= plan.stop_at_val:
-                reason = f"validation score {val:.3f} reached {plan.stop_at_val}"
-            elif plan.budget_s is not None and time.monotonic() - start >= plan.budget_s:
-                reason = f"wall-clock budget of {plan.budget_s:.0f}s spent"
-            elif stopping():
-                reason = "stopped"
             else:
-                reason = None
+                reason = plan.stop.reason(rewards, val, time.monotonic() - start) or ("stopped" if stopping() else None)
             if reason is not None and not inflight:  # (what is in flight ends first, as one run at a time did)
                 log(f"[driver] run {plan.run_id}: done ({reason})")
                 return Outcome(reason, committed, runs)

@@ -12,13 +12,17 @@ import os
 
 
 def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
-    """Each iteration as a Kubeflow pipeline run through the KFP local runner."""
+    """Each iteration as a Kubeflow pipeline run through the KFP local runner, scheduled by
+    the fine-tune driver (the one scheduler, as on a cluster) over the local stand-in of
+    the KFP API. One attempt per iteration (a failed run ends the command, with the command
+    that continues: its iteration resumes at the stage where it stopped)."""
+    from components.driver import DriveError, Plan, drive
     from rlhf_core import ray_head
     from rlhf_core.trainer.iteration_store import IterationStore
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.report import run_history, write_curve
 
-    from pipelines.local import NothingCommitted, PipelineRunFailed, run_local_iterations
+    from pipelines.local import LocalKfpStandIn, show_tail
 
     run_id = args.run_id
     root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
@@ -27,26 +31,41 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     # that died, is stopped at the end
     head, ours = ray_head.adopt_or_start(head_root, owner_pid=os.getpid())
     istore, progress = IterationStore(store, run_id), ProgressLine(iterations, started=args.started)
+    log_path = os.path.join(cfg.trainer.output_dir, run_id, "pipeline-runs.log")
 
-    def show(_k: int) -> None:  # the iteration the run just committed, from the store
-        committed = istore.committed_iterations()
-        if not committed:
-            return
-        manifest = istore.read_manifest(committed[-1])
-        line = progress.line(manifest["iteration"], manifest["metrics"]["critic/score/mean"])
+    def show(n: int) -> None:  # the iteration the driver saw committed, from the store
+        line = progress.line(n, istore.read_manifest(n)["metrics"]["critic/score/mean"])
         if cfg.trainer.progress:
             print(line, flush=True)
 
+    def driver_says(line: str) -> None:  # who runs an iteration this run waits for: the console; the rest: the log
+        if "is being run by" in line or "runs the iteration" in line:
+            print(line.replace("[driver]", "[rlhf]", 1), flush=True)
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(line + "\n")
+
+    os.makedirs(root, exist_ok=True)
+    standin = LocalKfpStandIn(head_root, root, log_path=log_path)
+    # the session computes ahead after the last run too only when it outlives this command
+    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": list(args.overrides)},
+                more=iterations, max_retries=0, poll_s=0.05, pipelined=getattr(args, "pipelined", True),
+                prefetch_after_last=not ours or bool(args.keep_session))
     try:
-        # the session computes ahead after the last run too only when it outlives this command
-        log_path = os.path.join(cfg.trainer.output_dir, run_id, "pipeline-runs.log")
         print(f"[rlhf] {iterations} iteration(s) of run {run_id}, each a pipeline run on the KFP local runner "
               f"(its output: {log_path})", flush=True)
-        run_local_iterations(run_id, store, args.overrides, head_root, iterations, root,
-                             prefetch_next=not ours or bool(args.keep_session), on_run=show, log_path=log_path,
-                             wait_if_held=True, pipelined=getattr(args, "pipelined", True))
-    except (NothingCommitted, PipelineRunFailed) as exc:
-        raise SystemExit(f"rlhf: {exc}") from None
+        try:
+            outcome = drive(standin, plan, "", "local", log=driver_says, on_commit=show)
+        except KeyboardInterrupt:
+            standin.close(wait=True)  # the runners had the signal too: let them end their components' writes
+            raise
+        finally:
+            standin.close()
+        if outcome.reason.startswith("driven by"):
+            raise SystemExit(f"rlhf: run {run_id} is {outcome.reason} (another `rlhf run` of it); nothing was "
+                             f"started: run again once it has ended")
+    except DriveError as exc:
+        show_tail(log_path)
+        raise SystemExit(f"rlhf: {exc}; see {log_path}") from None
     finally:
         if ours and not args.keep_session:
             ray_head.stop_head(head, head_root)

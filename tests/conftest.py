@@ -37,6 +37,7 @@ SLOW = (
     "test_pipeline.py::test_ctrl_c_in_the_first_iteration",
     "test_pipeline.py::test_sigterm_to_the_command_alone",
     "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused",
+    "test_pipeline.py::test_a_failed_pipeline_run_ends_rlhf_run",
     "test_hardening.py::test_a_real_head_is_recognized_stopped_and_cleaned",
     "test_hardening.py::test_a_run_adopts_the_head_of_a_dead_run_but_not_a_users_head",
     "test_hardening.py::test_no_raw_exception_escapes_a_command",
@@ -46,7 +47,8 @@ KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_
              "test_pipeline.py::test_a_pipeline_mode_run_killed_in_its_first_iteration",
              "test_pipeline.py::test_ctrl_c_in_the_first_iteration",
              "test_pipeline.py::test_sigterm_to_the_command_alone",
-             "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused")
+             "test_pipeline.py::test_a_parent_model_the_run_has_moved_past_is_refused",
+             "test_pipeline.py::test_a_failed_pipeline_run_ends_rlhf_run")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -173,7 +173,7 @@ def test_the_local_stand_in_checks_before_a_process_or_runner_starts(offline, tm
         stand_in.run_pipeline("e", "j", params={"run_id": "r", "store": BAD_STORE})
     assert stand_in.submitted == []
     with pytest.raises(StoreUriError, match="^store: "):
-        local.run_local_iterations("r", BAD_STORE, [], str(tmp_path / "head"), 1, str(tmp_path / "runs"))
+        local.run_one_iteration("r", BAD_STORE, [], str(tmp_path / "head"), str(tmp_path / "runs"))
     assert not (tmp_path / "runs").exists()  # refused before the runner made its folder
     for entry in (local.main, local_finetune.main):
         with pytest.raises(SystemExit) as exc:

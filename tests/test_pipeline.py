@@ -318,3 +318,34 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
             pass
         subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
                        capture_output=True, timeout=120)
+
+
+def test_a_failed_pipeline_run_ends_rlhf_run_in_one_line_and_the_same_command_resumes_it(tmp_path):
+    """rlhf run's pipeline runs are scheduled by the fine-tune driver with one attempt per
+    iteration: a run whose controller dies mid-iteration ends the command (exit code 1, one
+    line naming the iteration and the log, the log's end shown); the same command then
+    resumes the iteration at the stage where it stopped and commits it."""
+    env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "rlhf_core.cli", "run", "--iterations", "1", "--run-id", "r", *SMALL,
+            f"trainer.output_dir={out}"]
+    try:
+        failed = subprocess.run(argv, cwd=tmp_path, env={**env, "RLHF_KILL_AT": "stage:reward"}, capture_output=True,
+                                text=True, timeout=900)
+        assert failed.returncode == 1, failed.stdout[-2000:] + failed.stderr[-3000:]
+        last = failed.stderr.strip().splitlines()[-1]
+        assert re.match(r"rlhf: run r: iteration 0 failed 1 times \(max_retries=0\); see its runs: .*; see "
+                        rf"{re.escape(str(out))}/r/pipeline-runs.log$", last), last
+        assert "the end of" in failed.stderr and "Traceback" not in last
+        rollout = out / "store" / "r" / "iter-000000" / "rollout" / "SNAPSHOT.json"
+        assert rollout.exists() and not (out / "store" / "r" / "iter-000000" / "MANIFEST.json").exists()
+        again = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+        manifest = json.loads((out / "store" / "r" / "iter-000000" / "MANIFEST.json").read_text())
+        assert json.loads(rollout.read_text())["writer"]["pid"] != json.loads(
+            (out / "store" / "r" / "iter-000000" / "update_actor" / "SNAPSHOT.json").read_text())["writer"]["pid"]
+        assert manifest["iteration"] == 0  # resumed: the rollout the failed run committed was kept
+    finally:
+        subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
+                       capture_output=True, timeout=120)

@@ -4,6 +4,7 @@ reward, the pace and the time left. Direct runs and pipeline runs print the same
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 #: Iterations the "mean of the last N" rewards average over (progress, stopping rules).
 REWARD_WINDOW = 5
@@ -87,3 +88,33 @@ def validation_score(metrics: dict) -> float | None:
     validation in ``metrics``). What ``--stop-at-val`` compares."""
     core = [v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k]
     return sum(core) / len(core) if core else None
+
+
+@dataclass
+class StopRule:
+    """When a run ends before its count of iterations: the one rule of direct runs
+    (benchmarks) and of the fine-tune driver (``rlhf submit``, ``rlhf run``'s pipeline runs).
+    Each target is checked after a commit, against what the committed iterations say."""
+
+    time_budget_s: float | None = None    # seconds since the run (the driver) started
+    stop_at_reward: float | None = None   # mean critic/score/mean of the last REWARD_WINDOW iterations
+    stop_at_val: float | None = None      # the newest validation's score (``validation_score``)
+
+    @property
+    def by_count_only(self) -> bool:
+        """Whether nothing but the count ends the run (so an iteration may start before the
+        one before it has committed: no target can end the run in between)."""
+        return self.time_budget_s is None and self.stop_at_reward is None and self.stop_at_val is None
+
+    def reason(self, rewards: list[float], validation: float | None, elapsed_s: float) -> str | None:
+        """Why the run stops now, or None. ``rewards``: every committed iteration's
+        critic/score/mean in order (the mean is over the last REWARD_WINDOW, all of them
+        before there are that many); ``validation``: the newest validation's score."""
+        reward = recent_mean(rewards)
+        if self.stop_at_reward is not None and reward is not None and reward >= self.stop_at_reward:
+            return f"mean reward {reward:.3f} of the last iterations reached {self.stop_at_reward}"
+        if self.stop_at_val is not None and validation is not None and validation >= self.stop_at_val:
+            return f"validation score {validation:.3f} reached {self.stop_at_val}"
+        if self.time_budget_s is not None and elapsed_s >= self.time_budget_s:
+            return f"wall-clock budget of {self.time_budget_s:.0f}s spent"
+        return None

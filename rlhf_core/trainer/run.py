@@ -23,7 +23,7 @@ from rlhf_core.ray_head import start_local_ray
 from rlhf_core.run_ids import new_run_id
 from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
-from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, recent_mean
+from rlhf_core.trainer.progress import ProgressLine, StopRule
 from rlhf_core.trainer.restore import (
     checkpoint_due, finish_checkpoint, open_run, restore_or_init, save_checkpoint, weights_checkpoint, weights_plan,
 )
@@ -42,21 +42,6 @@ class Attachment(Protocol):
     def stage_started(self, step: int, name: str) -> None: ...
 
     def committed(self, step: int) -> None: ...
-
-
-@dataclass
-class StopRule:
-    """When a loop ends before its iterations are done (benchmarks, fine-tunes)."""
-
-    time_budget_s: float | None = None    # seconds of training
-    stop_at_reward: float | None = None   # mean reward of the last REWARD_WINDOW iterations
-
-    def reached(self, rows: list[dict]) -> bool:
-        rewards = [r["critic/score/mean"] for r in rows]
-        if (self.stop_at_reward is not None and len(rewards) >= REWARD_WINDOW
-                and recent_mean(rewards) >= self.stop_at_reward):
-            return True
-        return self.time_budget_s is not None and bool(rows) and rows[-1]["wall_clock_s"] >= self.time_budget_s
 
 
 @dataclass
@@ -150,7 +135,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
                 bar.update(1)
                 if cfg.trainer.progress:
                     bar.write(progress.line(iteration, metrics["critic/score/mean"]), file=sys.stderr)
-                if stop.reached(rows):
+                if stop.reason([r["critic/score/mean"] for r in rows], None, row["wall_clock_s"]):
                     break
     except BaseException:
         try:  # an interrupted iteration keeps the stages it finished (a resume loads them)
@@ -269,8 +254,10 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
             rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
                                            stop=StopRule(time_budget_s, stop_at_reward), checkpoint_last=True,
                                            leases=leases)
+            # when the loop's clock started (its rows count from it): the closing lines' pace
+            started = time.monotonic() - (rows[-1]["wall_clock_s"] if rows else 0.0)
         finally:
             workers.kill()
     finally:
         leases.close()
-    return finish_outputs(cfg, run_dir, rows, istore, trainer)
+    return {**finish_outputs(cfg, run_dir, rows, istore, trainer), "started": started}
