@@ -82,10 +82,8 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     if follows < 0 and parent_differs():  # refused before anything else: the submitter looked at a stale store
         raise ValueError(parent_differs())
 
-    if lease_holder:
-        os.environ["RLHF_LEASE_HOLDER"] = lease_holder
-    elif kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
-        os.environ["RLHF_LEASE_HOLDER"] = f"kfp:{kfp_run_id}/{kfp_task}"
+    if not lease_holder and kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
+        lease_holder = f"kfp:{kfp_run_id}/{kfp_task}"
 
     cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
     # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head
@@ -104,7 +102,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
         probes.phase("waited")
         result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next, attached=attached,
                          only_iteration=follows + 1 if follows >= 0 else
-                         expected.get("iteration") if parent is not None else None)
+                         expected.get("iteration") if parent is not None else None, lease_holder=lease_holder)
     probes.phase("iterated")
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     probes.phase("disconnected")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rlhf_core import session
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld, holder_id
+from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld
 from rlhf_core.trainer.restore import checkpoint_plan, open_run
 from rlhf_core.trainer.run import finish_outputs, run_iterations
 
@@ -65,7 +65,8 @@ class SessionAttachment:
 
 def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
             lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None,
-            attached: session.AttachedSession | None = None, only_iteration: int | None = None) -> dict:
+            attached: session.AttachedSession | None = None, only_iteration: int | None = None,
+            lease_holder: str = "") -> dict:
     """Run iterations against the run's long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
@@ -76,7 +77,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     iteration). ``attached``: the session as ``attach_ahead`` found it (a run started
     ahead attaches while it waits); used when the session is still that generation.
     ``only_iteration``: run that iteration or nothing (a run submitted for one iteration
-    must not train the next one when another run committed its own meanwhile)."""
+    must not train the next one when another run committed its own meanwhile).
+    ``lease_holder``: who this controller is in the iterations' leases (the KFP task; ""
+    for this process)."""
     import ray
 
     from rlhf_core.trainer.prefetch import SessionPrefetch
@@ -97,7 +100,7 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
             f"{state.global_step}; it does nothing")
         return {"run_id": run_id, "rows": [], "snapshots": istore.run_uri, "metrics": str(run_dir / "metrics.jsonl"),
                 "session": None, "moved_on": state.global_step}
-    leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore))
+    leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore), holder=lease_holder)
     try:
         leases.take_first(state.global_step)
     except LeaseHeld as held:
@@ -116,7 +119,7 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
         # the workers are this controller's (dirty until it commits) before anything else,
         # so no computing ahead can start on them once it is on them, and a controller
         # before it can no longer mark them clean
-        claimed = ray.get(attached.record.claim.remote(holder_id()))
+        claimed = ray.get(attached.record.claim.remote(leases.me))
         ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, claimed.get("step"), info["generation"], log,
                                  claimed["claim"]) if attached.prefetcher is not None else None)
         attachment = SessionAttachment(attached, ahead, on_stage, claimed)

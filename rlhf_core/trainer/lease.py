@@ -69,10 +69,10 @@ def local_holder() -> str:
     return f"local:{socket.gethostname()}:{os.getpid()}"
 
 
-def holder_id() -> str:
-    """Who we are: the KFP task (``RLHF_LEASE_HOLDER``, set by the pipeline from the run
-    and task ids, the same for every retry of the task), else this process."""
-    return os.environ.get("RLHF_LEASE_HOLDER") or local_holder()
+def holder_id(given: str = "") -> str:
+    """Who holds a lease: ``given`` (the KFP task, from the run and task ids, the same for
+    every retry of the task; or the driver's attempt), else this process."""
+    return given or local_holder()
 
 
 @dataclass
@@ -210,8 +210,8 @@ class IterationLeases:
     controller that lost the race must not restore (reload) weights under the winner's
     running stages."""
 
-    def __init__(self, istore, ttl_s: float, plan_for=None) -> None:
-        self.istore, self.ttl_s, self.me, self.plan_for = istore, ttl_s, holder_id(), plan_for
+    def __init__(self, istore, ttl_s: float, plan_for=None, holder: str = "") -> None:
+        self.istore, self.ttl_s, self.me, self.plan_for = istore, ttl_s, holder_id(holder), plan_for
         self._first: LeaseKeeper | None = None
 
     def take(self, iteration: int) -> LeaseKeeper:
