@@ -67,6 +67,7 @@ def main() -> int:
     import ray
 
     from rlhf_core.testing.model_folders import QWEN2_0_5B, build_model_folder, write_verl_parquet
+    from rlhf_core.testing.stage_store import LastBatch
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
     from rlhf_core.trainer.restore import save_checkpoint
     from rlhf_core.trainer.loaders import make_loader
@@ -83,11 +84,12 @@ def main() -> int:
     ray.init(num_gpus=gpus, num_cpus=max(4, gpus * 2), include_dashboard=False)
     workers = steps.run(f"workers: FSDP2 over {gpus} rank(s), vLLM TP={gpus}", lambda: WorkerSet.build(cfg))
     try:
-        trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState())) if workers is not None else None
+        trainer = (PPOTrainer(cfg, workers, make_loader(cfg, TrainerState()), stage_store=LastBatch())
+                   if workers is not None else None)
         for i in range(2):
             def iteration():
                 metrics = trainer.run_iteration()
-                tokens = int(trainer.last_batch.batch["response_mask"].sum())
+                tokens = int(trainer.stage_store.batch.batch["response_mask"].sum())
                 print(json.dumps({"iteration": i, "response_tokens": tokens,
                                   "rollout_tokens_per_s": tokens / metrics["timing_s/rollout"],
                                   **{k: round(v, 3) for k, v in metrics.items() if k.startswith(
@@ -99,9 +101,9 @@ def main() -> int:
                             lambda: save_checkpoint(workers, trainer.state, cfg, checkpoint))
 
         def reload():
-            before = workers["actor"].compute_log_prob(trainer.last_batch).batch["old_log_probs"]
+            before = workers["actor"].compute_log_prob(trainer.stage_store.batch).batch["old_log_probs"]
             workers.load_checkpoint(checkpoint, expected=digests)
-            after = workers["actor"].compute_log_prob(trainer.last_batch).batch["old_log_probs"]
+            after = workers["actor"].compute_log_prob(trainer.stage_store.batch).batch["old_log_probs"]
             if not torch.equal(before, after):
                 raise AssertionError(f"log-probs differ after the reload (max |diff| "
                                      f"{(before - after).abs().max().item():.3g})")

@@ -77,21 +77,3 @@ def uris_naming_nothing(store: str, run_id: str) -> list[str]:
     for row in chain(istore.run_uri):
         named += [row["checkpoint"], row["manifest"], *row["snapshots"].values()]
     return sorted({uri for uri in named if names_nothing(uri)})
-
-
-class LastBatch:
-    """A stage store for tests that keeps the last training stage's whole batch (``batch``)
-    in memory and commits nothing: nothing is ever found committed, so every stage runs."""
-
-    def __init__(self) -> None:
-        self.batch = None
-
-    def save(self, iteration: int, stage: str, batch, standalone: bool = False) -> None:
-        if not standalone:  # (validation's batch is a side stage's, not the iteration's)
-            self.batch = batch
-
-    def has(self, iteration: int, stage: str) -> bool:
-        return False
-
-    def flush(self) -> None:
-        pass

@@ -35,6 +35,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
     from rlhf_core.controller.resource_pool import ResourcePoolError
     from rlhf_core.data.dataset import Cursor, PromptLoader, load_rows
     from rlhf_core.data.tokenizer import PromptTokenizer
+    from rlhf_core.testing.stage_store import LastBatch
     from rlhf_core.trainer.ppo import SEQUENCE_KEYS, PPOTrainer
     from rlhf_core.trainer.restore import save_checkpoint
     from rlhf_core.workers import modeling
@@ -83,13 +84,13 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
             seen["nodes_of_ranks"], *critic_nodes = where(workers)
             seen["critic_nodes"] = critic_nodes[0] if critic_nodes else None
             seen["process_on_nodes"] = workers.pools[0].process_on_nodes
-            trainer = PPOTrainer(cfg, workers, loader())
+            trainer = PPOTrainer(cfg, workers, loader(), stage_store=LastBatch())
             trainer.run_iteration()
             digests = save_checkpoint(workers, trainer.state, cfg, ckpt)
             saved_state, saved_cursor = copy.deepcopy(trainer.state), Cursor(**trainer.loader.cursor.to_dict())
             saved_state.cursor = saved_cursor.to_dict()
             trainer.run_iteration()
-            straight = trainer.last_batch
+            straight = trainer.stage_store.batch
             probe = straight.select(SEQUENCE_KEYS, [])
             straight_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
         finally:
@@ -98,9 +99,9 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
         workers = WorkerSet.build(cfg)  # fresh processes, placed again
         try:
             workers.load_checkpoint(ckpt, expected=digests)
-            trainer = PPOTrainer(cfg, workers, loader(saved_cursor), state=saved_state)
+            trainer = PPOTrainer(cfg, workers, loader(saved_cursor), state=saved_state, stage_store=LastBatch())
             trainer.run_iteration()
-            resumed = trainer.last_batch
+            resumed = trainer.stage_store.batch
             resumed_lp = workers["actor"].compute_log_prob(probe).batch["old_log_probs"]
         finally:
             workers.kill()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import LastBatch
+from rlhf_core.testing.stage_store import LastBatch
 import torch
 
 from rlhf_core.config import RunConfig, apply_overrides

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from helpers import LastBatch
+from rlhf_core.testing.stage_store import LastBatch
 import torch
 
 from rlhf_core.config import RunConfig, apply_overrides
