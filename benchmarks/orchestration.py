@@ -189,8 +189,11 @@ def idle(args) -> None:
                     time.sleep(0.2)
                 os.environ["RLHF_SIMULATED_POD_START_S"] = str(latency)
                 t0 = time.perf_counter()
-                outcome = drive(standin, plan(1 + args.runs), "", "local", log=lambda *a: None)
-                wall = time.perf_counter() - t0
+                try:
+                    outcome = drive(standin, plan(1 + args.runs), "", "local", log=lambda *a: None)
+                    wall = time.perf_counter() - t0
+                finally:
+                    standin.close()
                 subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stop-session", "--run-id", run_id,
                                 "--head-root", str(head_root)], cwd=ROOT, capture_output=True)
                 rows = [json.loads(line) for line in

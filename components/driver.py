@@ -121,6 +121,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
     runs: list[dict] = []
     attempts: dict[int, int] = {}
     inflight: dict[int, dict] = {}  # iteration -> the run submitted for it
+    no_ahead: set[int] = set()  # iterations whose run started ahead failed before it began: none ahead again
     holder_of = lambda n, attempt: f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
 
     def submit(n: int, parent: str, follows: int) -> None:
@@ -155,16 +156,21 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             log(f"[driver] {sub['name']}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
                 f"waiting for it")  # not this attempt's failure: it is not counted
             return
-        if sub["ahead"] and state not in ("FAILED", "ERROR") and (latest is None or
-                                                                  latest[1].get("holder") != sub["holder"]):
-            log(f"[driver] {sub['name']}: {state}, started ahead, it stood down or was cancelled before it began "
-                f"(the iteration before it was not committed as announced, or the driver stopped)")
-            return  # it ran nothing: not counted (a failed one is, like any other attempt)
+        if sub["ahead"] and (latest is None or latest[1].get("holder") != sub["holder"]):
+            if state in ("FAILED", "ERROR"):  # before it began its iteration: no more runs ahead for it
+                no_ahead.add(n)
+                log(f"[driver] {sub['name']}: {state} before it began its iteration{_error_of(client, sub)}; it "
+                    f"is submitted again once the iteration before it has committed")
+            else:
+                log(f"[driver] {sub['name']}: {state}, started ahead, it stood down or was cancelled before it "
+                    f"began (the iteration before it was not committed as announced, or the driver stopped)")
+            return  # it ran nothing of its iteration: not counted
         # the run is over (its state is final), so whatever lease it left is released for
         # it: the retry, a holder of its own, takes the iteration at once
         iteration_lease.release_for(sub["holder"])
-        log(f"[driver] {sub['name']}: {state} (not committed: it will be retried)")
         attempts[n] = sub["attempt"] + 1
+        then = "it will be retried" if attempts[n] <= plan.max_retries else "no retries left"
+        log(f"[driver] {sub['name']}: {state}{_error_of(client, sub)} (not committed: {then})")
 
     try:
         while True:
@@ -201,7 +207,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                     continue  # another controller (a child run of a driver before this one) had it
                 submit(n, weights_checkpoint(istore, n) or "", follows=-1)
             elif reason is None and ahead_ok and n + 1 < target and n + 1 not in inflight \
-                    and attempts.get(n + 1, 0) <= plan.max_retries:
+                    and n + 1 not in no_ahead and attempts.get(n + 1, 0) <= plan.max_retries:
                 parent = announced_weights_checkpoint(istore, n, CONTROLLER_TTL_S)
                 if parent is not None:  # n's controller runs it and has said which checkpoint it will write
                     submit(n + 1, parent, follows=n)
@@ -240,6 +246,13 @@ def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: floa
         keeper.check()
         time.sleep(poll_s)
     return waited
+
+
+def _error_of(client, sub: dict) -> str:
+    """What the client says went wrong in a run, as ": <text>" (the local stand-in knows;
+    a KFP server's reason is on its run page)."""
+    error = getattr(client.get_run(sub["kfp_run_id"]), "error", None)
+    return f": {error}" if error else ""
 
 
 def _state(client, kfp_run_id: str) -> str:

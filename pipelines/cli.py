@@ -47,9 +47,13 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     os.makedirs(root, exist_ok=True)
     standin = LocalKfpStandIn(head_root, root, log_path=log_path)
     # the session computes ahead after the last run too only when it outlives this command
+    # the run's total when the command names one (a controller left by a killed command may
+    # commit meanwhile: the total stays the total), else this many more
+    total = (args.iterations if args.iterations is not None else cfg.trainer.total_iterations) \
+        if args.more is None else None
     plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": list(args.overrides)},
-                more=iterations, max_retries=0, poll_s=0.05, pipelined=getattr(args, "pipelined", True),
-                prefetch_after_last=not ours or bool(args.keep_session))
+                iterations=total, more=None if total is not None else iterations, max_retries=0, poll_s=0.2,
+                pipelined=getattr(args, "pipelined", True), prefetch_after_last=not ours or bool(args.keep_session))
     try:
         print(f"[rlhf] {iterations} iteration(s) of run {run_id}, each a pipeline run on the KFP local runner "
               f"(its output: {log_path})", flush=True)
@@ -61,8 +65,8 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
         finally:
             standin.close()
         if outcome.reason.startswith("driven by"):
-            raise SystemExit(f"rlhf: run {run_id} is {outcome.reason} (another `rlhf run` of it); nothing was "
-                             f"started: run again once it has ended")
+            raise SystemExit(f"rlhf: run {run_id} is {outcome.reason} (another `rlhf run` of it); this command "
+                             f"trained nothing: run again once it has ended")
     except DriveError as exc:
         show_tail(log_path)
         raise SystemExit(f"rlhf: {exc}; see {log_path}") from None
@@ -75,7 +79,9 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
     curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
     if rows:
         write_curve(rows, curve)
-    outputs = {"checkpoint": rows[-1]["checkpoint"] if rows else "",
+    last_weights = (rows[-1]["checkpoint"] + (f" + a redo of iterations {rows[-1]['redo']}" if rows[-1]["redo"]
+                                              else "")) if rows else ""
+    outputs = {"checkpoint": last_weights,
                "metrics": os.path.join(cfg.trainer.output_dir, run_id, "metrics.jsonl"), "curve": curve,
                "pipeline runs": root, "snapshots": f"{store.rstrip('/')}/{run_id}"}
     print(*closing_lines(rows, progress, outputs), sep="\n")

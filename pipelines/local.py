@@ -103,8 +103,11 @@ class _Runner:
         import json
 
         self.busy = True
-        self.proc.stdin.write(json.dumps({"params": params, "env": env}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps({"params": params, "env": env}) + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # it ended meanwhile: the run fails, as a run whose pod died would
+            self.results.put({"ok": False, "error": f"the runner process ended (exit code {self.proc.wait()})"})
 
     def result(self) -> dict | None:
         """How the run it is running ended, or None while it runs."""
@@ -217,6 +220,8 @@ class LocalKfpStandIn:
             os.makedirs(self.pipeline_root, exist_ok=True)
             runner = _Runner(self.pipeline_root, self.log_path)
             self.runners.append(runner)
+        with open(self.log_path, "a", encoding="utf-8") as log:  # where each run's output starts
+            log.write(f"=== run {kfp_run_id}: {job_name} ===\n")
         runner.start({"run_id": params["run_id"], "store": params["store"],
                       "config_overrides": list(params.get("config_overrides", [])), "head_root": self.head_root,
                       "lease_holder": params.get("lease_holder", ""), "parent_model": params.get("parent_model", ""),
@@ -244,6 +249,8 @@ class LocalKfpStandIn:
 
     def terminate_run(self, run_id: str) -> None:
         """Terminate a run (kfp.Client's name): its runner process and what it started."""
+        if run_id in self.terminated:
+            return
         self.terminated.add(run_id)
         runner = self.runs[run_id]["runner"]
         if self.runs[run_id]["result"] is None:

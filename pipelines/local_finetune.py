@@ -34,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
                                            "config_overrides": list(args.overrides)},
                 iterations=args.iterations, more=args.more, stop_at_reward=args.stop_at_reward,
                 budget_s=args.budget_s, poll_s=args.poll_s, pipelined=args.pipelined)
-    outcome = drive(LocalKfpStandIn(args.head_root, args.root), plan, "", "local", stopping=lambda: bool(stop))
+    standin = LocalKfpStandIn(args.head_root, args.root)
+    try:
+        outcome = drive(standin, plan, "", "local", stopping=lambda: bool(stop))
+    finally:
+        standin.close()
     with open(os.path.join(args.root, "report.md"), "w", encoding="utf-8") as f:
         f.write(report_markdown(plan, outcome))
     print(f"[driver] {outcome.reason}; committed {outcome.committed}")

@@ -328,7 +328,8 @@ def test_a_run_that_found_its_iteration_held_is_not_a_failed_attempt(tmp_path):
     outcome = drive(client, Plan("r", store, {"run_id": "r", "store": store}, iterations=1, max_retries=0,
                                  poll_s=0.1), "", "e", log=log)
     assert outcome.committed == [0] and outcome.reason == "1 of 1 iterations committed", lines
-    assert len(client.submitted) == 1 and any("kfp:other/run-iteration runs the iteration" in line for line in lines)
+    assert len(client.submitted) == 1 and any("kfp:other/run-iteration runs the iteration" in line
+                                              for line in lines), (client.submitted, lines)
 
 
 def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):

@@ -102,7 +102,7 @@ def describe_access_error(loc: Location, exc: BaseException) -> SnapshotAccessEr
     )
 
 
-def put_create_only(loc: Location, data: bytes) -> None:
+def put_create_only(loc: Location, data: bytes, folder_may_go: bool = False) -> None:
     """Write ``data`` at ``loc`` only if nothing is there yet; atomically visible.
 
     Local disk: write a private temp file, fsync, then ``link`` it into place (link fails
@@ -112,6 +112,8 @@ def put_create_only(loc: Location, data: bytes) -> None:
     earlier attempt, e.g. a PUT retried by the client after its response was lost), the
     write has succeeded; anything else there raises ``SnapshotExistsError``. A 409
     (concurrent conditional write) is retried, then raises ``CommitConflictError``.
+    ``folder_may_go``: the folder may be removed once this write is visible (a lease log
+    that gc removes once its release is written): its going is not an error then.
     """
     if loc.is_local:
         directory = os.path.dirname(loc.path)
@@ -130,12 +132,14 @@ def put_create_only(loc: Location, data: bytes) -> None:
         finally:
             try:
                 os.unlink(tmp)
-            except FileNotFoundError:  # the folder went meanwhile (gc of a released lease log)
-                pass
+            except FileNotFoundError:
+                if not folder_may_go:
+                    raise
         try:
             fsync_path(directory)
         except FileNotFoundError:
-            pass
+            if not folder_may_go:
+                raise
         return
     check_create_only(loc)
     for attempt in range(CONFLICT_RETRIES + 1):

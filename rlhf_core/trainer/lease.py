@@ -108,7 +108,10 @@ class LeaseLog:
 
     def _write(self, generation: int, record: dict) -> bool:
         try:
-            sfs.put_create_only(self.folder.child(run_layout.lease_record(generation)), json.dumps(record).encode())
+            # gc removes a committed iteration's log once its release is written: that write's
+            # folder may go under it
+            sfs.put_create_only(self.folder.child(run_layout.lease_record(generation)), json.dumps(record).encode(),
+                                folder_may_go=record.get("state") == "released")
             return True
         except SnapshotExistsError:
             return False  # someone else made this change first

@@ -99,6 +99,7 @@ class StopRule:
     time_budget_s: float | None = None    # seconds since the run (the driver) started
     stop_at_reward: float | None = None   # mean critic/score/mean of the last REWARD_WINDOW iterations
     stop_at_val: float | None = None      # the newest validation's score (``validation_score``)
+    min_rewards: int = 0                  # the reward target counts only once this many rewards exist
 
     @property
     def by_count_only(self) -> bool:
@@ -109,8 +110,9 @@ class StopRule:
     def reason(self, rewards: list[float], validation: float | None, elapsed_s: float) -> str | None:
         """Why the run stops now, or None. ``rewards``: every committed iteration's
         critic/score/mean in order (the mean is over the last REWARD_WINDOW, all of them
-        before there are that many); ``validation``: the newest validation's score."""
-        reward = recent_mean(rewards)
+        before there are that many, and none before ``min_rewards``); ``validation``: the
+        newest validation's score."""
+        reward = recent_mean(rewards) if len(rewards) >= self.min_rewards else None
         if self.stop_at_reward is not None and reward is not None and reward >= self.stop_at_reward:
             return f"mean reward {reward:.3f} of the last iterations reached {self.stop_at_reward}"
         if self.stop_at_val is not None and validation is not None and validation >= self.stop_at_val:

@@ -23,7 +23,7 @@ from rlhf_core.ray_head import start_local_ray
 from rlhf_core.run_ids import new_run_id
 from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
-from rlhf_core.trainer.progress import ProgressLine, StopRule
+from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, StopRule
 from rlhf_core.trainer.restore import (
     checkpoint_due, finish_checkpoint, open_run, restore_or_init, save_checkpoint, weights_checkpoint, weights_plan,
 )
@@ -252,7 +252,8 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
         log(f"[rlhf] worker groups ready in {time.perf_counter() - t0:.1f}s")
         try:
             rows, trainer = run_iterations(cfg, workers, istore, state, iterations, run_dir, on_stage=on_stage,
-                                           stop=StopRule(time_budget_s, stop_at_reward), checkpoint_last=True,
+                                           stop=StopRule(time_budget_s, stop_at_reward, min_rewards=REWARD_WINDOW),
+                                           checkpoint_last=True,
                                            leases=leases)
             # when the loop's clock started (its rows count from it): the closing lines' pace
             started = time.monotonic() - (rows[-1]["wall_clock_s"] if rows else 0.0)
