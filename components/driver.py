@@ -234,18 +234,21 @@ def _cancel_waiting(client, istore, inflight: dict, log) -> None:
 
 def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: float, log) -> bool:
     """Before a submission: wait while another live controller holds iteration ``n`` (a
-    child run a driver before this one left running); whether there was one."""
+    child run a driver before this one left running). False when ``n`` is still to be
+    submitted; True when the caller must look again (someone held it, or committed it
+    since the caller looked: a holder commits, then releases, so a lease found free is
+    checked against the commits once more)."""
     waited = False
     while n not in istore.committed_iterations():
         latest = iteration_lease.latest()
         if latest is None or iteration_lease.is_free(latest[1], holder):
-            break
+            return waited or n in istore.committed_iterations()
         if not waited:
             log(f"[driver] iteration {n} is being run by {latest[1].get('holder')}; waiting for it to commit or end")
             waited = True
         keeper.check()
         time.sleep(poll_s)
-    return waited
+    return True  # committed meanwhile: nothing to submit for it
 
 
 def _error_of(client, sub: dict) -> str:

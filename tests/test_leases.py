@@ -332,6 +332,32 @@ def test_a_run_that_found_its_iteration_held_is_not_a_failed_attempt(tmp_path):
                                               for line in lines), (client.submitted, lines)
 
 
+def test_the_driver_never_submits_an_iteration_committed_while_it_looked(tmp_path):
+    """The interleaving the contended test above can hit under load: the driver finds
+    iteration 0 uncommitted, then its holder commits and releases, then the driver reads
+    the lease (free). It must look again, not submit a run for a committed iteration."""
+    from components.driver import _wait_out
+    from rlhf_core.trainer.iteration_store import IterationStore
+
+    istore = IterationStore(f"file://{tmp_path}/store", "r")
+    lease = istore.lease_log(0, 900.0)
+    other = lease.acquire("kfp:other/run-iteration")
+    real_latest = lease.latest
+
+    def the_holder_commits_and_releases_first():
+        if 0 not in istore.committed_iterations():
+            sfs.put_create_only(istore.run.child("iter-000000", "MANIFEST.json"), b"{}")
+            lease.release(other)
+        return real_latest()
+
+    lease.latest = the_holder_commits_and_releases_first
+    keeper = SimpleNamespace(check=lambda: None)
+    assert _wait_out(lease, "driver:r/x/iteration-0/attempt-0", istore, 0, keeper, 0.01, lambda *a: None) is True
+    # an iteration nobody holds and nobody committed is the driver's to submit
+    assert _wait_out(istore.lease_log(1, 900.0), "driver:r/x/iteration-1/attempt-0", istore, 1, keeper, 0.01,
+                     lambda *a: None) is False
+
+
 def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):
     """A retried attempt, and a driver started again, never share a lease holder with an
     attempt before them (a shared holder takes a live lease over at once). A failed
