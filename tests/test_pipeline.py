@@ -292,7 +292,11 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
     out = tmp_path / "out"
     # iteration 0's controller stops itself short of its commit; the Ctrl-C reaches every
     # process of the group, the frozen one as it goes on
-    first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
+    # SIGINT as a terminal's foreground job has it: a test run in the background (CI, `&`)
+    # starts with SIGINT ignored, which its children would inherit (and then Python never
+    # raises KeyboardInterrupt)
+    first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         started = _frozen_processes(first.pid, first)
         os.killpg(first.pid, signal.SIGINT)
