@@ -89,7 +89,6 @@ def shallow(cls, dp):
 def run_inner(args) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    import numpy as np
     import ray
     import torch
     from verl.protocol import DataProto as VerlDataProto

@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from rlhf_core.config import RunConfig
-    from rlhf_core.data.builtin import builtin_model_path
+    from rlhf_core.models.builtin import builtin_model_path
     from rlhf_core.data.dataset import load_rows
 
     cfg = RunConfig()

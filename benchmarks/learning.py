@@ -37,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+from rlhf_core.record.run_ids import new_run_id
+from rlhf_core.record.run_layout import RunRef
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +105,7 @@ def child_ours(estimator: str, seed: int, budget: float, out_dir: str) -> None:
 
     cfg = apply_overrides(RunConfig(), [f"algorithm.adv_estimator={estimator}", f"trainer.seed={seed}",
                                         "trainer.progress=false", f"trainer.output_dir={out_dir}"]).validate()
-    result = run_direct(cfg, iterations=10**6, store="file://" + os.path.join(out_dir, "store"),
+    result = run_direct(cfg, iterations=10**6, run=RunRef("file://" + os.path.join(out_dir, "store"), new_run_id()),
                         log=lambda *_: None, time_budget_s=budget, stop_at_reward=STOP_AT)
     rows = [{"round": r["iteration"], "wall_clock_s": r["wall_clock_s"], "reward": r["critic/score/mean"],
              "outside_share": r["perf/outside_workers_share"]} for r in result["rows"]]
@@ -222,7 +224,7 @@ def main() -> None:
     parser.add_argument("--methods", default="grpo,gae,trl")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from rlhf_core.data.builtin import builtin_model_path
+    from rlhf_core.models.builtin import builtin_model_path
 
     seeds = [int(s) for s in args.seeds.split(",")]
     methods = args.methods.split(",")

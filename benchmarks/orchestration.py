@@ -54,7 +54,7 @@ def timed_run(mode: list[str], iterations: int | None, out: Path, env_extra: dic
     return elapsed
 
 
-#: (label, from phase, to phase) of one pipeline run; see rlhf_core.probes.phase
+#: (label, from phase, to phase) of one pipeline run; see rlhf_core.runtime.probes.phase
 PHASES = (("local runner: task set-up, process spawn", "run_start", "process_start"),
           ("executor start (python, kfp, executor)", "process_start", "body_start"),
           ("imports (rlhf_core, torch, ray)", "body_start", "imported"),
@@ -89,11 +89,11 @@ def breakdown(phase_log: Path, rows: list[dict]) -> list[dict]:
 
 def ray_connect_alone(samples: int = 3) -> float:
     """Seconds a fresh process takes to import ray and join an idle head (median)."""
-    from rlhf_core import ray_head
+    from rlhf_core.runtime import ray_head
 
     root = Path(tempfile.mkdtemp(prefix="rlhf-connect-"))
     info = ray_head.start_head(root)
-    code = ("import time, sys; from rlhf_core import ray_head; info = ray_head.read_head(sys.argv[1]); "
+    code = ("import time, sys; from rlhf_core.runtime import ray_head; info = ray_head.read_head(sys.argv[1]); "
             "t = time.perf_counter(); ray_head.connect(info, 'bench'); print(time.perf_counter() - t); "
             "ray_head.disconnect()")
     try:
@@ -159,7 +159,7 @@ INFERENCE = ("rollout", "reward", "old_log_prob", "ref_log_prob", "values")
 def idle(args) -> None:
     from components.driver import Plan, drive
     from pipelines.local import LocalKfpStandIn
-    from rlhf_core import ray_head
+    from rlhf_core.runtime import ray_head
 
     latencies = [float(x) for x in args.latencies.split(",")]
     work = Path(tempfile.mkdtemp(prefix="rlhf-idle-"))

@@ -166,7 +166,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     import tempfile
 
-    from rlhf_core.data.builtin import builtin_model_path
+    from rlhf_core.models.builtin import builtin_model_path
 
     model_dir = builtin_model_path(seed=0)
     ours = profile_ours(args.rounds)

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 
 def build_model(layers: int, hidden: int):
-    from rlhf_core.workers.qwen2 import qwen2_from_config
+    from rlhf_core.models.qwen2 import qwen2_from_config
 
     return qwen2_from_config(0, vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                              num_hidden_layers=layers, num_attention_heads=hidden // 64,
@@ -50,7 +50,8 @@ def _rank(rank: int, world: int, rdzv: str, strategy: str, args: dict, out: str)
                       RLHF_RDZV_ID=rdzv)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     from rlhf_core.controller.worker import Worker
-    from rlhf_core.workers import modeling, sharding
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import modeling
 
     model = build_model(args["layers"], args["hidden"])
     layer_bytes = _bytes(model.model.layers[0].parameters())

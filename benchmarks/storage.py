@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from rlhf_core.record.run_layout import RunRef
 from pathlib import Path
 
 
@@ -41,7 +42,6 @@ def _tree(path: Path) -> tuple[int, int]:
 def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | None, shape: dict, out: str) -> None:
     import io
     import json
-    import uuid
 
     import torch
 
@@ -53,8 +53,10 @@ def _ckpt_rank(rank: int, world: int, rdzv: str, target: str, options: dict | No
 
     from rlhf_core.controller.worker import Worker
     from rlhf_core.snapshot import fs as sfs
-    from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import finish_sharded, load_sharded, start_sharded
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import modeling
+    from rlhf_core.checkpoint.reader import load_sharded
+    from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
 
     model = modeling.init_distributed_model(Worker(), build_model(shape["layers"], shape["hidden"]),
                                             sharding.ShardingSpec(strategy="fsdp"))
@@ -145,14 +147,15 @@ def main() -> None:
     parser.add_argument("--store", default=None, help="a local folder (default: a fresh temporary one)")
     args = parser.parse_args()
 
-    from rlhf_core import audit, run_layout
+    from rlhf_core.record import audit, run_layout
     from rlhf_core.config import RunConfig, apply_overrides
-    from rlhf_core.ray_head import local_ray_env
+    from rlhf_core.runtime.ray_head import local_ray_env
     from rlhf_core.snapshot import list_snapshots, load_snapshot, save_snapshot
     from rlhf_core.trainer.run import run_direct
 
-    from rlhf_core.trainer import iteration_store
-    from rlhf_core.trainer.restore import open_run, weights_plan
+    from rlhf_core.record import iteration_store
+    from rlhf_core.record.checkpoints import weights_plan
+    from rlhf_core.trainer.restore import open_run
 
     local_ray_env()
     root = Path(args.store or tempfile.mkdtemp(prefix="rlhf-storage-"))
@@ -174,13 +177,14 @@ def main() -> None:
     def probe(step: int, stage: str) -> None:
         if stage == "rollout" and step in (10, args.iterations - 1):
             t = time.perf_counter()
-            istore, state = open_run(cfg, store_uri, "bench", log=lambda *a: None)
+            istore = iteration_store.IterationStore(RunRef(store_uri, "bench"))
+            state = open_run(cfg, istore, log=lambda *a: None)
             weights_plan(istore, state.global_step)
             probes[step] = {"lookup_s": time.perf_counter() - t,
                             "rss_mib": int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20}
 
     t0 = time.time()
-    run_direct(cfg, args.iterations, store_uri, "bench", log=lambda *a, **k: None, on_stage=probe)
+    run_direct(cfg, args.iterations, RunRef(store_uri, "bench"), log=lambda *a, **k: None, on_stage=probe)
     print(f"ran {args.iterations} direct iterations of the demo config in {time.time() - t0:.0f}s", flush=True)
 
     run = root / "store" / "bench"

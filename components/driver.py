@@ -97,14 +97,15 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
           service_account: str | None = None, on_commit=lambda iteration: None) -> Outcome:
     """Drive ``plan`` to its end (see the module's docstring); ``on_commit(n)`` is called
     once for each iteration committed while it drives, in order."""
-    from rlhf_core.run_ids import validate_run_id, validate_store_uri
-    from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
-    from rlhf_core.trainer.restore import announced_weights_checkpoint, weights_checkpoint
+    from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.record.lease import CONTROLLER_TTL_S, LeaseKeeper, LeaseLog, holder_id
+    from rlhf_core.record.checkpoints import announced_weights_checkpoint, weights_checkpoint
 
     validate_run_id(plan.run_id, "run_id")  # before the store is resolved: it may be a network lookup
     validate_store_uri(plan.store, "store")
-    istore = IterationStore(plan.store, plan.run_id)
+    istore = IterationStore(RunRef(plan.store, plan.run_id))
     lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
     lease = lease_log.acquire(holder_id())
     # this driver's attempts have lease holders of their own: a driver started again (its
@@ -220,7 +221,7 @@ def _cancel_waiting(client, istore, inflight: dict, log) -> None:
     """The driver stops: runs started ahead that have not begun their iteration (it is not
     theirs yet) are terminated, so a stop ends with the iteration under way, as it did when
     one run ran at a time. One that has begun finishes it."""
-    from rlhf_core.trainer.lease import CONTROLLER_TTL_S
+    from rlhf_core.record.lease import CONTROLLER_TTL_S
 
     for n, sub in inflight.items():
         if not sub["ahead"] or sub.get("cancelled") or not hasattr(client, "terminate_run"):
@@ -264,10 +265,12 @@ def _state(client, kfp_run_id: str) -> str:
 
 def report_markdown(plan: Plan, outcome: Outcome, run_url=lambda kfp_run_id: "") -> str:
     """The fine-tune's report: why it ended, the reward curve, one line per iteration run."""
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.report import markdown_report
 
     lines = [f"# Fine-tune {plan.run_id}", "", f"Ended: {outcome.reason}. Committed iterations: "
-             f"{len(outcome.committed)}.", "", markdown_report(plan.store, plan.run_id), "",
+             f"{len(outcome.committed)}.", "", markdown_report(IterationStore(RunRef(plan.store, plan.run_id))), "",
              "| iteration | attempt | KFP run | state | committed | seconds |", "|---|---|---|---|---|---|"]
     for r in outcome.runs:
         url = run_url(r["kfp_run_id"])

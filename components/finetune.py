@@ -25,7 +25,9 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     import kfp
 
     from components.driver import Plan, drive, report_markdown
-    from rlhf_core.run_ids import validate_run_id, validate_store_uri
+    from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.report import run_history
 
     validate_run_id(run_id, "run_id")  # before the KFP client or the store is touched
@@ -50,7 +52,7 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     host = (kfp_host or "").rstrip("/")
     with open(summary.path, "w", encoding="utf-8") as f:
         f.write(report_markdown(plan, outcome, lambda rid: f"{host}/#/runs/details/{rid}" if host else ""))
-    rows = run_history(store, run_id)
+    rows = run_history(IterationStore(RunRef(store, run_id)))
     if rows:
         for key, value in rows[-1].items():
             if isinstance(value, (int, float)):

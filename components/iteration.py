@@ -2,7 +2,7 @@
 
 ``run_iteration`` is the controller of one pipeline run: it checks the parent checkpoint it
 was given, takes the lease holder's name from the KFP run and task, connects to the
-session's cluster, runs the iteration (``rlhf_core.session_iteration.iterate``) and writes
+session's cluster, runs the iteration (``rlhf_core.session.iteration.iterate``) and writes
 the report and the output artifacts. Artifacts carry URIs and lineage metadata (run id,
 iteration, config hash, code version, parent), never bytes.
 """
@@ -45,32 +45,33 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     ``summary``: the run so far for the Kubeflow UI (reward curve, metrics, sampled
     responses), written here rather than by a pod of its own: one process start less
     per iteration, and this process has the libraries loaded already."""
-    import os
 
-    from rlhf_core import probes
-    from rlhf_core.run_ids import validate_run_id, validate_store_uri
+    from rlhf_core.runtime import probes
+    from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
 
     # the parameters are whatever the submitter typed: checked before the store is touched
     validate_run_id(run_id, "run_id")
     validate_store_uri(store, "store")
     probes.phase("process_start")  # benchmarks/orchestration.py's breakdown; no-op otherwise
     probes.phase("body_start")
-    from rlhf_core import ray_head, session
+    from rlhf_core.runtime import ray_head
+    from rlhf_core.session import session
     from rlhf_core.config import RunConfig, apply_overrides
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.report import markdown_report
-    from rlhf_core.session_iteration import attach_ahead, iterate, wait_for_commit
+    from rlhf_core.session.iteration import attach_ahead, iterate, wait_for_commit
 
     probes.phase("imported")
     probes.pod_started()  # no-op unless a benchmark simulates pod scheduling
 
-    istore = IterationStore(store, run_id)
+    istore = IterationStore(RunRef(store, run_id))
     expected: dict = {}  # the iteration the parent check found next: the one this run may run
 
     def parent_differs(step: int | None = None) -> str:
         """Why ``parent`` is not the checkpoint iteration ``step`` (default: the next one)
         starts from, or ""."""
-        from rlhf_core.trainer.restore import weights_checkpoint
+        from rlhf_core.record.checkpoints import weights_checkpoint
 
         expected["iteration"] = len(istore.committed_iterations()) if step is None else step
         starts_from = weights_checkpoint(istore, expected["iteration"])
@@ -100,7 +101,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
               f"this run was started after; this run does nothing")
     else:
         probes.phase("waited")
-        result = iterate(cfg, run_id, store, info, 1, log=print, prefetch_next=prefetch_next, attached=attached,
+        result = iterate(cfg, istore, info, 1, log=print, prefetch_next=prefetch_next, attached=attached,
                          only_iteration=follows + 1 if follows >= 0 else
                          expected.get("iteration") if parent is not None else None, lease_holder=lease_holder)
     probes.phase("iterated")
@@ -109,7 +110,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     if result.get("lease_held_by"):
         print(f"iteration is being run by {result['lease_held_by']}; this trigger does nothing")
     with open(summary.path, "w", encoding="utf-8") as f:
-        f.write(markdown_report(store, run_id))
+        f.write(markdown_report(istore))
     probes.phase("reported")
     from components.process import exit_without_teardown
 

@@ -11,26 +11,26 @@ import argparse
 import os
 
 
-def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
+def run_pipeline(args, cfg, iterations: int, run, api) -> int:
     """Each iteration as a Kubeflow pipeline run through the KFP local runner, scheduled by
     the fine-tune driver (the one scheduler, as on a cluster) over the local stand-in of
     the KFP API. One attempt per iteration (a failed run ends the command, with the command
     that continues: its iteration resumes at the stage where it stopped)."""
     from components.driver import DriveError, Plan, drive
-    from rlhf_core import ray_head
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.runtime import ray_head
+    from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
     from rlhf_core.trainer.report import run_history, write_curve
 
     from pipelines.local import LocalKfpStandIn, show_tail
 
-    run_id = args.run_id
+    run_id, store = run.run_id, run.store
     root = os.path.join(cfg.trainer.output_dir, run_id, "kfp")
     head_root = ray_head.default_head_root(cfg.trainer.output_dir)
     # a head someone started by hand stays up; one this run started, or adopted from a run
     # that died, is stopped at the end
     head, ours = ray_head.adopt_or_start(head_root, owner_pid=os.getpid())
-    istore, progress = IterationStore(store, run_id), ProgressLine(iterations, started=args.started)
+    istore, progress = IterationStore(run), ProgressLine(iterations, started=args.started)
     log_path = os.path.join(cfg.trainer.output_dir, run_id, "pipeline-runs.log")
 
     def show(n: int) -> None:  # the iteration the driver saw committed, from the store
@@ -75,7 +75,7 @@ def run_pipeline(args, cfg, iterations: int, store: str, api) -> int:
             ray_head.stop_head(head, head_root)
         elif ours:
             ray_head.set_owner(head_root, head, 0)  # kept on request: it is the user's now
-    rows = run_history(store, run_id)
+    rows = run_history(istore)
     curve = os.path.join(cfg.trainer.output_dir, run_id, "reward_curve.png")
     if rows:
         write_curve(rows, curve)

@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from rlhf_core.processes import kill_tree
+from rlhf_core.runtime.processes import kill_tree
 
 #: Pipeline-run folders kept under the run's kfp/ folder (the store keeps every
 #: iteration's record; these are the local runner's scratch outputs).
@@ -37,7 +37,7 @@ def run_one_iteration(run_id: str, store: str, overrides: list, head_root: str, 
     from which checkpoint is the caller's choice: the fine-tune driver
     (``components.driver.drive``) schedules runs, on this machine through
     ``LocalKfpStandIn``."""
-    from rlhf_core.run_ids import validate_run_id, validate_store_uri
+    from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
 
     validate_run_id(run_id, "run_id")  # before the runner starts or the store is resolved
     validate_store_uri(store, "store")
@@ -149,7 +149,7 @@ def _serve_runs(pipeline_root: str) -> int:
     os.dup2(2, 1)  # what the runner and the components print goes to the log, not the pipe
     sys.stdout = os.fdopen(1, "w", buffering=1)
     local_init(pipeline_root)
-    from rlhf_core import probes
+    from rlhf_core.runtime import probes
 
     from pipelines.ppo_iteration import ppo_iteration_local as ppo_iteration
 
@@ -204,7 +204,7 @@ class LocalKfpStandIn:
         import uuid
         from types import SimpleNamespace
 
-        from rlhf_core.run_ids import validate_run_id, validate_store_uri
+        from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
 
         params = dict(params or {})
         # what the submitter handed over, checked before a process starts (as the components do)

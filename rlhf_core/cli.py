@@ -111,7 +111,7 @@ def _check_model_path(cfg) -> None:
 
 
 def _new_run_id() -> str:
-    from rlhf_core.run_ids import new_run_id
+    from rlhf_core.record.run_ids import new_run_id
 
     return new_run_id()
 
@@ -134,7 +134,7 @@ def _on_sigterm(end_children: bool):
     once: a second SIGTERM while the first unwinds is ignored, not raised mid-cleanup."""
     import psutil  # noqa: F401 - imported now, not in the handler
 
-    from rlhf_core.processes import kill_tree  # noqa: F401 - likewise
+    from rlhf_core.runtime.processes import kill_tree  # noqa: F401 - likewise
 
     fired = []
 
@@ -153,7 +153,7 @@ def _on_sigterm(end_children: bool):
 def _kill_own_session_children() -> None:
     import psutil
 
-    from rlhf_core.processes import kill_tree
+    from rlhf_core.runtime.processes import kill_tree
 
     own_session = os.getsid(0)
     for child in psutil.Process().children():
@@ -186,10 +186,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     args.started = time.monotonic()  # wall time reported at the end counts from here
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
-    from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, CONTROLLER_TTL_S, LeaseHeld
-    from rlhf_core.trainer.restore import iterations_to_run
+    from rlhf_core.record.lease import CLOCK_SKEW_MARGIN_S, CONTROLLER_TTL_S, LeaseHeld
+    from rlhf_core.record.checkpoints import iterations_to_run
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.run import run_direct
-    from rlhf_core.workers.checked_load import CheckpointRefusedError
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError
 
     cfg, provenance = _run_config(args)
     _check_model_path(cfg)
@@ -211,7 +213,8 @@ def _run(args: argparse.Namespace) -> int:
     total = None if args.more is not None else (args.iterations if args.iterations is not None
                                                  else cfg.trainer.total_iterations)
     try:
-        committed, iterations = iterations_to_run(store, args.run_id, total, args.more)
+        run = RunRef(store, args.run_id)
+        committed, iterations = iterations_to_run(IterationStore(run), total, args.more)
     except ValueError as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     if iterations == 0:
@@ -226,8 +229,8 @@ def _run(args: argparse.Namespace) -> int:
                          "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
     try:
         if not args.direct:
-            return RUN_MODES["pipeline"](args, cfg, iterations, store, PluginAPI)
-        result = run_direct(cfg, iterations, store, args.run_id)
+            return RUN_MODES["pipeline"](args, cfg, iterations, run, PluginAPI)
+        result = run_direct(cfg, iterations, run)
     except KeyboardInterrupt as stop:
         # (a library under the run, Ray's for one, may catch ours and raise a KeyboardInterrupt of its own)
         terminated = isinstance(stop, Terminated) or bool(getattr(args, "sigterm_fired", ()))
@@ -254,13 +257,14 @@ def _interrupted(args, cfg, store: str, total: int, how: str = "interrupted") ->
     """The one line a stopped run ends with: what the store kept and how to go on."""
     import shlex
 
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.stages import persisted_names
 
     again = ["rlhf", "run", "--run-id", args.run_id, "--iterations", str(total), *(["--direct"] if args.direct else []),
              *(["--store", args.store] if args.store else []), *args.overrides]
     try:
-        istore = IterationStore(store, args.run_id)
+        istore = IterationStore(RunRef(store, args.run_id))
         n = len(istore.committed_iterations())
         stages = [name for name in persisted_names(cfg, n) if istore.has(n, name)]
     except Exception as exc:  # noqa: BLE001 - the store is unreachable: say so, the command still holds
@@ -276,7 +280,7 @@ def _default_store(cfg) -> str:
 
 
 def _cmd_head(args: argparse.Namespace) -> int:
-    from rlhf_core import ray_head
+    from rlhf_core.runtime import ray_head
 
     root = args.root
     if args.action == "start":
@@ -294,21 +298,24 @@ def _cmd_head(args: argparse.Namespace) -> int:
 
 
 def _local_head(args, cfg):
-    from rlhf_core import ray_head
+    from rlhf_core.runtime import ray_head
 
     return ray_head.start_head(args.head_root or ray_head.default_head_root(cfg.trainer.output_dir))
 
 
 def _cmd_iterate(args: argparse.Namespace) -> int:
-    from rlhf_core import ray_head, session
-    from rlhf_core.session_iteration import iterate
+    from rlhf_core.runtime import ray_head
+    from rlhf_core.session import session
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.session.iteration import iterate
 
     cfg = _config(args.overrides)
     cfg.trainer.progress = False if args.quiet else cfg.trainer.progress
     info = _local_head(args, cfg)  # reuse the running head, or start ours
     ray_head.connect(info, session.namespace_of(args.run_id))
-    result = iterate(cfg, args.run_id, args.store or _default_store(cfg), info, args.iterations,
-                     log=(lambda *a: None) if args.quiet else print)
+    istore = IterationStore(RunRef(args.store or _default_store(cfg), args.run_id))
+    result = iterate(cfg, istore, info, args.iterations, log=(lambda *a: None) if args.quiet else print)
     ray_head.disconnect()
     if result.get("lease_held_by"):
         print(f"lease held by {result['lease_held_by']}: another trigger is running this iteration")
@@ -327,8 +334,10 @@ def _cmd_iterate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import json
 
-    from rlhf_core import ray_head, session
+    from rlhf_core.runtime import ray_head
+    from rlhf_core.session import session
     from rlhf_core.config import config_from_dict
+    from rlhf_core.record.run_layout import RunRef
 
     if args.foreground:  # the Ray job's entrypoint: the session lives in this process
         from rlhf_core.config import ConfigError
@@ -342,12 +351,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         import ray  # after the config is checked: a bad one is refused in a moment
 
         ray.init(namespace=session.namespace_of(args.run_id), log_to_driver=False, configure_logging=False)
-        session.serve(cfg, args.run_id, args.store)
+        session.serve(cfg, RunRef(args.store, args.run_id))
         return 0
     cfg = _config(args.overrides)
     info = _local_head(args, cfg)
     client = ray_head.jobs_client(info)
-    job = session.submit_job(client, cfg, args.run_id, args.store or _default_store(cfg), info)
+    job = session.submit_job(client, cfg, RunRef(args.store or _default_store(cfg), args.run_id), info)
     session.wait_job_ready(client, job)
     print(f"session of run {args.run_id}: job {job} on {info.dashboard_url} (ready; ends after "
           f"{cfg.trainer.session_idle_timeout_s:.0f}s idle or `rlhf stop-session`)")
@@ -355,8 +364,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_stop_session(args: argparse.Namespace) -> int:
-    from rlhf_core import ray_head, session
-
+    from rlhf_core.runtime import ray_head
+    from rlhf_core.session import session
     info = ray_head.read_head(args.head_root)
     if info is None:
         print("no ray head running; nothing to stop")
@@ -371,7 +380,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     from rlhf_core.config import ConfigError
     from rlhf_core.snapshot import SnapshotError
     from rlhf_core.trainer.replay import ReplayError, format_table, replay
-    from rlhf_core.workers.checked_load import CheckpointRefusedError
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError
 
     stages = None if not args.stage or args.stage == ["all"] else args.stage
     try:
@@ -388,7 +397,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
-    from rlhf_core.lineage import LineageError, chain, format_lineage
+    from rlhf_core.record.lineage import LineageError, chain, format_lineage
 
     try:
         print(format_lineage(chain(args.uri), args.format))
@@ -397,12 +406,22 @@ def _cmd_lineage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_tokenizer(config: dict):
+    """The tokenizer of a run's model, from its config (its weights are not fetched)."""
+    from rlhf_core.workers import modeling
+
+    path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False,
+                                      weights=False)
+    return modeling.load_tokenizer(path)
+
+
 def _cmd_snapshots(args: argparse.Namespace) -> int:
-    from rlhf_core import audit
+    from rlhf_core.record import audit
     from rlhf_core.snapshot import SnapshotError
 
     try:
-        print(audit.list_store(args.uri) if args.action == "ls" else audit.show(args.uri, args.uid, args.fields))
+        print(audit.list_store(args.uri) if args.action == "ls"
+              else audit.show(args.uri, args.uid, args.fields, tokenizer_for=_run_tokenizer))
     except (SnapshotError, audit.AuditError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     return 0
@@ -411,7 +430,7 @@ def _cmd_snapshots(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     from rlhf_core.export import ExportError, export_checkpoint
     from rlhf_core.snapshot import SnapshotError
-    from rlhf_core.workers.checked_load import CheckpointRefusedError
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError
     from rlhf_core.workers.modeling import ModelPathError
 
     try:
@@ -424,18 +443,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_gc(args: argparse.Namespace) -> int:
-    from rlhf_core import retention, run_layout
+    from rlhf_core.record import retention, run_layout
     from rlhf_core.config import ConfigError, apply_overrides, config_from_dict
     from rlhf_core.snapshot import SnapshotError
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
     uri = args.uri.rstrip("/")
-    store, run_id = run_layout.split_run_uri(uri)
     if not args.grace_s >= retention.MIN_GRACE_S:  # before anything is read: a refusal, not a plan
         raise SystemExit(f"rlhf: --grace-s: expected at least {retention.MIN_GRACE_S:g} (anything younger may "
                          f"be a write still under way); found {args.grace_s:g}")
     try:
-        istore = IterationStore(store, run_id)
+        istore = IterationStore(run_layout.RunRef.from_uri(uri))
         committed = istore.committed_iterations()
         if not committed:
             raise SystemExit(f"rlhf: {uri}: no committed iteration; expected a run URI ({{store}}/{{run_id}})")
@@ -470,7 +488,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from rlhf_core.cli_args import ABSENT, Parser, add_run_arguments, run_uri, store_uri
-    from rlhf_core.ray_head import default_head_root
+    from rlhf_core.runtime.ray_head import default_head_root
 
     parser = Parser(prog="rlhf", description="HybridFlow-style PPO/GRPO post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -553,7 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="a new or empty folder")
     export.set_defaults(func=_cmd_export)
 
-    from rlhf_core.retention import MIN_GRACE_S
+    from rlhf_core.record.retention import MIN_GRACE_S
 
     gc = sub.add_parser("gc", help="remove what a run's retention policy lets go, orphaned writes, dead leases")
     gc.add_argument("uri", metavar="URI", type=run_uri, help="a run URI: {store}/{run_id}")
@@ -589,8 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     job (``serve --foreground``) keeps its tracebacks: its log is where they are read.
     KeyboardInterrupt is not an error here (``rlhf run`` says what it kept)."""
     from rlhf_core.cli_args import one_line
-    from rlhf_core.run_ids import RunIdError, StoreUriError
-    from rlhf_core.trainer.manifest_schema import ManifestError
+    from rlhf_core.record.run_ids import RunIdError, StoreUriError
+    from rlhf_core.record.manifest_schema import ManifestError
 
     args = build_parser().parse_args(argv)
     try:

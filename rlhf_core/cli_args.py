@@ -14,7 +14,7 @@ import argparse
 import re
 import sys
 
-from rlhf_core.run_ids import run_id_problem, store_uri_problem
+from rlhf_core.record.run_ids import run_id_problem, store_uri_problem
 
 REQUIRED = object()  # the argument must be given
 ABSENT = object()     # the command does not take it
@@ -66,11 +66,11 @@ def store_uri(text: str) -> str:
 def run_uri(text: str) -> str:
     """argparse type of a URI inside a run (``{store}/{run_id}[/iter-NNNNNN[/stage]]`` or
     ``.../checkpoints/step-SSSSSS``): a store URI whose run id is valid too."""
-    from rlhf_core import run_layout
+    from rlhf_core.record import run_layout
 
     text = store_uri(text)
     loc = run_layout.parse(text)
-    name = loc.run_id if loc is not None else run_layout.split_run_uri(text)[1]
+    name = run_layout.run_id_of(loc.run_uri if loc is not None else text)
     problem = run_id_problem(name)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"the run id in it: {problem}")

@@ -7,7 +7,7 @@ weights' sha256, the config hash and the step (``rlhf lineage`` goes on from the
 
 Only a checkpoint a committed record names is exported (an iteration manifest's
 checkpoint, or the run's INITIAL.json for step 0), from bytes checked against the
-checksums of that record (``rlhf_core.workers.checked_load``): a file changed after the
+checksums of that record (``rlhf_core.checkpoint.reader``): a file changed after the
 commit is refused before anything of it is unpickled.
 """
 
@@ -18,9 +18,9 @@ import json
 import shutil
 from pathlib import Path
 
-from rlhf_core import run_layout
+from rlhf_core.record import run_layout
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.workers.worker_set import TRAINER_STATE_FILE
+from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
 
 POLICY = "actor"  # the policy's folder in a checkpoint (sharded, torch.distributed.checkpoint)
 #: Files of the base folder that are weights (replaced) rather than config or tokenizer.
@@ -38,15 +38,14 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
     the run's ``checkpoints/INITIAL.json``. A folder no committed record names (a lost or
     unfinished write, a copy, anything outside a run) is refused, and so is one whose
     record has no checksums."""
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
     loc = run_layout.parse(uri.rstrip("/"))
     if loc is None or loc.step is None:
         raise ExportError(f"{uri}: expected a run's checkpoint, {{store}}/{{run_id}}/checkpoints/step-NNNNNN-<attempt> "
                           f"(the one an iteration manifest's weights.checkpoint or the run's "
                           f"checkpoints/{run_layout.INITIAL_CHECKPOINT} names)")
-    store, run_id = run_layout.split_run_uri(loc.run_uri)
-    istore = IterationStore(store, run_id, storage_options)
+    istore = IterationStore(loc.run, storage_options)
     if loc.step == 0:
         record = f"{istore.run_uri}/{run_layout.CHECKPOINTS}/{run_layout.INITIAL_CHECKPOINT}"
         named, checksums = istore.initial_checkpoint() or (None, None)
@@ -75,7 +74,7 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     from safetensors.torch import save as save_safetensors
 
     from rlhf_core.workers import modeling
-    from rlhf_core.workers.checked_load import METADATA, CheckedFiles
+    from rlhf_core.checkpoint.reader import METADATA, CheckedFiles
 
     files = CheckedFiles(sfs.resolve(uri.rstrip("/"), storage_options),
                          expected if expected is not None else committed_checksums(uri, storage_options))
@@ -115,7 +114,7 @@ def read_policy_weights(files, base: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlhf_core.workers.checked_load import CheckedReader, WeightsOnlyPlanner
+    from rlhf_core.checkpoint.reader import CheckedReader, WeightsOnlyPlanner
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))

@@ -100,7 +100,7 @@ def model_cache(tmp_path_factory):
 
 # Every Ray this test session starts listens on loopback only and wants a token; Ray reads
 # these when it is imported, so before any test module imports it.
-from rlhf_core.ray_head import local_ray_env  # noqa: E402  (imports no Ray)
+from rlhf_core.runtime.ray_head import local_ray_env  # noqa: E402  (imports no Ray)
 
 local_ray_env()
 

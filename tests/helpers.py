@@ -7,7 +7,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
 from rlhf_core.config import RunConfig, apply_overrides
+from rlhf_core.record.run_layout import RunRef
 
 
 def small_config(out: Path) -> RunConfig:
@@ -51,12 +53,12 @@ def names_nothing(uri: str) -> bool:
     commit marker."""
     import fsspec
 
-    from rlhf_core import run_layout
+    from rlhf_core.record import run_layout
 
     fs, path = fsspec.core.url_to_fs(uri.rstrip("/"))
     loc = run_layout.parse(uri.rstrip("/"))
     if loc is not None and loc.step is not None:
-        return not fs.exists(f"{path}/{run_layout.TRAINER_STATE_FILE}")
+        return not fs.exists(f"{path}/{TRAINER_STATE_FILE}")
     if loc is not None and loc.iteration is not None and loc.stage is None:
         return not fs.exists(f"{path}/{run_layout.MANIFEST}")
     return not fs.exists(f"{path}/{run_layout.SNAPSHOT_MARKER}")
@@ -65,10 +67,10 @@ def names_nothing(uri: str) -> bool:
 def uris_naming_nothing(store: str, run_id: str) -> list[str]:
     """Every URI the run's committed manifests and ``rlhf lineage`` name that names
     nothing (empty when each one is there)."""
-    from rlhf_core.lineage import chain
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.lineage import chain
+    from rlhf_core.record.iteration_store import IterationStore
 
-    istore = IterationStore(store, run_id)
+    istore = IterationStore(RunRef(store, run_id))
     named = []
     for n in istore.committed_iterations():
         manifest = istore.read_manifest(n)

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from rlhf_core.ray_head import local_ray_env
+from rlhf_core.runtime.ray_head import local_ray_env
 
 local_ray_env()
 
@@ -53,7 +53,7 @@ def main(nodes: int, ranks_per_node: int, critic_pool: bool = False, engine: str
     for _ in range(nodes + (1 if critic_pool else 0)):
         cluster.add_node(num_cpus=ranks_per_node, resources={"sim_gpu": ranks_per_node},
                          object_store_memory=100 * 2**20)
-    from rlhf_core.session import namespace_of
+    from rlhf_core.session.session import namespace_of
 
     # the run's namespace: the session part places detached workers as the serve job does
     ray.init(address=cluster.address, log_to_driver=False, namespace=namespace_of(SESSION_RUN))
@@ -137,7 +137,7 @@ def stop_session_groups(cfg) -> dict:
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from rlhf_core import session
+    from rlhf_core.session import session
 
     run_id, namespace = SESSION_RUN, session.namespace_of(SESSION_RUN)
     bystander = placement_group([{"bystander": 1}], name=BYSTANDER, lifetime="detached")

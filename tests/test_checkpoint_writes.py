@@ -16,10 +16,12 @@ import pytest
 from rlhf_core.config import RunConfig
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
-from rlhf_core.trainer.iteration_store import IterationStore
 from rlhf_core.trainer.ppo import TrainerState
-from rlhf_core.trainer.restore import restore_or_init, weights_checkpoint
+from rlhf_core.record.checkpoints import weights_checkpoint
+from rlhf_core.trainer.restore import restore_or_init
 from rlhf_core.trainer.run import IterationCommit, commit
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 
 class StandInWorkers:
@@ -57,10 +59,10 @@ def test_a_late_writer_never_overwrites_a_committed_checkpoint(tmp_path):
     committed checkpoint keeps every byte A's manifest records, B's lies in a prefix of
     its own, and readers take A's from the manifest."""
     store = f"file://{tmp_path}/store"
-    end_iteration_0(IterationStore(store, "run"), StandInWorkers(b"A"))
+    end_iteration_0(IterationStore(RunRef(store, "run")), StandInWorkers(b"A"))
     with pytest.raises(SnapshotExistsError, match="MANIFEST.json already exists"):
-        end_iteration_0(IterationStore(store, "run"), StandInWorkers(b"B"))
-    istore = IterationStore(store, "run")
+        end_iteration_0(IterationStore(RunRef(store, "run")), StandInWorkers(b"B"))
+    istore = IterationStore(RunRef(store, "run"))
     manifest = istore.read_manifest(0)
     assert manifest["weights"]["checkpoint"] == manifest["checkpoint"]
     assert not changed_files(manifest["checkpoint"], manifest["checkpoint_sha256"]), "B overwrote A's checkpoint"
@@ -78,7 +80,7 @@ def test_controllers_starting_a_run_at_once_agree_on_its_initial_checkpoint(tmp_
     def start(tag: bytes) -> None:
         try:
             barrier.wait(timeout=30)
-            restore_or_init(StandInWorkers(tag), IterationStore(store, "run"), TrainerState(), RunConfig(), None)
+            restore_or_init(StandInWorkers(tag), IterationStore(RunRef(store, "run")), TrainerState(), RunConfig(), None)
         except Exception as exc:  # surfaced below
             errors.append(exc)
 
@@ -91,7 +93,7 @@ def test_controllers_starting_a_run_at_once_agree_on_its_initial_checkpoint(tmp_
     record = json.loads((tmp_path / "store/run/checkpoints/INITIAL.json").read_text())
     assert not changed_files(record["checkpoint"], record["checkpoint_sha256"]), "the initial checkpoint was overwritten"
     third = StandInWorkers(b"C")
-    restore_or_init(third, IterationStore(store, "run"), TrainerState(), RunConfig(), None)
+    restore_or_init(third, IterationStore(RunRef(store, "run")), TrainerState(), RunConfig(), None)
     assert third.loaded == [(record["checkpoint"], record["checkpoint_sha256"])]
 
 
@@ -100,7 +102,7 @@ def test_a_run_at_step_0_records_a_new_initial_checkpoint_rather_than_load_one_u
     before recording it): nothing records its checksums, so it is not loaded; the
     controller writes the initial checkpoint under a prefix of its own and records it,
     checksums included, as the run's one step-0 record."""
-    istore = IterationStore(f"file://{tmp_path}/store", "old")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "old"))
     sfs.write_durably(f"{istore.run_uri}/checkpoints/step-000000", {"trainer_state.json": b"{}"})
     workers = StandInWorkers(b"E")
     restore_or_init(workers, istore, TrainerState(), RunConfig(), None)

@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 
 from rlhf_core import cli_args
 from rlhf_core.cli import build_parser, main
-from rlhf_core.run_ids import RunIdError, StoreUriError
-from rlhf_core.trainer.iteration_store import IterationStore
-from rlhf_core.trainer.manifest_schema import ManifestError
+from rlhf_core.record.run_ids import RunIdError, StoreUriError
+from rlhf_core.record.manifest_schema import ManifestError
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 URI_TYPES = (cli_args.store_uri, cli_args.run_uri)
 
@@ -39,10 +40,10 @@ class Reached(BaseException):
 @pytest.fixture
 def offline(monkeypatch):
     # what the commands import lazily, imported now: an import may look things up itself
-    import rlhf_core.audit  # noqa: F401
+    import rlhf_core.record.audit  # noqa: F401
     import rlhf_core.export  # noqa: F401
-    import rlhf_core.lineage  # noqa: F401
-    import rlhf_core.retention  # noqa: F401
+    import rlhf_core.record.lineage  # noqa: F401
+    import rlhf_core.record.retention  # noqa: F401
     import rlhf_core.snapshot.reader  # noqa: F401
     import rlhf_core.trainer.replay  # noqa: F401
     import pipelines.remote  # noqa: F401  (kfp: seconds, once)
@@ -193,7 +194,7 @@ def _run_with_manifest(tmp_path: Path, run_id: str, edit) -> str:
             "data_cursor": {"epoch": 0, "position": 8}, "kl_coef": 0.001, "global_step": 1, "rng": {},
             "stage_timings_s": {}, "metrics": {"critic/score/mean": 0.5}, "snapshots": {}, "computed_ahead": [],
             "weights": {"checkpoint_step": 1, "checkpoint": "x", "redo": []}}
-    IterationStore(str(tmp_path / "store"), run_id).commit_iteration(0, body)
+    IterationStore(RunRef(str(tmp_path / "store"), run_id)).commit_iteration(0, body)
     path = tmp_path / "store" / run_id / "iter-000000" / "MANIFEST.json"
     path.write_bytes(edit(json.loads(path.read_text())))
     return f"file://{tmp_path}/store/{run_id}"
@@ -234,7 +235,7 @@ def test_a_damaged_manifest_ends_a_command_in_one_line_naming_it_and_the_key(arg
 
 def test_manifest_checks_pass_what_a_run_writes_and_stay_plain_dicts(tmp_path):
     run = _run_with_manifest(tmp_path, "r", lambda m: json.dumps(m).encode())
-    manifest = IterationStore(run.rsplit("/", 1)[0], "r").read_manifest(0)
+    manifest = IterationStore(RunRef(run.rsplit("/", 1)[0], "r")).read_manifest(0)
     assert manifest["weights"]["checkpoint_step"] == 1 and manifest.get("nothing") is None
     assert json.loads(json.dumps(manifest)) == manifest  # written and compared as the dict it is
     with pytest.raises(ManifestError, match=r"MANIFEST.json: no key metrics.actor/kl"):
@@ -244,7 +245,7 @@ def test_manifest_checks_pass_what_a_run_writes_and_stay_plain_dicts(tmp_path):
 # ------------------------------------------------------------------ the last guard
 
 def test_an_unexpected_exception_in_a_command_is_one_line_with_a_way_to_the_traceback(monkeypatch, capsys):
-    from rlhf_core import audit
+    from rlhf_core.record import audit
 
     def broken(uri):
         raise RuntimeError("the listing broke\n  on its second line")
@@ -261,7 +262,7 @@ def test_an_unexpected_exception_in_a_command_is_one_line_with_a_way_to_the_trac
 
 
 def test_keyboard_interrupt_is_not_turned_into_an_error(monkeypatch):
-    from rlhf_core import audit
+    from rlhf_core.record import audit
 
     def interrupted(uri):
         raise KeyboardInterrupt

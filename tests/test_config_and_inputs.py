@@ -61,7 +61,8 @@ def test_each_config_choice_lives_once_and_is_checked_there():
 
     from rlhf_core import algorithms
     from rlhf_core.config import NAMED_REWARDS, STRATEGIES, ActorConfig, AlgorithmConfig, field_help
-    from rlhf_core.workers import reward, sharding
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import reward
 
     assert not hasattr(sharding, "STRATEGIES") and reward.NAMED_REWARDS is NAMED_REWARDS
     with pytest.raises(ConfigError, match=r"reward.function: expected module:function or one of builtin, gsm8k; "
@@ -204,7 +205,7 @@ def test_prompt_tokenizer_matches_transformers(tmp_path):
     """The controller's transformers-free tokenizer gives the ids AutoTokenizer gives."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.data.builtin import build_tokenizer
+    from rlhf_core.models.builtin import build_tokenizer
     from rlhf_core.data.tokenizer import PromptTokenizer
 
     path = str(tmp_path / "tokenizer")  # the built-in model's tokenizer, as its folder holds it

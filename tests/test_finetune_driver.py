@@ -15,8 +15,9 @@ import pytest
 
 from components.driver import Plan, drive, report_markdown
 from pipelines.local import LocalKfpStandIn
-from rlhf_core import ray_head
-from rlhf_core.trainer.iteration_store import IterationStore
+from rlhf_core.runtime import ray_head
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +105,7 @@ def test_budget_and_reward_target_end_the_loop(place):
     assert spent.committed == [0] and "budget" in spent.reason
     # the reward target is the mean of the recent iterations' rewards: met at exactly the
     # reward reached, missed just above it (then the zero budget ends the loop, no run)
-    reward = IterationStore(plan_for(place, "budget").store, "budget").read_manifest(0)["metrics"]["critic/score/mean"]
+    reward = IterationStore(RunRef(plan_for(place, "budget").store, "budget")).read_manifest(0)["metrics"]["critic/score/mean"]
     met = drive(standin, plan_for(place, "budget", iterations=50, stop_at_reward=reward), "", "local",
                 log=lambda *a: None)
     assert met.runs == [] and met.reason == f"mean reward {reward:.3f} of the last iterations reached {reward}"
@@ -121,7 +122,7 @@ def test_a_killed_driver_started_again_continues_from_the_committed_iteration(pl
             *SMALL, f"trainer.output_dir={place / 'out'}"]
     first = subprocess.Popen(argv, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    istore = IterationStore(store, "killed")
+    istore = IterationStore(RunRef(store, "killed"))
     deadline = time.monotonic() + 600
     while not istore.committed_iterations():
         assert time.monotonic() < deadline and first.poll() is None
@@ -187,7 +188,7 @@ def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_run
         output = "".join(said) + rest
         assert second.returncode == 0, output[-5000:]
         assert "iteration 0 is being run by driver:orphan/" in output
-        assert IterationStore(store, "orphan").committed_iterations() == [0, 1]
+        assert IterationStore(RunRef(store, "orphan")).committed_iterations() == [0, 1]
         for iteration in (0, 1):
             records = [json.loads(p.read_text()) for p in sorted(leases.glob(f"iter-{iteration:06d}/*.json"))]
             acquired = [r["holder"] for r in records if r["state"] == "held" and r["token"] == records.index(r) + 1]

@@ -21,7 +21,7 @@ ROWS, SEQ = 8, 12
 
 
 def _model():
-    from rlhf_core.workers.qwen2 import qwen2_from_config
+    from rlhf_core.models.qwen2 import qwen2_from_config
 
     return qwen2_from_config(0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
@@ -38,8 +38,10 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
                       RLHF_RDZV_ID=rdzv)
     torch.set_num_threads(1)
     from rlhf_core.controller.worker import Worker
-    from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import finish_sharded, load_sharded, start_sharded
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import modeling
+    from rlhf_core.checkpoint.reader import load_sharded
+    from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
 
     worker = Worker()
     model = modeling.init_distributed_model(worker, _model(), sharding.ShardingSpec(strategy=strategy))
@@ -154,8 +156,9 @@ def _load_main(rank: int, world: int, rdzv: str, ckpt: str, expected: dict, swap
     from fsspec.implementations.local import LocalFileSystem
 
     from rlhf_core.controller.worker import Worker
-    from rlhf_core.workers import modeling, sharding
-    from rlhf_core.workers.trainable import load_sharded
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import modeling
+    from rlhf_core.checkpoint.reader import load_sharded
 
     if rank == 1:  # the store answers rank 1 with other .metadata bytes than rank 0 got (replaced in between)
         real_open = LocalFileSystem._open
@@ -220,7 +223,8 @@ def _stream_rank(rank: int, world: int, rdzv: str, out: str) -> None:
                       RLHF_RDZV_ID=rdzv)
     torch.set_num_threads(1)
     from rlhf_core.controller.worker import Worker
-    from rlhf_core.workers import modeling, sharding
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import modeling
 
     model = modeling.init_distributed_model(Worker(), _model(), sharding.ShardingSpec(strategy="fsdp"))
     dropped, kept, held = sharding.GatherMeter(), sharding.GatherMeter(), []

@@ -29,7 +29,8 @@ from rlhf_core.controller import Worker
 from rlhf_core.controller import worker as worker_module
 from rlhf_core.controller.worker import local_device_index
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import devices, modeling, sharding
+from rlhf_core.distributed import sharding
+from rlhf_core.workers import devices, modeling
 
 PROMPT, RESPONSE, ROWS = 6, 4, 4
 

@@ -14,11 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlhf_core import ray_head, session
+from rlhf_core.runtime import processes, ray_head
+from rlhf_core.session import session
 from rlhf_core.cli import main
 from rlhf_core.config import RunConfig, _leaf_paths
-from rlhf_core.processes import pid_alive
-from rlhf_core.run_ids import RunIdError, StoreUriError, validate_run_id, validate_store_uri
+from rlhf_core.runtime.processes import pid_alive
+from rlhf_core.record.run_ids import RunIdError, StoreUriError, validate_run_id, validate_store_uri
+from rlhf_core.record.run_layout import RunRef
 
 BAD_RUN_IDS = ["x; touch PWNED", "x;touch PWNED;echo", "$(id)", "`id`", "../x", "a/b", "x" * 300, "ünïcode",
                "-rf", ".hidden", "", "a b", "x\ny"]
@@ -62,14 +64,14 @@ def test_the_session_entrypoint_is_quoted_for_the_shell(tmp_path):
     """Ray runs the entrypoint with a shell: a store path full of shell syntax arrives as
     one argument and runs nothing."""
     store = f"file://{tmp_path}/st;touch PWNED;$(touch PWNED2) `touch PWNED3` 'q\" x"
-    entry = session.session_entrypoint("run-1", store)
+    entry = session.session_entrypoint(RunRef(store, "run-1"))
     printer = f"{shlex.quote(sys.executable)} -c 'import sys, json; print(json.dumps(sys.argv[1:]))'"
     cmd = entry.replace(f"{shlex.quote(sys.executable)} -m rlhf_core.cli", printer, 1)
     out = subprocess.run(["sh", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == ["serve", "--foreground", "--run-id", "run-1", "--store", store]
     assert not list(tmp_path.glob("PWNED*"))
     with pytest.raises(RunIdError):
-        session.session_entrypoint("x; touch PWNED", "runs/store")
+        session.session_entrypoint(RunRef("runs/store", "x; touch PWNED"))
 
 
 def test_job_runtime_env_carries_no_secret(tmp_path, monkeypatch):
@@ -92,7 +94,7 @@ def test_job_runtime_env_carries_no_secret(tmp_path, monkeypatch):
     head = ray_head.HeadInfo(address="127.0.0.1:1", token_path=str(tmp_path / "ray-token"), temp_dir="/tmp/x",
                              pid=0)
     client = Client()
-    session.submit_job(client, RunConfig(), "r", "file:///tmp/s", head)
+    session.submit_job(client, RunConfig(), RunRef("file:///tmp/s", "r"), head)
     env = client.submitted["runtime_env"]["env_vars"]
     blob = json.dumps(client.submitted, default=str)
     assert "secret" not in blob.lower().replace("aws_secret_access_key", "") and "AKIASECRETKEY" not in blob
@@ -200,7 +202,7 @@ def test_a_run_adopts_the_head_of_a_dead_run_but_not_a_users_head(tmp_path):
 # ------------------------------------------------------------------ records that point outside
 
 def test_lineage_stops_on_a_cycle(tmp_path):
-    from rlhf_core.lineage import LineageError, chain
+    from rlhf_core.record.lineage import LineageError, chain
 
     run = tmp_path / "store" / "r"
     for n, parent in ((0, None), (1, 1)):
@@ -302,7 +304,7 @@ def test_no_local_ray_temp_dir_outlives_its_process():
 def _temp_dirs_in(tmp_path: Path, signal) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     env.pop("RAY_ADDRESS", None)
-    code = "from rlhf_core.ray_head import start_local_ray; start_local_ray(num_cpus=1); print('up', flush=True)"
+    code = "from rlhf_core.runtime.ray_head import start_local_ray; start_local_ray(num_cpus=1); print('up', flush=True)"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and "up" in done.stdout, done.stderr[-2000:]
     assert not list(tmp_path.glob("rlhf-ray-*"))  # ended normally: cleaned at exit
@@ -321,7 +323,7 @@ def _temp_dirs_in(tmp_path: Path, signal) -> None:
         time.sleep(0.1)
     alive = tmp_path / "rlhf-ray-alive"
     alive.mkdir()
-    (alive / ray_head.LOCAL_RAY_OWNER).write_text(json.dumps(__import__("rlhf_core.processes").processes.this_process()))
+    (alive / ray_head.LOCAL_RAY_OWNER).write_text(json.dumps(processes.this_process()))
     foreign = tmp_path / "rlhf-ray-foreign"
     foreign.mkdir()
     assert ray_head.remove_orphan_local_rays(str(tmp_path)) == [str(left[0])]

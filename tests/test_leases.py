@@ -12,8 +12,9 @@ import pytest
 
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
-from rlhf_core.trainer import lease as lease_module
-from rlhf_core.trainer.lease import CLOCK_SKEW_MARGIN_S, Lease, LeaseKeeper, LeaseLog, LeaseLost
+from rlhf_core.record import lease as lease_module
+from rlhf_core.record.lease import CLOCK_SKEW_MARGIN_S, Lease, LeaseKeeper, LeaseLog, LeaseLost
+from rlhf_core.record.run_layout import RunRef
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -220,7 +221,7 @@ def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
 HOLD = """
 import sys, time
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core.trainer.lease import LeaseKeeper, LeaseLog
+from rlhf_core.record.lease import LeaseKeeper, LeaseLog
 log = LeaseLog(sfs.resolve(sys.argv[1]), 0, ttl_s=900)
 keeper = LeaseKeeper(log, log.acquire("kfp:run-1/run-iteration"))
 print("held", flush=True)
@@ -264,7 +265,7 @@ def test_only_a_process_that_can_see_the_holder_declares_it_dead(tmp_path):
     it. A PID that now names a process started at another time (reused) is a dead holder."""
     import os
 
-    from rlhf_core.processes import this_process
+    from rlhf_core.runtime.processes import this_process
 
     dead_pid = 2 ** 22 + 17  # beyond pid_max: no process has it
     here = this_process()
@@ -337,9 +338,9 @@ def test_the_driver_never_submits_an_iteration_committed_while_it_looked(tmp_pat
     iteration 0 uncommitted, then its holder commits and releases, then the driver reads
     the lease (free). It must look again, not submit a run for a committed iteration."""
     from components.driver import _wait_out
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
-    istore = IterationStore(f"file://{tmp_path}/store", "r")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "r"))
     lease = istore.lease_log(0, 900.0)
     other = lease.acquire("kfp:other/run-iteration")
     real_latest = lease.latest

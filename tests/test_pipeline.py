@@ -186,7 +186,6 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
     waiting out the TTL), resumes at the next stage and ends with the same bytes as a run
     nobody interrupted."""
     import signal
-    import time
 
     from tests.helpers import fingerprint
 
@@ -227,7 +226,7 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
 
     import psutil
 
-    from rlhf_core import ray_head
+    from rlhf_core.runtime import ray_head
 
     env = {**os.environ, "RLHF_CACHE": os.environ.get("RLHF_CACHE", str(tmp_path / "cache"))}
     env.pop("RAY_ADDRESS", None)

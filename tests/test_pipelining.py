@@ -8,18 +8,19 @@ import time
 
 from components.driver import Plan, pipelines_ahead
 from rlhf_core.config import RunConfig
-from rlhf_core.session_iteration import wait_for_commit
-from rlhf_core.trainer.iteration_store import IterationStore
-from rlhf_core.trainer.lease import IterationLeases, LeaseLog
-from rlhf_core.trainer.restore import announced_weights_checkpoint, checkpoint_plan
+from rlhf_core.session.iteration import wait_for_commit
+from rlhf_core.record.lease import IterationLeases, LeaseLog
+from rlhf_core.record.checkpoints import announced_weights_checkpoint, checkpoint_plan
 from rlhf_core.trainer.run import IterationCommit
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 #: what a manifest that wrote checkpoint "x" says of its weights
 OWN_CHECKPOINT = {"checkpoint": "x", "weights": {"checkpoint": "x", "checkpoint_step": 1, "redo": []}}
 
 
 def _istore(tmp_path, run_id="r"):
-    return IterationStore(f"file://{tmp_path}/store", run_id)
+    return IterationStore(RunRef(f"file://{tmp_path}/store", run_id))
 
 
 def test_a_controller_announces_the_checkpoint_it_will_write_and_writes_it_there(tmp_path):
@@ -143,7 +144,7 @@ def test_a_freeze_point_stops_the_process_there_until_it_is_killed(tmp_path):
     import psutil
 
     after = tmp_path / "after"
-    code = ("from rlhf_core import probes; probes.reached('stage:reward'); probes.reached('stage:advantage'); "
+    code = ("from rlhf_core.runtime import probes; probes.reached('stage:reward'); probes.reached('stage:advantage'); "
             f"open({str(after)!r}, 'w').close()")
     proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "RLHF_FREEZE_AT": "stage:adv*"})
     try:

@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from rlhf_core import session
+from rlhf_core.session import session
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer import prefetch
+from rlhf_core.session import prefetch
 from rlhf_core.trainer.ppo import TrainerState
 
 NAMESPACE = "rlhf-test-prefetch"

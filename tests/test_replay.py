@@ -10,11 +10,12 @@ import pytest
 
 from rlhf_core.cli import main
 from rlhf_core.config import ConfigError, apply_overrides
-from rlhf_core.lineage import LineageError, chain, format_lineage
+from rlhf_core.record.lineage import LineageError, chain, format_lineage
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot import snapshot_info
 from rlhf_core.trainer.replay import ReplayError, replay
 from rlhf_core.trainer.run import run_direct
+from rlhf_core.record.run_layout import RunRef
 
 from helpers import small_config
 
@@ -33,8 +34,8 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         for key, value in mlflow_env.items():
             patch.setenv(key, value)
-        run_direct(cfg, 1, f"file://{root / 'store'}", "audit", log=lambda *a: None)
-        run_direct(cfg, 1, f"file://{root / 'store'}", "audit", log=lambda *a: None)  # a second process would do the same
+        run_direct(cfg, 1, RunRef(f"file://{root / 'store'}", "audit"), log=lambda *a: None)
+        run_direct(cfg, 1, RunRef(f"file://{root / 'store'}", "audit"), log=lambda *a: None)  # a second process would do the same
     RUN_ENV.update(mlflow_env)
     return f"file://{root / 'store'}/audit"
 

@@ -7,9 +7,10 @@ import torch
 from markdown_it import MarkdownIt
 
 from rlhf_core.protocol import DataProto, object_column
-from rlhf_core.trainer.iteration_store import IterationStore
 from rlhf_core.trainer.progress import ProgressLine
 from rlhf_core.trainer.report import markdown_report
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 #: what a manifest that wrote checkpoint "x" says of its weights
 OWN_CHECKPOINT = {"checkpoint": "x", "weights": {"checkpoint": "x", "checkpoint_step": 1, "redo": []}}
@@ -59,10 +60,10 @@ def _reward_stage(rows: int = 8, n: int = 4) -> DataProto:
 
 def test_report_shows_best_and_worst_responses_and_renders(tmp_path):
     store = f"file://{tmp_path}/store"
-    istore = IterationStore(store, "run-r")
+    istore = IterationStore(RunRef(store, "run-r"))
     istore.save(0, "reward", _reward_stage())
     istore.commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {"critic/score/mean": 0.59, "actor/entropy": 1.5}})
-    text = markdown_report(store, "run-r")
+    text = markdown_report(IterationStore(RunRef(store, "run-r")))
     html = MarkdownIt("commonmark").enable("table").render(text)
     assert "<img" in html and "data:image/png;base64," in html  # the reward curve
     assert html.count("<table>") == 2  # metrics, samples
@@ -76,8 +77,8 @@ def test_report_shows_best_and_worst_responses_and_renders(tmp_path):
 
 def test_report_without_a_reward_snapshot_has_no_sample_table(tmp_path):
     store = f"file://{tmp_path}/store"
-    IterationStore(store, "run-s").commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {"critic/score/mean": 0.1}})
-    text = markdown_report(store, "run-s")
+    IterationStore(RunRef(store, "run-s")).commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {"critic/score/mean": 0.1}})
+    text = markdown_report(IterationStore(RunRef(store, "run-s")))
     assert "reward curve" in text and "Sampled responses" not in text
 
 
@@ -102,14 +103,15 @@ def test_the_per_run_report_draws_its_curve_without_matplotlib(tmp_path):
     from PIL import Image
 
     store = f"file://{tmp_path}/store"
-    istore = IterationStore(store, "run-v")
+    istore = IterationStore(RunRef(store, "run-v"))
     for n, reward in enumerate([0.1, 0.4, 0.8]):
         metrics = {"critic/score/mean": reward, "critic/reward_extra/exact/mean": reward / 2}
         if n == 2:
             metrics["val-core/digits/reward/mean@1"] = 0.3
         istore.commit_iteration(n, {**OWN_CHECKPOINT, "metrics": metrics})
     code = ("import sys; from rlhf_core.trainer.report import markdown_report; "
-            f"text = markdown_report({store!r}, 'run-v'); print(text); "
+            "from rlhf_core.record.iteration_store import IterationStore; from rlhf_core.record.run_layout import RunRef; "
+            f"text = markdown_report(IterationStore(RunRef({store!r}, 'run-v'))); print(text); "
             "print('MATPLOTLIB', 'matplotlib' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "MATPLOTLIB False" in out

@@ -9,9 +9,10 @@ import re
 import pytest
 
 from helpers import fingerprint, names_nothing, small_config, uris_naming_nothing
-from rlhf_core.lineage import chain, format_lineage
+from rlhf_core.record.lineage import chain, format_lineage
 from rlhf_core.config import ConfigError, apply_overrides
 from rlhf_core.trainer.run import run_direct
+from rlhf_core.record.run_layout import RunRef
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -35,19 +36,19 @@ def crash_at(iteration, stage):
 def test_interrupted_run_resumes_bit_identical(tmp_path):
     quiet = lambda *a: None
     store_a, store_b = tmp_path / "a", tmp_path / "b"
-    run_direct(small_config(tmp_path / "out"), 2, f"file://{store_a}", "run", log=quiet)
+    run_direct(small_config(tmp_path / "out"), 2, RunRef(f"file://{store_a}", "run"), log=quiet)
 
     # crash after the advantage stage committed (nothing stateful ran yet) ...
     with pytest.raises(Crash):
-        run_direct(small_config(tmp_path / "out"), 2, f"file://{store_b}", "run", log=quiet,
+        run_direct(small_config(tmp_path / "out"), 2, RunRef(f"file://{store_b}", "run"), log=quiet,
                    on_stage=crash_at(1, "update_actor"))
     assert (store_b / "run/iter-000001/advantage/SNAPSHOT.json").exists()
     assert not (store_b / "run/iter-000001/MANIFEST.json").exists()
     # ... then after update_actor changed the weights but before the checkpoint
     with pytest.raises(Crash):
-        run_direct(small_config(tmp_path / "out"), 1, f"file://{store_b}", "run", log=quiet,
+        run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store_b}", "run"), log=quiet,
                    on_stage=crash_at(1, "weight_sync"))
-    result = run_direct(small_config(tmp_path / "out"), 1, f"file://{store_b}", "run", log=quiet)
+    result = run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store_b}", "run"), log=quiet)
     assert [r["iteration"] for r in result["rows"]] == [1]
 
     a, b = fingerprint(store_a, "run"), fingerprint(store_b, "run")
@@ -63,10 +64,10 @@ def test_interrupted_run_resumes_bit_identical(tmp_path):
 
 def test_continuing_with_another_config_is_refused(tmp_path):
     store = f"file://{tmp_path / 's'}"
-    run_direct(small_config(tmp_path / "out"), 1, store, "run", log=lambda *a: None)
+    run_direct(small_config(tmp_path / "out"), 1, RunRef(store, "run"), log=lambda *a: None)
     changed = apply_overrides(small_config(tmp_path / "out"), ["actor.lr=0.1"])
     with pytest.raises(ConfigError, match=r"another config.*actor.lr: 0.0003 -> 0.1"):
-        run_direct(changed, 1, store, "run", log=lambda *a: None)
+        run_direct(changed, 1, RunRef(store, "run"), log=lambda *a: None)
 
 
 def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, monkeypatch):
@@ -75,13 +76,13 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     before the manifest that makes them visible."""
     import os
 
-    from rlhf_core.workers.checked_load import CorruptCheckpointError
+    from rlhf_core.checkpoint.reader import CorruptCheckpointError
 
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd))[1])
     store = tmp_path / "s"
-    run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
+    run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store}", "run"), log=lambda *a: None)
     manifest = json.loads((store / "run/iter-000000/MANIFEST.json").read_text())
     ckpt = store / "run/checkpoints" / manifest["checkpoint"].rsplit("/", 1)[-1]
     assert set(manifest["checkpoint_sha256"]) >= {"actor/.metadata", "actor/__0_0.distcp", "actor/rank-00000.pt",
@@ -97,7 +98,7 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     (ckpt / "actor/__0_0.distcp").write_bytes(bytes(weights))
     with pytest.raises(CorruptCheckpointError,
                        match=r"^\S+/actor/__0_0.distcp: sha256 .* is not the .* its iteration committed[^\n]*$"):
-        run_direct(small_config(tmp_path / "out"), 1, f"file://{store}", "run", log=lambda *a: None)
+        run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store}", "run"), log=lambda *a: None)
 
 
 def test_an_iteration_count_is_the_runs_total(tmp_path, capsys):
@@ -105,7 +106,7 @@ def test_an_iteration_count_is_the_runs_total(tmp_path, capsys):
     as the same command, it finishes the run, and a third time it does nothing; --more K
     adds K."""
     from rlhf_core.cli import main
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
     store = f"file://{tmp_path / 's'}"
     common = ["run", "--direct", "--run-id", "count", "--store", store, "data.train_batch_size=8",
@@ -115,10 +116,10 @@ def test_an_iteration_count_is_the_runs_total(tmp_path, capsys):
     assert main([*common[:1], "--more", "1", *common[1:]]) == 0
     assert main([*common[:1], "--iterations", "2", *common[1:]]) == 0
     assert "1 iteration(s) committed, 1 to run" in capsys.readouterr().out
-    assert IterationStore(store, "count").committed_iterations() == [0, 1]
+    assert IterationStore(RunRef(store, "count")).committed_iterations() == [0, 1]
     assert main([*common[:1], "--iterations", "2", *common[1:]]) == 0
     assert "nothing to do" in capsys.readouterr().out
-    assert IterationStore(store, "count").committed_iterations() == [0, 1]
+    assert IterationStore(RunRef(store, "count")).committed_iterations() == [0, 1]
     with pytest.raises(SystemExit, match="exclude each other"):
         main([*common[:1], "--iterations", "2", "--more", "1", *common[1:]])
 
@@ -136,9 +137,9 @@ def test_checkpoint_every_k_and_a_redo_of_the_rest_resume_bit_identically(tmp_pa
     cfg = lambda: apply_overrides(small_config(tmp_path / "out"), ["trainer.checkpoint_every=3",
                                                                    "algorithm.rollout_correction.bypass_mode=false"])
     store_a, store_b = tmp_path / "a", tmp_path / "b"
-    run_direct(cfg(), 5, f"file://{store_a}", "run", log=quiet)
+    run_direct(cfg(), 5, RunRef(f"file://{store_a}", "run"), log=quiet)
     with pytest.raises(Crash):
-        run_direct(cfg(), 5, f"file://{store_b}", "run", log=quiet, on_stage=crash_at(4, "old_log_prob"))
+        run_direct(cfg(), 5, RunRef(f"file://{store_b}", "run"), log=quiet, on_stage=crash_at(4, "old_log_prob"))
     steps = sorted(p.name.rsplit("-", 1)[0] for p in (store_b / "run/checkpoints").glob("step-*"))
     assert steps == ["step-000000", "step-000003"], steps
     weights = json.loads((store_b / "run/iter-000003/MANIFEST.json").read_text())["weights"]
@@ -151,7 +152,7 @@ def test_checkpoint_every_k_and_a_redo_of_the_rest_resume_bit_identically(tmp_pa
     assert manifest["weights"]["checkpoint"] == json.loads((store_b / "run/checkpoints/INITIAL.json").read_text())[
         "checkpoint"]
 
-    result = run_direct(cfg(), 1, f"file://{store_b}", "run", log=quiet)
+    result = run_direct(cfg(), 1, RunRef(f"file://{store_b}", "run"), log=quiet)
     assert [r["iteration"] for r in result["rows"]] == [4]
     # every URI the manifests, the run's outputs and the lineage name is there
     assert not uris_naming_nothing(f"file://{store_b}", "run")

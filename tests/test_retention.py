@@ -17,12 +17,13 @@ import torch
 
 from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.protocol import DataProto, object_column
-from rlhf_core import retention
-from rlhf_core.retention import MIN_GRACE_S, RetentionPolicy, collect, plan_gc
+from rlhf_core.record import retention
+from rlhf_core.record.retention import MIN_GRACE_S, RetentionPolicy, collect, plan_gc
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot import IncompleteSnapshotError, load_snapshot, verify_snapshot
-from rlhf_core.trainer.iteration_store import IterationStore
-from rlhf_core.trainer.lease import LeaseLog
+from rlhf_core.record.lease import LeaseLog
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 STAGES = ("rollout", "reward", "advantage")
 
@@ -101,7 +102,7 @@ def _age(istore, relpath: str, seconds: float) -> None:
 
 def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(run_store):
     store, opts = run_store
-    istore = IterationStore(store, "run-a", opts)
+    istore = IterationStore(RunRef(store, "run-a"), opts)
     for it in range(6):
         _iteration(istore, it)
     # an orphaned writer prefix in a committed iteration (a writer that lost a race)
@@ -122,11 +123,11 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
                           *(f"iter-{i:06d}/{s}" for i in (1, 2) for s in STAGES),
                           "leases/iter-000002"]), rel
     assert dry.bytes > 0
-    assert IterationStore(store, "run-a", opts).load(1, "advantage") is not None, "a dry run removes nothing"
+    assert IterationStore(RunRef(store, "run-a"), opts).load(1, "advantage") is not None, "a dry run removes nothing"
 
     done = collect(istore.run_uri, policy, storage_options=opts, **later())
     assert sorted(done.all()) == sorted(dry.all())
-    fresh = IterationStore(store, "run-a", opts)
+    fresh = IterationStore(RunRef(store, "run-a"), opts)
     assert fresh.committed_iterations() == list(range(6)), "manifests are always kept"
     for it in (0, 3, 4, 5):  # every 3rd and the last 2: their whole chains verify and load
         for stage in STAGES:
@@ -150,7 +151,7 @@ def test_gc_removes_what_the_policy_lets_go_and_keeps_what_kept_iterations_need(
 
 
 def test_orphans_younger_than_the_grace_period_stay(tmp_path):
-    istore = IterationStore(f"file://{tmp_path}/store", "run-b")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-b"))
     for it in range(2):
         _iteration(istore, it)
     sfs.write_durably(f"{istore.stage_uri(0, 'reward')}/data-young", {"zarr.json": b"{}"})
@@ -172,7 +173,7 @@ def test_gc_racing_a_writer_never_removes_what_it_commits(run_store, monkeypatch
     # for the milliseconds of one create-only write) included: only the grace period
     # protects those, so this test leaves them out (the scratch test covers them)
     monkeypatch.setattr(retention, "_stale_scratch", lambda *a: [])
-    istore = IterationStore(store, "run-c", opts)
+    istore = IterationStore(RunRef(store, "run-c"), opts)
     policy = RetentionPolicy(keep_checkpoints=1, keep_snapshots=2)
     stop, errors, start = threading.Event(), [], threading.Barrier(2)
     passes_during_writes, removed_during_writes = [0], [0]
@@ -218,7 +219,7 @@ def test_gc_racing_a_writer_never_removes_what_it_commits(run_store, monkeypatch
     assert not errors, errors
     assert passes_during_writes[0] >= 2 and removed_during_writes[0] > 0, (passes_during_writes, removed_during_writes)
     collect(istore.run_uri, policy, storage_options=opts, **later())
-    fresh = IterationStore(store, "run-c", opts)
+    fresh = IterationStore(RunRef(store, "run-c"), opts)
     assert fresh.committed_iterations() == list(range(8))
     for it in (6, 7):
         for stage in STAGES:
@@ -233,7 +234,7 @@ def test_a_checkpoint_committed_while_gc_plans_is_kept_and_so_is_its_lease_log(t
     then gc looks at the checkpoint folders and the leases. The checkpoint is named by a
     commit gc did not see, and must stay; iteration 0's lease log, still held by a live
     holder after its commit, stays too."""
-    istore = IterationStore(f"file://{tmp_path}/store", "run-r")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-r"))
     _iteration(istore, 0)
     LeaseLog(istore.run, 0, ttl_s=900).acquire("still-releasing")  # committed, not yet released
     log = LeaseLog(istore.run, 1, ttl_s=900)
@@ -259,7 +260,7 @@ def test_a_checkpoint_committed_while_gc_plans_is_kept_and_so_is_its_lease_log(t
 def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):
     from rlhf_core.cli import main
 
-    istore = IterationStore(f"file://{tmp_path}/store", "run-d")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-d"))
     for it in range(4):
         _iteration(istore, it)
     assert main(["gc", istore.run_uri, "trainer.keep_checkpoints=1", "--dry-run"]) == 0
@@ -275,7 +276,7 @@ def test_gc_keeps_the_checkpoint_and_the_stage_inputs_a_redo_needs(tmp_path):
     """trainer.checkpoint_every=4: iterations 4..6 have no checkpoint of their own; their
     weights are checkpoint 4 plus a redo of 4..6. A tight policy still keeps checkpoint 4
     and the stages of 4, 5 and 6."""
-    istore = IterationStore(f"file://{tmp_path}/store", "run-e")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-e"))
     for it in range(7):
         batch = _batch(it)
         for stage in STAGES:
@@ -303,7 +304,7 @@ def test_gc_refuses_a_grace_below_the_floor(tmp_path):
     command and by the library, and nothing is removed."""
     from rlhf_core.cli import main
 
-    istore = IterationStore(f"file://{tmp_path}/store", "run-f")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-f"))
     _iteration(istore, 0)
     inflight = sfs.resolve(f"{istore.stage_uri(0, 'reward')}/data-inflight")
     sfs.write_durably(inflight.uri, {"zarr.json": b"{}"})
@@ -321,7 +322,7 @@ def test_gc_ages_are_the_stores_not_this_machines(run_store, monkeypatch):
     written a moment ago is young by the store's clock (object times against the store's
     present time), so a one-hour grace keeps it; an hour later by the store it goes."""
     store, opts = run_store
-    istore = IterationStore(store, "run-g", opts)
+    istore = IterationStore(RunRef(store, "run-g"), opts)
     _iteration(istore, 0)
     orphan = sfs.resolve(f"{istore.stage_uri(0, 'reward')}/data-young", opts)
     sfs.write_durably(orphan.uri, {"zarr.json": b"{}"}, opts)
@@ -339,7 +340,7 @@ def test_gc_removes_checkpoints_no_record_names(run_store):
     named ones follow the policy; one that a live controller of an uncommitted iteration
     may be writing stays."""
     store, opts = run_store
-    istore = IterationStore(store, "run-h", opts)
+    istore = IterationStore(RunRef(store, "run-h"), opts)
 
     def checkpoint(step: int) -> str:
         uri = istore.new_checkpoint_uri(step)
@@ -377,7 +378,7 @@ def test_gc_removes_stale_scratch_files_and_incomplete_uploads(run_store):
     completed (its parts are kept, unseen, until aborted). gc removes the ones under the
     run older than the grace period, and nothing outside the run."""
     store, opts = run_store
-    istore = IterationStore(store, "run-i", opts)
+    istore = IterationStore(RunRef(store, "run-i"), opts)
     _iteration(istore, 0)
     scratch = sfs.resolve(f"{istore.iteration_uri(0)}/.tmp-{uuid.uuid4().hex}", opts)
     scratch.fs.pipe_file(scratch.path, b"partial")
@@ -401,7 +402,7 @@ def test_gc_removes_stale_scratch_files_and_incomplete_uploads(run_store):
         left = {(f"s3://{bucket}/{u['Key']}", u["UploadId"]) for u in fs.list_multipart_uploads(bucket)}
         assert outside in left and not left & set(uploads)
         fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=outside[0].split("/", 3)[3], UploadId=outside[1])
-    assert IterationStore(store, "run-i", opts).load(0, "advantage") is not None
+    assert IterationStore(RunRef(store, "run-i"), opts).load(0, "advantage") is not None
 
 
 def test_the_create_only_probe_writes_next_to_the_commit_not_at_the_bucket_root(s3_server, monkeypatch):

@@ -18,9 +18,11 @@ import pytest
 
 from helpers import fingerprint, small_config
 
-from rlhf_core import ray_head, session
 from rlhf_core.config import apply_overrides
+from rlhf_core.runtime import ray_head
 from rlhf_core.trainer.run import run_direct
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 OVERRIDES = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
 
@@ -73,7 +75,7 @@ def session_worker_pids(head_root):
 
 def assert_same_as_direct(tmp_path, iterations, overrides=()):
     cfg = apply_overrides(small_config(tmp_path / "direct-out"), list(overrides))
-    run_direct(cfg, iterations, f"file://{tmp_path / 'direct'}", "run", log=lambda *a: None)
+    run_direct(cfg, iterations, RunRef(f"file://{tmp_path / 'direct'}", "run"), log=lambda *a: None)
     a, b = fingerprint(tmp_path / "direct", "run"), fingerprint(tmp_path / "store", "run")
     assert sorted(a) == sorted(b)
     assert not [k for k in a if a[k] != b[k]]
@@ -133,7 +135,7 @@ def test_controller_sigkilled_at_every_stage_resumes_bit_identical(tmp_path, hea
             assert list((iteration / "update_actor").glob("data-*"))  # data written, no manifest
             assert not (iteration / "update_actor" / "SNAPSHOT.json").exists()
     assert sorted(p.name for p in iteration.iterdir()) == sorted(ALL_STAGES[:-1])  # all but weight_sync
-    out = iterate(tmp_path, head_root, "--iterations", "2", overrides=PPO).stdout
+    out = iterate(tmp_path, IterationStore(RunRef("--iterations", head_root)), "2", overrides=PPO).stdout
     assert "iteration 1:" in out and "iteration 2:" in out
     assert_same_as_direct(tmp_path, 3, PPO)
 
@@ -160,7 +162,7 @@ def test_overlapping_trigger_leaves_a_leased_iteration_alone(tmp_path, head_root
 def session_job(head_root, submission_id):
     """(status, logs) of a session job, asked through the Jobs API by a fresh process
     (Ray reads its token settings once per process)."""
-    code = ("import json, sys; from rlhf_core import ray_head; "
+    code = ("import json, sys; from rlhf_core.runtime import ray_head; "
             "c = ray_head.jobs_client(ray_head.read_head(sys.argv[1])); "
             "print(json.dumps([str(c.get_job_status(sys.argv[2])), c.get_job_logs(sys.argv[2])]))")
     out = subprocess.run([sys.executable, "-c", code, str(head_root), submission_id], capture_output=True,
@@ -243,7 +245,7 @@ def test_secrets_stay_out_of_logs_and_ray_listens_on_loopback_with_a_token(tmp_p
     exposed = [(pid, addr, port) for pid, addr, port in listening if addr not in LOOPBACK]
     assert not exposed, exposed
 
-    code = ("import json, sys; from rlhf_core import ray_head; "
+    code = ("import json, sys; from rlhf_core.runtime import ray_head; "
             "c = ray_head.jobs_client(ray_head.read_head(sys.argv[1])); "
             "print(json.dumps([j.dict() if hasattr(j, 'dict') else vars(j) for j in c.list_jobs()], default=str))")
     jobs = subprocess.run([sys.executable, "-c", code, str(head_root)], capture_output=True, text=True, timeout=120)

@@ -78,7 +78,7 @@ def test_a_direct_runs_handler_ends_no_process():
 
 
 def test_ray_init_does_not_take_the_callers_sigterm_handler_away():
-    from rlhf_core.ray_head import _sigterm_handler_kept
+    from rlhf_core.runtime.ray_head import _sigterm_handler_kept
 
     def ours(signum, frame):
         pass

@@ -29,6 +29,7 @@ from rlhf_core.snapshot import (
     verify_snapshot,
 )
 from rlhf_core.snapshot import fs as sfs
+from rlhf_core.record.run_layout import RunRef
 
 
 obj = object_column  # one object per row (lists stay cells)
@@ -556,7 +557,7 @@ def test_local_commit_is_idempotent_for_the_same_bytes(tmp_path):
 
 
 def test_a_delta_stores_only_what_changed_and_reads_as_the_whole_batch(store):
-    from rlhf_core.trainer.iteration_store import changed_fields
+    from rlhf_core.record.iteration_store import changed_fields
 
     base_uri, opts = store
     full = sample_batch()
@@ -599,9 +600,9 @@ def test_iteration_store_writes_in_the_background_and_commits_nothing_after_a_fa
     place right after handing it over without changing what is stored; a write that fails
     surfaces at the commit, which then writes no manifest (and the stages after the failed
     one, deltas of it, are not written either)."""
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
-    istore = IterationStore(f"file://{tmp_path}/store", "run-1")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-1"))
     batch = sample_batch().select(["input_ids", "attention_mask"], ["uid"])
     saved = batch.select(deepcopy=True)
     istore.save(0, "rollout", batch)
@@ -621,9 +622,9 @@ def test_iteration_store_writes_in_the_background_and_commits_nothing_after_a_fa
 
 
 def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path):
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
-    istore = IterationStore(f"file://{tmp_path}/store", "run-1")
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-1"))
     batch = sample_batch().select(["input_ids", "attention_mask"], ["uid", "prompt"])
     istore.save(0, "rollout", batch)
     batch.batch["scores"] = torch.arange(len(batch), dtype=torch.float64)
@@ -636,7 +637,7 @@ def test_iteration_store_writes_each_stage_as_a_delta_of_the_one_before(tmp_path
     assert set(infos["reward"].fields) == {"scores", "data_source"} and infos["reward"].base == "../rollout"
     assert infos["advantage"].fields == {} and infos["advantage"].base == "../reward"
     assert infos["advantage"].num_rows == len(batch)
-    fresh = IterationStore(f"file://{tmp_path}/store", "run-1")  # another controller process
+    fresh = IterationStore(RunRef(f"file://{tmp_path}/store", "run-1"))  # another controller process
     assert_same(fresh.load(0, "advantage"), batch)
     # a stage saved after a load (a resumed iteration) is a delta of the loaded one
     loaded = fresh.load(0, "advantage")

@@ -20,6 +20,7 @@ from rlhf_core.cli import main
 from rlhf_core.config import apply_overrides
 from rlhf_core.trainer.replay import ReplayError, replay
 from rlhf_core.trainer.run import run_direct
+from rlhf_core.record.run_layout import RunRef
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -29,7 +30,7 @@ def stored(tmp_path_factory):
     """One committed iteration (checkpoints at steps 0 and 1); tests tamper with copies."""
     os.environ.setdefault("RLHF_CACHE", str(tmp_path_factory.mktemp("rlhf-cache")))
     root = tmp_path_factory.mktemp("trust")
-    run_direct(small_config(root / "out"), 1, f"file://{root / 'store'}", "run", log=lambda *a: None)
+    run_direct(small_config(root / "out"), 1, RunRef(f"file://{root / 'store'}", "run"), log=lambda *a: None)
     return root
 
 
@@ -70,7 +71,7 @@ def one_line_refusal(exc_info) -> str:
 
 
 def test_dcp_metadata_is_unpickled_with_its_own_classes_only(stored, tmp_path):
-    from rlhf_core.workers.checked_load import CorruptCheckpointError, load_metadata
+    from rlhf_core.checkpoint.reader import CorruptCheckpointError, load_metadata
 
     real = (stored / "store/run" / named(stored / "store/run", 1) / "actor/.metadata").read_bytes()
     metadata = load_metadata(real, "step-000001/actor/.metadata")
@@ -87,9 +88,9 @@ def test_the_initial_checkpoint_is_loaded_only_against_the_checksums_of_its_reco
     those of the folder it names, and they are what a load of step 0 checks. A step-0
     folder no record names (no checksums) is refused, in one line, before anything of it
     is unpickled."""
-    from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.restore import committed_checksums
-    from rlhf_core.workers.checked_load import CheckpointRefusedError
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.checkpoints import committed_checksums
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError
 
     run = stored / "store/run"
     record = json.loads((run / "checkpoints/INITIAL.json").read_text())
@@ -97,7 +98,7 @@ def test_the_initial_checkpoint_is_loaded_only_against_the_checksums_of_its_reco
     assert record["checkpoint_sha256"]["actor/.metadata"] == hashlib.sha256(meta.read_bytes()).hexdigest()
     assert {"actor/__0_0.distcp", "actor/rank-00000.pt", "trainer_state.json"} <= set(record["checkpoint_sha256"])
     assert not list(run.glob("checkpoints/*/CHECKSUMS.json")), "one step-0 record: INITIAL.json"
-    assert committed_checksums(IterationStore(f"file://{stored / 'store'}", "run"), 0) == record["checkpoint_sha256"]
+    assert committed_checksums(IterationStore(RunRef(f"file://{stored / 'store'}", "run")), 0) == record["checkpoint_sha256"]
 
     # the same run with its step-0 folder but no INITIAL.json: nothing records its checksums
     marker = tmp_path / "created"
@@ -106,7 +107,7 @@ def test_the_initial_checkpoint_is_loaded_only_against_the_checksums_of_its_reco
     (old / named(run, 0).split("/")[1]).rename(old / "step-000000")
     (old / "INITIAL.json").unlink()
     with pytest.raises(CheckpointRefusedError, match=r"INITIAL.json: no committed checksums"):
-        committed_checksums(IterationStore(uri.rsplit("/", 1)[0], "run"), 0)
+        committed_checksums(IterationStore(RunRef(uri.rsplit("/", 1)[0], "run")), 0)
     with pytest.raises(SystemExit) as exc:
         main(["replay", f"{uri}/iter-000000/update_actor"])
     assert not marker.exists(), "replay unpickled a step-0 checkpoint no record lists the checksums of"

@@ -1,5 +1,6 @@
 """The module graph: rlhf_core, components and pipelines have no import cycle (module-level
-or inside functions, within and across the three); rlhf_core imports nothing from the
+or inside functions, within and across the three); rlhf_core's parts stand on floors and
+import only from the floors below them (``FLOORS``); rlhf_core imports nothing from the
 Kubeflow / KubeRay side (``components``, ``pipelines``, kfp, kubernetes), and no production
 module imports the test helpers (``rlhf_core.testing``); the `rlhf` commands of the
 Kubeflow side still reach users through plugins."""
@@ -14,6 +15,24 @@ LIBRARY = ROOT / "rlhf_core"
 PACKAGES = (LIBRARY, ROOT / "components", ROOT / "pipelines")
 TEST_HELPERS = "rlhf_core.testing"
 FORBIDDEN = ("components", "pipelines", "kfp", "kubernetes")
+
+#: rlhf_core's parts (its subpackages and root modules), bottom up. A module may import its
+#: own part and any part on a lower floor, never one on its floor or above: the record knows
+#: no worker, the data knows no model, the workers know no trainer, the trainer no session.
+FLOORS = (
+    ("runtime", "protocol", "verl_keys"),       # this machine's processes; the data contract
+    ("snapshot", "algorithms", "controller", "distributed"),
+    ("config",),
+    ("checkpoint",),                             # a checkpoint folder's files
+    ("record",),                                 # the run's record in the store
+    ("data",),                                   # prompts, tasks, inputs fetched from a store
+    ("models",),                                 # models built on this machine
+    ("workers",),
+    ("trainer",),                                # the algorithm's control flow
+    ("session",),                                # the long-lived session and computing ahead
+    ("cli_args", "demo", "export"),              # what the commands share and call
+    ("cli",),
+)
 
 
 def module_name(path: Path) -> str:
@@ -81,12 +100,58 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_in_rlhf_core_components_or_pipelines():
     graph = library_graph()
-    assert {"rlhf_core.session", "components.driver", "pipelines.local"} <= set(graph)
+    assert {"rlhf_core.session.session", "components.driver", "pipelines.local"} <= set(graph)
     # package __init__ modules only re-export their own submodules; an edge from a module
     # to its own package would be a false cycle
     for name in graph:
         graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def part_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rlhf_core" and len(parts) > 1 else None
+
+
+def upward_imports(graph: dict[str, set[str]], floors=FLOORS) -> list[str]:
+    """``importer -> imported`` for every import of a part on the importer's floor or above."""
+    floor = {part: level for level, parts in enumerate(floors) for part in parts}
+    found = []
+    for name, targets in sorted(graph.items()):
+        here = part_of(name)
+        if here is None or here == "testing":
+            continue
+        for target in sorted(targets):
+            there = part_of(target)
+            if there is None or there == here:
+                continue
+            if there == "testing" or floor[there] >= floor[here]:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def test_every_part_of_rlhf_core_has_a_floor():
+    parts = {p.stem if p.is_file() else p.name for p in LIBRARY.iterdir()
+             if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").exists())}
+    placed = {part for level in FLOORS for part in level}
+    assert parts - {"testing"} == placed, (sorted(parts - placed - {"testing"}), sorted(placed - parts))
+
+
+def test_rlhf_core_imports_only_downwards():
+    assert upward_imports(library_graph((LIBRARY,))) == []
+
+
+def test_the_floor_check_sees_an_upward_import():
+    graph = {"rlhf_core.data.builtin": {"rlhf_core.models.qwen2"},          # data -> models: up
+             "rlhf_core.data.dataset": {"rlhf_core.workers.modeling"},      # data -> workers: up
+             "rlhf_core.record.lease": {"rlhf_core.record.run_layout"},     # within a part: fine
+             "rlhf_core.workers.actor": {"rlhf_core.data.dataset"},         # down: fine
+             "rlhf_core.trainer.ppo": {"rlhf_core.session.session"},        # up
+             "rlhf_core.snapshot.fs": {"rlhf_core.algorithms.core"}}        # the same floor: not allowed
+    assert upward_imports(graph) == ["rlhf_core.data.builtin -> rlhf_core.models.qwen2",
+                                     "rlhf_core.data.dataset -> rlhf_core.workers.modeling",
+                                     "rlhf_core.snapshot.fs -> rlhf_core.algorithms.core",
+                                     "rlhf_core.trainer.ppo -> rlhf_core.session.session"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -127,7 +192,7 @@ def test_kubeflow_commands_arrive_as_plugins_and_the_library_loads_without_them(
 
     commands = build_parser()._subparsers._group_actions[0].choices
     assert {"submit", "schedule", "compile", "manifests", "run", "replay"} <= set(commands)
-    probe = ("import sys, rlhf_core.cli, rlhf_core.trainer.run, rlhf_core.session, rlhf_core.trainer.replay; "
+    probe = ("import sys, rlhf_core.cli, rlhf_core.trainer.run, rlhf_core.session.session, rlhf_core.trainer.replay; "
              "bad = sorted(m for m in sys.modules if m.split('.')[0] in %r); print(bad)" % (FORBIDDEN,))
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout

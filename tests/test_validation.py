@@ -12,6 +12,8 @@ from rlhf_core.config import RunConfig, apply_overrides
 from rlhf_core.data.builtin import make_rows
 from rlhf_core.trainer.replay import ReplayError, replay
 from rlhf_core.trainer.run import run_direct
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
 
 from helpers import fingerprint, small_config
 
@@ -61,7 +63,7 @@ def runs(tmp_path_factory, ray_local):
     out = {}
     for name, extra in (("plain", []), ("val", [f"data.val_files={root / 'val.jsonl'}", "trainer.test_freq=2"])):
         cfg = apply_overrides(small_config(root / name / "out"), custom + extra).validate()
-        out[name] = run_direct(cfg, 3, f"file://{root / name / 'store'}", "r", log=lambda *a: None)
+        out[name] = run_direct(cfg, 3, RunRef(f"file://{root / name / 'store'}", "r"), log=lambda *a: None)
         out[name]["store"] = root / name / "store"
     return out
 
@@ -104,9 +106,9 @@ def test_the_validation_snapshot_replays_and_its_reward_file_needs_trust(runs):
 def test_the_report_shows_the_validation_curve(runs):
     from rlhf_core.trainer.report import markdown_report, run_history, validation_curve
 
-    rows = run_history(f"file://{runs['val']['store']}", "r")
+    rows = run_history(IterationStore(RunRef(f"file://{runs['val']['store']}", "r")))
     assert [n for n, _ in validation_curve(rows)[VAL]] == [0, 2]
-    assert f"| {VAL} (iteration 2) |" in markdown_report(f"file://{runs['val']['store']}", "r", samples=0)
+    assert f"| {VAL} (iteration 2) |" in markdown_report(IterationStore(RunRef(f"file://{runs['val']['store']}", "r")), samples=0)
 
 
 class _Validating:
@@ -114,9 +116,9 @@ class _Validating:
     score rising by 0.25 per iteration (at the even ones: trainer.test_freq=2)."""
 
     def __init__(self, store: str) -> None:
-        from rlhf_core.trainer.iteration_store import IterationStore
+        from rlhf_core.record.iteration_store import IterationStore
 
-        self.istore, self.submitted = IterationStore(store, "r"), []
+        self.istore, self.submitted = IterationStore(RunRef(store, "r")), []
 
     def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
         from types import SimpleNamespace

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from rlhf_core.run_ids import RunIdError, validate_run_id
+from rlhf_core.record.run_ids import RunIdError, validate_run_id
 
 #: Room left for KubeRay's suffixes ("-head-svc", "-<group>-worker-xxxxx").
 MAX_CLUSTER_NAME = 40

@@ -116,7 +116,7 @@ class Worker:
 
     def _get_master_addr_port(self) -> tuple[str, int]:
         """Rank 0 picks where the process group rendezvouses (its node IP, a free port)."""
-        from rlhf_core.net import free_port
+        from rlhf_core.runtime.net import free_port
 
         return node_ip(), free_port("")
 

@@ -48,10 +48,14 @@ def is_remote(uri: str) -> bool:
     return isinstance(uri, str) and uri.split("://", 1)[0].lower() in REMOTE_SCHEMES and "://" in uri
 
 
-def cache_root() -> Path:
-    from rlhf_core.data.builtin import cache_root as root
+def node_cache() -> Path:
+    """This node's cache (``RLHF_CACHE``, default ``~/.cache/rlhf-core``): fetched inputs and
+    built models, each under a name derived from what it holds."""
+    return Path(os.environ.get("RLHF_CACHE", Path.home() / ".cache" / "rlhf-core"))
 
-    return root() / "inputs"
+
+def cache_root() -> Path:
+    return node_cache() / "inputs"
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class Entry:
 def listing(uri: str, field: str = "input", storage_options: dict | None = None,
             weights: bool = True) -> tuple[object, bool, list[Entry]]:
     """(Location, is_single_object, entries) for ``uri``; FetchError when it names nothing."""
-    from rlhf_core.run_ids import StoreUriError, validate_store_uri
+    from rlhf_core.record.run_ids import StoreUriError, validate_store_uri
     from rlhf_core.snapshot import fs as sfs
 
     try:

@@ -191,7 +191,7 @@ def _decode(info: dict, data: np.ndarray, name: str, uri: str) -> torch.Tensor |
     encoding = info.get("encoding")
     if info["layer"] == "batch":
         if encoding == "raw_bits":
-            from rlhf_core.dtypes import from_bits
+            from rlhf_core.protocol.dtypes import from_bits
 
             return from_bits(info["dtype"], data)
         return torch.from_numpy(np.ascontiguousarray(data))

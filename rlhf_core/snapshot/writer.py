@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rlhf_core.dtypes import RAW_BITS, to_bits
+from rlhf_core.protocol.dtypes import RAW_BITS, to_bits
 
-from rlhf_core.protocol import DataProto, UnsupportedObjectError, _to_json_value
+from rlhf_core.protocol import DataProto, UnsupportedObjectError
+from rlhf_core.protocol.wire import to_json_value
 from rlhf_core.snapshot import fs as sfs
-from rlhf_core import probes
+from rlhf_core.runtime import probes
 from rlhf_core.snapshot.errors import SnapshotExistsError
 from rlhf_core.snapshot.layout import (
     DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path,
@@ -85,7 +86,7 @@ def encode_column(name: str, column: np.ndarray) -> EncodedField:
     where = f"non_tensor_batch[{name!r}]"
     encoded = np.empty(flat.shape, dtype=object)
     for i, value in enumerate(flat.tolist()):
-        encoded[i] = json.dumps(_to_json_value(value, where), ensure_ascii=False, allow_nan=True)
+        encoded[i] = json.dumps(to_json_value(value, where), ensure_ascii=False, allow_nan=True)
     return EncodedField(name, "non_tensor", encoded.reshape(column.shape),
                         {**info, "encoding": "json", "stored_dtype": "string"})
 
@@ -261,7 +262,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
     if dp.batch is not None:
         fields += [encode_tensor(k, v) for k, v in dp.batch.items()]
     fields += [encode_column(k, v) for k, v in dp.non_tensor_batch.items()]
-    meta = {str(k): _to_json_value(v, f"meta_info[{k!r}]") for k, v in dp.meta_info.items()}
+    meta = {str(k): to_json_value(v, f"meta_info[{k!r}]") for k, v in dp.meta_info.items()}
 
     data_prefix = f"{DATA_PREFIX}{uuid.uuid4().hex}"
     data_loc = loc.child(data_prefix)

@@ -36,7 +36,7 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from rlhf_core.workers.qwen2 import qwen2_from_config
+    from rlhf_core.models.qwen2 import qwen2_from_config
 
     shape = dict(shape or TINY)
     corpus = [f"{q} {INSTRUCTION} {a} apples. #### {a}" for q, a in map(question, range(200))]

@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from rlhf_core.net import free_ports
+from rlhf_core.runtime.net import free_ports
 
 PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "s3.port", "admin.port", "admin.port.grpc")

@@ -21,7 +21,7 @@ from rlhf_core.algorithms import (
 )
 from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
-from rlhf_core import probes
+from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics, validation_metrics
 
@@ -39,7 +39,7 @@ class TrainerState:
 
 
 class StageStore(Protocol):
-    """Where stage outputs go (see ``rlhf_core.trainer.iteration_store``)."""
+    """Where stage outputs go (see ``rlhf_core.record.iteration_store``)."""
 
     def has(self, iteration: int, stage: str) -> bool: ...
 
@@ -51,7 +51,7 @@ class StageStore(Protocol):
 
 
 class PrefetchSource(Protocol):
-    """The session's computed-ahead inference stages (see ``rlhf_core.trainer.prefetch``)."""
+    """The session's computed-ahead inference stages (see ``rlhf_core.session.prefetch``)."""
 
     def take(self, state: TrainerState):
         """The prefetched result for this state, or None; either way nothing is still

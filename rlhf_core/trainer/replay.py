@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from rlhf_core import run_layout
+from rlhf_core.record import run_layout
+from rlhf_core.record.run_layout import RunRef
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, fields_where
 from rlhf_core.protocol import DataProto
 
@@ -64,9 +65,9 @@ class StageReplay:
         return all(d.equal for d in self.diffs) and all(a == b for a, b in self.weights.values())
 
 
-def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, int, str | None]:
-    """(store, run_id, iteration, stage) from an iteration or stage URI, or a run URI
-    plus ``iteration``."""
+def parse_location(uri: str, iteration: int | None = None) -> tuple[RunRef, int, str | None]:
+    """(run, iteration, stage) from an iteration or stage URI, or a run URI plus
+    ``iteration``."""
 
     uri = uri.rstrip("/")
     loc = run_layout.parse(uri)
@@ -76,8 +77,7 @@ def parse_location(uri: str, iteration: int | None = None) -> tuple[str, str, in
         run_uri, n, stage = uri, iteration, None
     else:
         raise ReplayError(f"{uri}: expected {{store}}/{{run_id}}/iter-NNNNNN[/stage], or a run URI with --iteration")
-    store, run_id = run_layout.split_run_uri(run_uri)
-    return store, run_id, n, stage
+    return RunRef.from_uri(run_uri), n, stage
 
 
 def replay_config(manifest: dict, overrides: list[str]) -> RunConfig:
@@ -181,15 +181,15 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     ``trust_reward_function``: import the manifest's ``reward.function`` even when this
     machine does not vouch for it (``check_reward_function``)."""
     from rlhf_core.trainer import stages as stage_table
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
     from rlhf_core.trainer.restore import load_checkpoint
     from rlhf_core.trainer.loaders import make_loader
-    from rlhf_core.ray_head import start_local_ray
+    from rlhf_core.runtime.ray_head import start_local_ray
     from rlhf_core.workers.worker_set import WorkerSet
 
-    store, run_id, n, uri_stage = parse_location(uri, iteration)
-    istore = IterationStore(store, run_id)
+    run, n, uri_stage = parse_location(uri, iteration)
+    istore, run_id, store = IterationStore(run), run.run_id, run.store
     if n not in istore.committed_iterations():
         raise ReplayError(f"iteration {n} of run {run_id} in {store} is not committed (no MANIFEST.json); committed: "
                           f"{istore.committed_iterations() or 'none'}")

@@ -6,12 +6,10 @@ import base64
 import io
 
 
-def run_history(store: str, run_id: str) -> list[dict]:
-    """One row per committed iteration: its number, the checkpoint its weights come from
-    (and the iterations redone after it to complete them), plus the metrics in its manifest."""
-    from rlhf_core.trainer.iteration_store import IterationStore
-
-    istore = IterationStore(store, run_id)
+def run_history(istore) -> list[dict]:
+    """One row per committed iteration of the run ``istore`` records: its number, the
+    checkpoint its weights come from (and the iterations redone after it to complete
+    them), plus the metrics in its manifest."""
     rows = []
     for n in istore.committed_iterations():
         manifest = istore.read_manifest(n)
@@ -146,17 +144,16 @@ def write_curve(rows: list[dict], path) -> None:
         f.write(curve_png(rows, size=(7, 4), dpi=110))
 
 
-def sample_table(store: str, run_id: str, iteration: int, prompts: int = 4) -> str:
+def sample_table(istore, iteration: int, prompts: int = 4) -> str:
     """A few of the iteration's prompts with their best and worst sampled response and
     its reward, decoded from the iteration's ``reward`` snapshot (what TRL logs as
     completions). Empty when the iteration kept no reward snapshot."""
     from rlhf_core.snapshot import load_snapshot
     from rlhf_core.snapshot.errors import SnapshotError
     from rlhf_core.trainer import stages as stage_table
-    from rlhf_core.trainer.iteration_store import IterationStore
 
     try:
-        batch = load_snapshot(IterationStore(store, run_id).stage_uri(iteration, stage_table.SCORED),
+        batch = load_snapshot(istore.stage_uri(iteration, stage_table.SCORED),
                               fields=["raw_prompt", "ground_truth", "response_text", "uid", "token_level_scores"])
     except (SnapshotError, FileNotFoundError):
         return ""
@@ -185,10 +182,12 @@ def _cell(text, limit: int = 160) -> str:
     return html.escape(text).replace("|", "\\|") if text else "<em>(empty)</em>"
 
 
-def markdown_report(store: str, run_id: str, samples: int = 4) -> str:
-    """The run so far: reward curve, the latest metrics and (``samples`` > 0) sampled
-    prompts of the latest iteration with their best and worst responses."""
-    rows = run_history(store, run_id)
+def markdown_report(istore, samples: int = 4) -> str:
+    """The run ``istore`` records so far: reward curve, the latest metrics and
+    (``samples`` > 0) sampled prompts of the latest iteration with their best and worst
+    responses."""
+    run_id = istore.run_id
+    rows = run_history(istore)
     if not rows:
         return f"# Run `{run_id}`\n\nNo committed iteration yet.\n"
     last = rows[-1]
@@ -204,5 +203,5 @@ def markdown_report(store: str, run_id: str, samples: int = 4) -> str:
             f"{last.get('critic/score/mean', 0):.3f} (iteration {last['iteration']})\n\n"
             f"![reward curve](data:image/png;base64,{image})\n\n{quick_curve_caption(rows)}\n\n"
             f"| metric (iteration {last['iteration']}) | value |\n|---|---|\n{table}\n")
-    table = sample_table(store, run_id, last["iteration"], samples) if samples > 0 else ""
+    table = sample_table(istore, last["iteration"], samples) if samples > 0 else ""
     return text + ("\n" + table if table else "")

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from rlhf_core.config import RunConfig, describe
-from rlhf_core.ray_head import start_local_ray
-from rlhf_core.run_ids import new_run_id
-from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases
+from rlhf_core.runtime.ray_head import start_local_ray
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
+from rlhf_core.record.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, StopRule
-from rlhf_core.trainer.restore import (
-    checkpoint_due, finish_checkpoint, open_run, restore_or_init, save_checkpoint, weights_checkpoint, weights_plan,
-)
+from rlhf_core.record.checkpoints import checkpoint_due, weights_checkpoint, weights_plan
+from rlhf_core.trainer.restore import finish_checkpoint, open_run, restore_or_init, save_checkpoint
 from rlhf_core.trainer.loaders import make_loader
 from rlhf_core.trainer.stages import persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
@@ -34,7 +34,7 @@ from rlhf_core.workers.worker_set import WorkerSet
 
 class Attachment(Protocol):
     """What a controller attached to a long-lived session adds to the loop
-    (``rlhf_core.session_iteration``); direct runs have none."""
+    (``rlhf_core.session.iteration``); direct runs have none."""
 
     workers_at_step: int | None   # the step the session's workers are known to be at
     prefetch: object              # the session's computed-ahead stages, or None
@@ -93,7 +93,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     """
     from tqdm import tqdm
 
-    from rlhf_core.trainer.iteration_store import code_version
+    from rlhf_core.record.iteration_store import code_version
     from rlhf_core.trainer.ppo import PPOTrainer
 
     stop = stop or StopRule()
@@ -168,9 +168,9 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     the holder checks it still holds it right before each write (a holder that lost it
     raises ``LeaseLost`` and writes nothing); the manifest records the fencing token.
     Returns the seconds spent waiting for the checkpoint."""
-    from rlhf_core import tracking
-    from rlhf_core import probes
-    from rlhf_core.trainer.iteration_store import iteration_manifest
+    from rlhf_core.record import tracking
+    from rlhf_core.runtime import probes
+    from rlhf_core.record.iteration_store import iteration_manifest
 
     check, keeper = this.check, this.keeper
     step = trainer.state.global_step
@@ -218,14 +218,13 @@ def finish_outputs(cfg: RunConfig, run_dir: Path, rows: list[dict], istore, trai
 def last_checkpoint(istore, step: int) -> str:
     """The checkpoint the weights after ``step`` iterations come from (at step 0: the
     initial one); "" before there is one."""
-    from rlhf_core.trainer.restore import weights_checkpoint
+    from rlhf_core.record.checkpoints import weights_checkpoint
 
     return weights_checkpoint(istore, step) or ""
 
 
-def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None = None,
-               log=print, time_budget_s: float | None = None, stop_at_reward: float | None = None,
-               on_stage=None) -> dict:
+def run_direct(cfg: RunConfig, iterations: int, run: RunRef, log=print, time_budget_s: float | None = None,
+               stop_at_reward: float | None = None, on_stage=None) -> dict:
     """Run ``iterations`` PPO/GRPO iterations with worker groups owned by this process.
 
     Every stage's output is committed as a snapshot, each iteration ends with its
@@ -235,8 +234,8 @@ def run_direct(cfg: RunConfig, iterations: int, store: str, run_id: str | None =
     an iteration that was interrupted resumes at its first uncommitted stage.
     ``time_budget_s`` / ``stop_at_reward`` (mean of the last 5) stop early (benchmarks).
     """
-    run_id = run_id or new_run_id()
-    istore, state = open_run(cfg, store, run_id, log)
+    run_id, istore = run.run_id, IterationStore(run)
+    state = open_run(cfg, istore, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))

@@ -90,7 +90,7 @@ def persisted_names(cfg: RunConfig, step: int | None = None) -> list[str]:
 def prefetchable(cfg: RunConfig) -> list[Stage]:
     """The leading inference stages (rollout through values): they depend only on the
     weights and the prompts, so the session can compute them for the next iteration
-    right after this one's weight sync (``rlhf_core.trainer.prefetch``)."""
+    right after this one's weight sync (``rlhf_core.session.prefetch``)."""
     stages = []
     for stage in plan(cfg):
         if not stage.inference:

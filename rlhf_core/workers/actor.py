@@ -17,7 +17,8 @@ from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import devices, modeling, sharding
+from rlhf_core.distributed import sharding
+from rlhf_core.workers import devices, modeling
 from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 from rlhf_core.workers.trainable import TrainableWorker
 

@@ -7,7 +7,8 @@ import torch
 from rlhf_core.algorithms import compute_value_loss, masked_mean
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import devices, modeling, sharding
+from rlhf_core.distributed import sharding
+from rlhf_core.workers import devices, modeling
 from rlhf_core.workers.trainable import TrainableWorker
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import sharding
+from rlhf_core.distributed import sharding
 
 
 def to_device(data: DataProto) -> DataProto:

@@ -19,7 +19,7 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
     Hub ids are not downloaded: training nodes often have no network, and a run must name
     exact bytes."""
     if path.startswith("builtin:"):
-        from rlhf_core.data.builtin import builtin_model_path
+        from rlhf_core.models.builtin import builtin_model_path
 
         return builtin_model_path(seed=seed, progress=progress)
     import os
@@ -126,7 +126,9 @@ def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool
     section), a pool that reserved GPUs refuses a worker that finds no CUDA."""
     import socket
 
-    from rlhf_core.workers import devices, sharding
+    from rlhf_core.distributed import sharding
+
+    from rlhf_core.workers import devices
 
     on_gpu = torch.cuda.is_available()
     if resources is not None:

@@ -22,8 +22,6 @@ from typing import Callable
 
 from rlhf_core.config import RunConfig
 
-from rlhf_core.run_layout import TRAINER_STATE_FILE  # noqa: F401  (the checkpoint's commit marker)
-
 
 @dataclass(frozen=True)
 class Role:
@@ -67,6 +65,8 @@ class Pool:
 
 
 TRAIN_POOL, CRITIC_POOL = "train", "critic"
+
+
 POOL_KINDS = (TRAIN_POOL, CRITIC_POOL)
 
 
@@ -235,7 +235,7 @@ class WorkerSet:
         as the checkpoint's commit recorded it). A file that differs is refused, in one
         line: the workers' ``CheckpointRefusedError`` itself, not the worker's traceback."""
         from rlhf_core.controller import WorkerError
-        from rlhf_core.workers.checked_load import CheckpointRefusedError
+        from rlhf_core.checkpoint.reader import CheckpointRefusedError
 
         for name in self.trainable:
             try:
@@ -244,10 +244,3 @@ class WorkerSet:
                 if isinstance(exc.__cause__, CheckpointRefusedError):
                     raise type(exc.__cause__)(str(exc.__cause__)) from None
                 raise
-
-
-def checkpoint_exists(uri: str, storage_options: dict | None = None) -> bool:
-    """A checkpoint is complete once the controller's state file, written last, exists."""
-    from rlhf_core.snapshot import fs as sfs
-
-    return sfs.read_bytes(sfs.resolve(f"{uri.rstrip('/')}/{TRAINER_STATE_FILE}", storage_options)) is not None

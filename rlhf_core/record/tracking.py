@@ -68,7 +68,7 @@ def _export(run_id: str, manifest: dict) -> str:
     lineage = {k: manifest.get(k) for k in ("iteration", "parent_iteration", "config_hash", "code_version",
                                             "checkpoint", "weights", "data_cursor", "global_step", "kl_coef",
                                             "snapshots")}
-    from rlhf_core.run_layout import iteration_dir
+    from rlhf_core.record.run_layout import iteration_dir
 
     client.log_dict(mlflow_run, lineage, f"lineage/{iteration_dir(n)}.json")
     client.set_tag(mlflow_run, "rlhf.last_iteration", str(n))

@@ -1,4 +1,4 @@
-"""A checkpoint read from the store as data, never as code.
+"""Reading a role's checkpoint (its writer is ``writer.py``): from the store as data, never as code.
 
 Every file is fetched once, its sha256 compared with the one its commit recorded (the
 manifest of the iteration that wrote it; for step 0 the initial checkpoint's own
@@ -17,12 +17,15 @@ from __future__ import annotations
 import hashlib
 import io
 import pickle
+import re
 
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from rlhf_core.distributed import sharding
 
 METADATA = ".metadata"
 
@@ -172,3 +175,78 @@ class WeightsOnlyPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = states["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss"]))
+    if torch.cuda.is_available() and "cuda" in states and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _checked_by(names: list[str], rank: int, world: int, always: tuple[str, ...] = ()) -> list[str]:
+    """The committed files rank ``rank`` reads and checks before anything is loaded: what
+    it will use itself (``always``: the DCP metadata every rank unpickles, its rank file;
+    its own shard file, the one it loads at an unchanged world size) and a round-robin
+    share of the rest, so that together the ranks check every file."""
+    own, rest = [n for n in always if n in names], []
+    for name in sorted(names):
+        if name in always:
+            continue
+        match = re.match(r"__(\d+)_", name.rsplit("/", 1)[-1])
+        if match and int(match.group(1)) < world:
+            if int(match.group(1)) == rank:
+                own.append(name)
+        else:
+            rest.append(name)
+    return own + rest[rank::world]
+
+
+def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
+                 expected: dict | None = None) -> None:
+    """Load the role's checkpoint into this rank's shards, at any world size, from bytes
+    checked against ``expected`` ({"{role}/{file}": sha256}, as the checkpoint's commit
+    recorded it): every committed file is checked by some rank before anything is loaded,
+    and each rank loads only bytes it fetched and checked itself (``CheckedFiles``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from rlhf_core.snapshot import fs as sfs
+
+    rank, world = sharding.rank(), sharding.world_size()
+    if not expected:
+        raise CheckpointRefusedError(
+            f"{uri}: no committed checksums; a checkpoint is loaded only from files whose sha256 its commit records")
+    files = CheckedFiles(sfs.resolve(uri, storage_options), expected)
+    names = [n for n in expected if n.startswith(f"{role}/")]
+    # the same rank's RNG and schedule; at another world size, rank r takes saved rank r mod N
+    saved_ranks = sorted(n for n in names if re.fullmatch(rf"{role}/rank-\d+\.pt", n))
+    if not saved_ranks:
+        raise CorruptCheckpointError(f"{uri}/{role}: its commit lists no rank file (rank-NNNNN.pt); "
+                                                  f"expected one per saved rank")
+    rank_file = saved_ranks[rank % len(saved_ranks)]
+    used = (f"{role}/{METADATA}", rank_file)
+    bad = [p for p in map(files.problem, _checked_by(names, rank, world, always=used)) if p is not None]
+    metadata = None
+    if not bad:
+        try:
+            metadata = files.metadata(role)
+        except CheckpointRefusedError as exc:
+            bad.append(str(exc))
+    bad = [b for found in sharding.all_gather_objects(bad) for b in found]
+    if bad:
+        raise CorruptCheckpointError(
+            bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
+    state = sharding.sharded_state(model, optimizer)
+    dcp.load(state, storage_reader=CheckedReader(files, role, metadata),
+             planner=WeightsOnlyPlanner(), no_dist=world == 1)
+    sharding.set_sharded_state(model, optimizer, state)
+    extra = torch.load(io.BytesIO(files.get(rank_file)), weights_only=True)  # tensors and plain containers
+    scheduler.load_state_dict(extra["scheduler"])
+    _set_rng_states(extra["rng"])

@@ -34,10 +34,11 @@ import uuid
 from dataclasses import dataclass, field
 from email.utils import parsedate_to_datetime
 
-from rlhf_core import run_layout
+from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
+from rlhf_core.record import run_layout
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.layout import DATA_PREFIX, MANIFEST_NAME, TMP_PREFIX
-from rlhf_core.trainer.lease import CONTROLLER_TTL_S
+from rlhf_core.record.lease import CONTROLLER_TTL_S
 
 #: The shortest grace period gc accepts (seconds). A writer's newest object is at most
 #: one object's write old while it writes (a checkpoint shard of a large model on a slow
@@ -159,7 +160,7 @@ def check_grace(grace_s: float) -> float:
 def _committed_checkpoints(istore, committed: list[int]) -> dict[str, int]:
     """{folder name: step} of every checkpoint a committed record names: the run's
     initial one and each iteration's weights (``restore.weights_checkpoint``)."""
-    from rlhf_core.trainer.restore import weights_checkpoint
+    from rlhf_core.record.checkpoints import weights_checkpoint
 
     named = {}
     for step in [0, *(n + 1 for n in committed)]:
@@ -177,17 +178,16 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     iteration whose lease is live (``lease_ttl_s``: the controllers' TTL) is left alone
     entirely, and so is a checkpoint it may be writing. ``now``: the store's present
     time (default: asked of the store, ``store_now``); ``grace_s`` >= ``MIN_GRACE_S``."""
-    from rlhf_core.trainer.iteration_store import IterationStore
-    from rlhf_core.trainer.lease import LeaseLog
-    from rlhf_core.trainer.restore import weights_checkpoint, weights_plan
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.lease import LeaseLog
+    from rlhf_core.record.checkpoints import weights_checkpoint, weights_plan
 
     check_grace(grace_s)
     run = sfs.resolve(run_uri, storage_options)
     if hasattr(run.fs, "invalidate_cache"):
         run.fs.invalidate_cache()
     now = store_now(run) if now is None else now
-    store_uri, run_id = run_layout.split_run_uri(run.uri)
-    istore = IterationStore(store_uri, run_id, storage_options)
+    istore = IterationStore(run_layout.RunRef.from_uri(run.uri), storage_options)
     committed = istore.committed_iterations()
     committed_set = set(committed)
     plan = GcPlan()
@@ -318,7 +318,7 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
         loc.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
     for uri in plan.all():
         loc = sfs.resolve(uri, storage_options)
-        for marker in (MANIFEST_NAME, run_layout.TRAINER_STATE_FILE):  # the commit markers go first
+        for marker in (MANIFEST_NAME, TRAINER_STATE_FILE):  # the commit markers go first
             try:
                 loc.fs.rm(loc.child(marker).path)
             except (FileNotFoundError, OSError):

@@ -1,6 +1,6 @@
 """A run's persisted history: stage snapshots, checkpoints and iteration manifests.
 
-Where each lives in the store: ``rlhf_core.run_layout``.
+Where each lives in the store: ``rlhf_core.record.run_layout``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlhf_core.run_ids import validate_run_id
-from rlhf_core import run_layout
-from rlhf_core.run_layout import MANIFEST, checkpoint_dir, iteration_dir, iteration_of_dir
+from rlhf_core.record import run_layout
+from rlhf_core.record.run_layout import MANIFEST, RunRef, checkpoint_dir, iteration_dir, iteration_of_dir
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 
@@ -52,7 +51,7 @@ def iteration_manifest(cfg, state, metrics: dict, version: dict, checkpoint: str
     """The body of an iteration's MANIFEST.json (``commit_iteration`` adds the format,
     run id, iteration number, parent and commit time): what produced the iteration and
     everything needed to continue after it. ``computed_ahead``: the stages the session
-    computed before this iteration's controller started (``rlhf_core.trainer.prefetch``)."""
+    computed before this iteration's controller started (``rlhf_core.session.prefetch``)."""
     return {"config_hash": cfg.config_hash(), "config": cfg.to_dict(), "code_version": version,
             "checkpoint": checkpoint, "checkpoint_sha256": checkpoint_sha256, "data_cursor": state.cursor, "kl_coef": state.kl_coef,
             "global_step": state.global_step,
@@ -82,11 +81,12 @@ def changed_fields(batch: "DataProto", previous: "DataProto") -> "DataProto":
 class IterationStore:
     """Reads and writes one run's stage snapshots, checkpoints and iteration manifests."""
 
-    def __init__(self, store_uri: str, run_id: str, storage_options: dict | None = None) -> None:
-        validate_run_id(run_id)
+    def __init__(self, ref: RunRef, storage_options: dict | None = None) -> None:
+        if not isinstance(ref, RunRef):
+            raise TypeError(f"IterationStore: expected a RunRef(store, run_id); found {type(ref).__name__}")
+        self.ref, self.run_id = ref, ref.run_id
         self.storage_options = storage_options
-        self.run = sfs.resolve(f"{store_uri.rstrip('/')}/{run_id}", storage_options)
-        self.run_id = run_id
+        self.run = sfs.resolve(ref.uri, storage_options)
         # the last stage saved or loaded: (iteration, its URI, a private copy of its batch);
         # the next stage's snapshot stores only what differs from it
         self._previous: tuple | None = None
@@ -130,7 +130,7 @@ class IterationStore:
                 body = None
             if not isinstance(body, dict) or not isinstance(body.get("checkpoint"), str) \
                     or not isinstance(body.get("checkpoint_sha256"), dict):
-                from rlhf_core.workers.checked_load import CheckpointRefusedError
+                from rlhf_core.checkpoint.reader import CheckpointRefusedError
 
                 raise CheckpointRefusedError(f"{loc.uri}: expected the run's initial-checkpoint record (checkpoint, "
                                              f"checkpoint_sha256); found something else")
@@ -241,8 +241,8 @@ class IterationStore:
     # ---------------------------------------------------------------- leases
 
     def lease_log(self, iteration: int, ttl_s: float):
-        """The iteration's lease (``rlhf_core.trainer.lease``)."""
-        from rlhf_core.trainer.lease import LeaseLog
+        """The iteration's lease (``rlhf_core.record.lease``)."""
+        from rlhf_core.record.lease import LeaseLog
 
         return LeaseLog(self.run, iteration, ttl_s)
 
@@ -268,7 +268,7 @@ class IterationStore:
     def read_manifest(self, iteration: int) -> dict:
         """The committed manifest of ``iteration``, checked (``manifest_schema``): a damaged
         or foreign one raises ``ManifestError``, one line naming the manifest and the key."""
-        from rlhf_core.trainer.manifest_schema import ManifestError, parse_manifest
+        from rlhf_core.record.manifest_schema import ManifestError, parse_manifest
 
         where = f"{self.iteration_uri(iteration)}/{MANIFEST}"
         raw = sfs.read_bytes(self.run.child(iteration_dir(iteration), MANIFEST))

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from rlhf_core import run_layout
+from rlhf_core.record import run_layout
 
 
 class AuditError(ValueError):
@@ -48,8 +48,8 @@ def list_store(uri: str) -> str:
     return "\n".join(lines)
 
 
-def _tokenizer_for(uri: str):
-    """The tokenizer of the run that wrote ``uri`` (from its iteration manifest), if any."""
+def run_config_of(uri: str) -> dict | None:
+    """The config of the run that wrote ``uri`` (from its iteration manifest), if any."""
     from rlhf_core.snapshot import fs as sfs
 
     loc = run_layout.parse(uri)
@@ -59,19 +59,15 @@ def _tokenizer_for(uri: str):
     raw = sfs.read_bytes(sfs.resolve(where))
     if raw is None:
         return None
-    from rlhf_core.trainer.manifest_schema import parse_manifest
+    from rlhf_core.record.manifest_schema import parse_manifest
 
-    config = parse_manifest(raw, where)["config"]
-    from rlhf_core.workers import modeling
-
-    path = modeling.resolve_model_path(config["model"]["path"], config["trainer"]["seed"], progress=False,
-                                      weights=False)
-    return modeling.load_tokenizer(path)
+    return parse_manifest(raw, where)["config"]
 
 
-def show(uri: str, uid: str | None = None, fields: list[str] | None = None) -> str:
+def show(uri: str, uid: str | None = None, fields: list[str] | None = None, tokenizer_for=None) -> str:
     """The rows of one prompt (``uid``; default the first row's) of a stage snapshot:
-    prompt and response text, reward, advantage and log-probs summarized."""
+    prompt and response text, reward, advantage and log-probs summarized. Token ids are
+    decoded with ``tokenizer_for(config)`` of the run's config, when given."""
     from rlhf_core.snapshot import load_snapshot, snapshot_fields, snapshot_info
 
     info = snapshot_info(uri)
@@ -89,7 +85,8 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None) -> s
     dp = load_snapshot(uri, fields=needed, uids=[uid])
     if len(dp) == 0:
         raise AuditError(f"no row with uid {uid!r} in {uri}")
-    tok = _tokenizer_for(uri) if {"prompts", "responses"} & set(wanted) else None
+    config = run_config_of(uri) if tokenizer_for and {"prompts", "responses"} & set(wanted) else None
+    tok = tokenizer_for(config) if config is not None else None
     mask = dp.batch["response_mask"].bool() if "response_mask" in dp.batch.keys() else None
     lines = [f"{uri}: uid {uid}, {len(dp)} row(s) of {info.num_rows}, read {len(needed)} of {len(catalog)} fields"]
     for i in range(len(dp)):

@@ -30,69 +30,19 @@ returns copies      ``repeat``, ``sample_level_repeat``, ``select_idxs``,
 from __future__ import annotations
 
 import copy
-import json
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
-
-def _import_tensordict():
-    """Import tensordict without importing ``torch._dynamo``. At import, tensordict marks a
-    few functions with ``torch.compiler.allow_in_graph`` / ``assume_constant_result``,
-    which import dynamo: ~1.3 s on every start of a controller (one per Kubeflow
-    iteration), which never compiles. While tensordict loads, the markers are the identity
-    (eager behaviour is the same); a process that has dynamo loaded already gets
-    tensordict's own marking."""
-    import sys
-
-    if "tensordict" in sys.modules or "torch._dynamo" in sys.modules:
-        import tensordict
-        return tensordict
-    import torch.compiler
-
-    markers = {name: getattr(torch.compiler, name) for name in ("allow_in_graph", "assume_constant_result")}
-    for name in markers:
-        setattr(torch.compiler, name, lambda fn: fn)
-    try:
-        import tensordict
-    finally:
-        for name, marker in markers.items():
-            setattr(torch.compiler, name, marker)
-    return tensordict
-
-
-_td = _import_tensordict()
-NonTensorData, NonTensorStack, TensorDict = _td.NonTensorData, _td.NonTensorStack, _td.TensorDict
-
-from rlhf_core.dtypes import RAW_BITS
-
-__all__ = [
-    "DataProto",
-    "DataProtoItem",
-    "DataProtoFuture",
-    "DataProtoError",
-    "BatchSizeMismatchError",
-    "UnionConflictError",
-    "ChunkSizeError",
-    "DataProtoTypeError",
-    "UnsupportedObjectError",
-    "union_tensor_dict",
-    "union_numpy_dict",
-    "pad_dataproto_to_divisor",
-    "unpad_dataproto",
-    "AUTO_PADDING_KEY",
-    "DataProtoConfig",
-    "MissingKeyError",
-    "object_column",
-    "fold_batch_dim",
-    "unfold_batch_dim",
-    "union_two_dict",
-    "list_of_dict_to_dict_of_list",
-    "collate_fn",
-]
+from rlhf_core.protocol import wire
+from rlhf_core.protocol.columns import (NonTensorData, NonTensorStack, TensorDict, _cat_rows, _check_index_tensor,
+                                        _describe, _merge_meta, _merge_metrics, _repeat_rows, _same_value,
+                                        _take_rows, object_column, union_numpy_dict, union_tensor_dict)
+from rlhf_core.protocol.errors import (BatchSizeMismatchError, ChunkSizeError, DataProtoError, DataProtoTypeError,
+                                       MissingKeyError, UnionConflictError)
+from rlhf_core.protocol.verl_compat import VerlMethods
 
 #: meta_info key that, when true, lets ``chunk`` split a batch that does not divide
 #: evenly. Same key as verl so ported code that sets it keeps working.
@@ -104,405 +54,6 @@ class DataProtoConfig:
     be chunked unevenly, as if each had ``meta_info[AUTO_PADDING_KEY] = True``."""
 
     auto_padding: bool = False
-
-#: Version of the wire format. Bumped only on incompatible changes; never chosen at
-#: run time, so every node produces and expects the same bytes.
-WIRE_VERSION = 1
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class DataProtoError(ValueError, AssertionError):
-    """Base class of every error this module raises about a batch's contents. It is an
-    ``AssertionError`` too: verl signals these misuses with ``assert``, and code written
-    against verl that catches ``AssertionError`` must still catch ours."""
-
-
-class BatchSizeMismatchError(DataProtoError):
-    """Two columns of one batch describe different numbers of rows."""
-
-
-class UnionConflictError(DataProtoError):
-    """``union`` found the same key on both sides with different contents."""
-
-
-class ChunkSizeError(DataProtoError):
-    """A batch cannot be split into the requested number of equal chunks."""
-
-
-class DataProtoTypeError(DataProtoError, TypeError):
-    """A field has the wrong Python/numpy/torch type."""
-
-
-class UnsupportedObjectError(DataProtoTypeError):
-    """An object column or meta value holds a type the pickle-free wire cannot carry."""
-
-
-class MissingKeyError(DataProtoError, KeyError):
-    """A named key is not in the batch (a ``KeyError`` and, as in verl, an assertion)."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-# --------------------------------------------------------------------- module helpers
-
-
-def object_column(values) -> np.ndarray:
-    """A 1-D object array holding ``values`` one per row. Unlike ``np.array(values,
-    dtype=object)``, equal-length lists stay list cells instead of becoming a 2-D array."""
-    values = list(values)
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"torch.Tensor(shape={tuple(value.shape)}, dtype={value.dtype})"
-    if isinstance(value, np.ndarray):
-        return f"np.ndarray(shape={value.shape}, dtype={value.dtype})"
-    return type(value).__name__
-
-
-def _first_difference(a: np.ndarray | torch.Tensor, b: np.ndarray | torch.Tensor) -> str:
-    """A short human description of where two same-named columns disagree."""
-    if tuple(a.shape) != tuple(b.shape):
-        return f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}"
-    if isinstance(a, torch.Tensor):
-        if a.dtype != b.dtype:
-            return f"dtypes differ: {a.dtype} vs {b.dtype}"
-        neq = (a != b).reshape(a.shape[0], -1).any(dim=1) if a.ndim else (a != b).reshape(1)
-        row = int(torch.nonzero(neq)[0, 0]) if neq.any() else 0
-        return f"first differing row {row}: {a[row].tolist()!r} vs {b[row].tolist()!r}"
-    flat_a, flat_b = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
-    for row in range(a.shape[0]):
-        if not _objects_equal(flat_a[row], flat_b[row]):
-            return f"first differing row {row}: {a[row]!r} vs {b[row]!r}"
-    return "contents differ"
-
-
-def _objects_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Equal shape, dtype kind and contents; NaN equals NaN (a column compared with
-    itself after a round trip is equal), nested lists/dicts/arrays compared deeply."""
-    if a.shape != b.shape or (a.dtype == object) != (b.dtype == object):
-        return False
-    if a.dtype != object:
-        if a.dtype != b.dtype:
-            return False
-        nan_ok = a.dtype.kind in "fc"
-        return bool(np.array_equal(a, b, equal_nan=nan_ok))
-    try:
-        if a.tolist() == b.tolist():  # fast path: element ==, nested lists/dicts included
-            return True
-    except (ValueError, TypeError, RecursionError):
-        pass
-    return _deep_equal(a, b, set())
-
-
-def _deep_equal(x: Any, y: Any, seen: set) -> bool:
-    """Structural equality with NaN == NaN, safe on self-referencing containers (a pair
-    already being compared counts as equal; its other elements decide)."""
-    if x is y:
-        return True
-    if isinstance(x, float) and isinstance(y, float) and x != x and y != y:
-        return True
-    containers = (list, tuple, dict, np.ndarray)
-    if isinstance(x, containers) and isinstance(y, containers):
-        pair = (id(x), id(y))
-        if pair in seen:
-            return True
-        seen.add(pair)
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            x, y = np.asarray(x, dtype=object), np.asarray(y, dtype=object)
-            return x.shape == y.shape and all(_deep_equal(u, v, seen) for u, v in zip(x.ravel(), y.ravel()))
-        if isinstance(x, dict) or isinstance(y, dict):
-            return (isinstance(x, dict) and isinstance(y, dict) and x.keys() == y.keys()
-                    and all(_deep_equal(x[k], y[k], seen) for k in x))
-        return len(x) == len(y) and all(_deep_equal(u, v, seen) for u, v in zip(x, y))
-    try:
-        return bool(x == y)
-    except Exception:
-        return False
-
-
-def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.equal`` semantics (NaN != NaN); CPU tensors compare through numpy views,
-    which measured ~2x faster for the large int64 overlaps that ``union`` checks."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype in _BITS_VIEW:  # bit views would call -0.0 != 0.0 and NaN == NaN
-        return torch.equal(a, b)
-    x, y = _numpy_view(a), _numpy_view(b)
-    if x is None or y is None:
-        return torch.equal(a, b)
-    return bool(np.array_equal(x, y))
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Add the keys of ``tensor_dict2`` to ``tensor_dict1`` (in place) and return it.
-
-    Keys present on both sides must hold equal tensors; otherwise
-    :class:`UnionConflictError` names the key and the first differing row. Batch sizes
-    must agree (:class:`BatchSizeMismatchError`).
-    """
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise BatchSizeMismatchError(
-            f"union: batch sizes differ: left has {tuple(tensor_dict1.batch_size)}, "
-            f"right has {tuple(tensor_dict2.batch_size)}"
-        )
-    for key, value in tensor_dict2.items():
-        if key in tensor_dict1.keys():
-            mine = tensor_dict1.get(key)
-            if mine is not value and not _tensors_equal(mine, value):
-                raise UnionConflictError(
-                    f"union: key {key!r} is in both batches with different values "
-                    f"({_first_difference(mine, value)})"
-                )
-        else:
-            tensor_dict1.set(key, value)
-    return tensor_dict1
-
-
-def union_numpy_dict(tensor_dict1: dict[str, np.ndarray],
-                     tensor_dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Add the columns of ``tensor_dict2`` to ``tensor_dict1`` (in place) and return it.
-
-    Columns present on both sides must be equal element by element; otherwise
-    :class:`UnionConflictError` names the column and the first differing row.
-    """
-    for key, value in tensor_dict2.items():
-        if key in tensor_dict1:
-            mine = tensor_dict1[key]
-            if mine is not value and not _objects_equal(mine, value):
-                raise UnionConflictError(
-                    f"union: `{key}` in tensor_dict1 and tensor_dict2 are not the same object. The non-tensor "
-                    f"column {key!r} is in both batches with different values ({_first_difference(mine, value)})"
-                )
-        else:
-            tensor_dict1[key] = value
-    return tensor_dict1
-
-
-def _merge_meta(left: dict, right: dict) -> dict:
-    """Union of two meta dicts; a key on both sides must hold equal values."""
-    for key, value in right.items():
-        if key in left:
-            mine = left[key]
-            same = mine is value
-            if not same:
-                try:
-                    same = bool(mine == value)
-                except Exception:  # tensors/arrays: elementwise ==
-                    same = False
-            if not same:
-                raise UnionConflictError(
-                    f"union: meta_info key {key!r} differs: {mine!r} vs {value!r}"
-                )
-        else:
-            left[key] = value
-    return left
-
-
-def _merge_metrics(metas: Sequence[dict]) -> dict:
-    """Concatenate per-chunk ``metrics`` into one dict of lists, in chunk order.
-
-    Each chunk's ``meta_info["metrics"]`` is ``{name: value}``, ``{name: [values]}`` or
-    a list of such dicts (several reports from one worker); None is skipped. The merged
-    value is the list of every value, in order.
-    """
-    merged: dict[str, list] = {}
-    for meta in metas:
-        reports = meta.get("metrics")
-        if reports is None:
-            continue
-        for report in reports if isinstance(reports, (list, tuple)) else [reports]:
-            for name, value in (report or {}).items():
-                bucket = merged.setdefault(name, [])
-                if isinstance(value, (list, tuple)):
-                    bucket.extend(value)
-                else:
-                    bucket.append(value)
-    return merged
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # tensors/arrays: elementwise ==
-        return _deep_equal(a, b, set())
-
-
-def _check_index_tensor(idxs: Any, length: int, where: str) -> torch.Tensor:
-    """Turn int/bool indices of any accepted form into a 1-D int64 tensor."""
-    if isinstance(idxs, np.ndarray):
-        idxs = torch.from_numpy(idxs)
-    elif isinstance(idxs, (list, tuple, range)):
-        idxs = torch.as_tensor(list(idxs)) if len(idxs) else torch.zeros(0, dtype=torch.int64)
-    elif not isinstance(idxs, torch.Tensor):
-        raise DataProtoTypeError(
-            f"{where}: indices must be a list, range, np.ndarray or torch.Tensor of int or "
-            f"bool; found {_describe(idxs)}"
-        )
-    idxs = idxs.reshape(-1).cpu()
-    if idxs.dtype == torch.bool:
-        if idxs.numel() != length:
-            raise BatchSizeMismatchError(
-                f"{where}: boolean mask has {idxs.numel()} entries but the batch has "
-                f"{length} rows"
-            )
-        return torch.nonzero(idxs).reshape(-1)
-    if idxs.dtype.is_floating_point or idxs.dtype.is_complex:
-        raise DataProtoTypeError(f"{where}: indices must be int or bool; found dtype {idxs.dtype}")
-    idxs = idxs.to(torch.int64)
-    if idxs.numel() and (int(idxs.max()) >= length or int(idxs.min()) < -length):
-        bad = int(idxs.max()) if int(idxs.max()) >= length else int(idxs.min())
-        raise IndexError(f"{where}: index {bad} is out of range for a batch of {length} rows")
-    return idxs
-
-
-
-# Row operations on CPU tensors go through numpy views: np.repeat / np.take /
-# np.concatenate move the same bytes as torch's kernels but measured 2-4x faster here
-# (benchmarks/dataproto_ops.py), mostly because torch's repeat/index kernels are slow
-# for bool and first-touch large outputs. Anything numpy cannot view (GPU tensors,
-# tensors that need autograd) takes the torch path, with the same result.
-_BITS_VIEW = {dtype: bits for dtype, (bits, _) in RAW_BITS.items()}
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray | None:
-    if t.device.type != "cpu" or t.requires_grad or t.ndim == 0:
-        return None
-    bits = _BITS_VIEW.get(t.dtype)
-    try:
-        return (t.view(bits) if bits is not None else t).numpy()
-    except (TypeError, RuntimeError):  # dtypes numpy lacks (fp8, complex32, ...)
-        return None
-
-
-def _from_numpy_like(array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    out = torch.from_numpy(array)
-    return out.view(like.dtype) if out.dtype != like.dtype else out
-
-
-def _repeat_rows(t: torch.Tensor, times: int, interleave: bool) -> torch.Tensor:
-    a = _numpy_view(t)
-    if a is None:
-        if interleave:
-            return t.repeat_interleave(times, dim=0)
-        return t.repeat(times, *([1] * (t.ndim - 1)))
-    out = np.repeat(a, times, axis=0) if interleave else np.tile(a, (times,) + (1,) * (a.ndim - 1))
-    return _from_numpy_like(out, t)
-
-
-def _take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    a = _numpy_view(t)
-    if a is None:
-        return t.index_select(0, index.to(t.device))
-    return _from_numpy_like(np.take(a, index.numpy(), axis=0), t)
-
-
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    arrays = [_numpy_view(p) for p in parts]
-    if any(a is None for a in arrays) or len({p.dtype for p in parts}) != 1:
-        return torch.cat(parts, dim=0)
-    return _from_numpy_like(np.concatenate(arrays, axis=0), parts[0])
-
-
-# ----------------------------------------------------------------- pickle-free wire
-
-
-_JSON_SCALARS = (str, bool, int, float, type(None))
-
-
-def _to_json_value(value: Any, where: str) -> Any:
-    """Check (and normalise numpy scalars in) one value bound for the JSON wire."""
-    if isinstance(value, _JSON_SCALARS):
-        return value
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    if isinstance(value, list):
-        return [_to_json_value(v, where) for v in value]
-    if isinstance(value, dict):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise UnsupportedObjectError(
-                    f"{where}: dict keys must be str to cross the wire; found key {k!r} "
-                    f"of type {type(k).__name__}"
-                )
-            out[k] = _to_json_value(v, where)
-        return out
-    raise UnsupportedObjectError(
-        f"{where}: values must be str, int, float, bool, None, list or dict (pickle-free "
-        f"wire); found {type(value).__module__}.{type(value).__qualname__}. Convert it "
-        f"(e.g. tuple -> list, tensor -> list) before putting it in the batch."
-    )
-
-
-def _object_column_to_wire(name: str, column: np.ndarray) -> tuple:
-    if column.dtype != object:
-        # numeric / bool / fixed-width unicode arrays travel as raw buffers.
-        return ("raw", column if column.flags.c_contiguous else np.ascontiguousarray(column))
-    flat = column.ravel().tolist()
-    if not all(type(v) is str for v in flat):  # fast path for the common all-str column
-        flat = [_to_json_value(v, f"non_tensor_batch[{name!r}]") for v in flat]
-    payload = json.dumps(flat, ensure_ascii=False, allow_nan=True).encode("utf-8")
-    return ("json", np.frombuffer(payload, dtype=np.uint8), column.shape)
-
-
-def _object_column_from_wire(entry: tuple) -> np.ndarray:
-    kind = entry[0]
-    if kind == "raw":
-        return entry[1]
-    if kind == "json":
-        return object_column(json.loads(entry[1].tobytes().decode("utf-8"))).reshape(entry[2])
-    raise DataProtoError(f"wire: unknown non-tensor column encoding {kind!r}")
-
-
-def _tensor_to_wire(t: torch.Tensor) -> tuple[str, np.ndarray]:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if t.dtype in RAW_BITS:  # numpy has no bf16/fp8: their bits travel, the dtype beside them
-        return dtype, t.view(RAW_BITS[t.dtype][0]).numpy()
-    return dtype, t.numpy()
-
-
-def _tensor_from_wire(dtype: str, array: np.ndarray) -> torch.Tensor:
-    # Zero-copy: the tensor is a view of the received buffer. Under Ray that buffer is
-    # the object's memory in the node's object store; every dispatch sends each rank
-    # its own object, so in-place edits stay private to the receiving task. (Tensors
-    # obtained by ray.get of a ref that is shared by several readers must be cloned
-    # before in-place edits, exactly as with numpy arrays from ray.get.) Copying here
-    # would cost one full pass over fresh memory per hop (benchmarks/dispatch.py).
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        t = torch.from_numpy(array)
-    target = getattr(torch, dtype)
-    return t if t.dtype == target else t.view(target)
-
-
-def _from_wire(state: dict) -> "DataProto":
-    version = state.get("wire_version")
-    if version != WIRE_VERSION:
-        raise DataProtoError(
-            f"wire: DataProto wire_version {version!r} is not supported by this build "
-            f"(expected {WIRE_VERSION}); run the same rlhf_core version on every node"
-        )
-    batch = None
-    if state["batch"] is not None:
-        tensors = {k: _tensor_from_wire(d, a) for k, (d, a) in state["batch"].items()}
-        batch = TensorDict(tensors, batch_size=state["batch_size"])
-    non_tensor = {k: _object_column_from_wire(e) for k, e in state["non_tensor_batch"].items()}
-    meta = json.loads(state["meta_info"]) if state["meta_info"] else {}
-    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
 
 # ------------------------------------------------------------------------ DataProto
@@ -518,8 +69,9 @@ class DataProtoItem:
     meta_info: dict = field(default_factory=dict)
 
 
+
 @dataclass
-class DataProto:
+class DataProto(VerlMethods):
     """A batch of samples: tensors, aligned object columns and batch-level meta.
 
     Build one with :meth:`from_single_dict` or :meth:`from_dict`; the constructor checks
@@ -538,19 +90,6 @@ class DataProto:
         self.check_consistency()
 
     # ---------------------------------------------------------------- construction
-
-    @classmethod
-    def from_single_dict(cls, data: dict[str, torch.Tensor | np.ndarray],
-                         meta_info: dict | None = None, auto_padding: bool = False) -> "DataProto":
-        """Split one flat dict into tensors (-> ``batch``) and numpy arrays (-> object
-        columns). Values are not copied. Any other value type is a DataProtoTypeError."""
-        for key, value in data.items():
-            if not isinstance(value, (torch.Tensor, np.ndarray)):
-                raise DataProtoTypeError(f"from_single_dict: field {key!r} must be a torch.Tensor or "
-                                         f"np.ndarray; found {_describe(value)}")
-        return cls.from_dict({k: v for k, v in data.items() if isinstance(v, torch.Tensor)},
-                             {k: v for k, v in data.items() if isinstance(v, np.ndarray)},
-                             meta_info, auto_padding=auto_padding)
 
     @classmethod
     def from_dict(cls, tensors: dict[str, torch.Tensor] | None = None,
@@ -951,19 +490,6 @@ class DataProto:
                           for k, v in self.non_tensor_batch.items()}
         return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
 
-    def sample_level_repeat(self, repeat_times: Sequence[int] | torch.Tensor | np.ndarray) -> "DataProto":
-        """Row ``i`` repeated ``repeat_times[i]`` times, in order (copy)."""
-        counts = torch.as_tensor(np.asarray(repeat_times), dtype=torch.int64).reshape(-1)
-        if counts.numel() != len(self):
-            raise BatchSizeMismatchError(
-                f"sample_level_repeat: repeat_times has {counts.numel()} entries but the "
-                f"batch has {len(self)} rows"
-            )
-        if counts.numel() and int(counts.min()) < 0:
-            raise DataProtoError("sample_level_repeat: repeat_times must be >= 0")
-        index = torch.repeat_interleave(torch.arange(len(self)), counts)
-        return self.select_idxs(index)
-
     def reorder(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> None:
         """Permute rows in place (``self = self[indices]``)."""
         index = _check_index_tensor(indices, len(self), "reorder")
@@ -1052,65 +578,6 @@ class DataProto:
         return (f"DataProto(len={len(self)}, batch={keys}, "
                 f"non_tensor_batch={list(self.non_tensor_batch)}, meta_info={list(self.meta_info)})")
 
-    def unfold_column_chunks(self, n_split: int, split_keys: Sequence[str] | None = None) -> "DataProto":
-        """Each row becomes ``n_split`` rows (copy): columns named in ``split_keys`` are
-        cut into ``n_split`` equal pieces along their second axis, every other column is
-        repeated (e.g. a multi-turn row into its turns)."""
-        split_keys = set(split_keys or [])
-        if not isinstance(n_split, int) or n_split < 1:
-            raise DataProtoError(f"unfold_column_chunks: n_split must be a positive int; found {n_split!r}")
-
-        def unfold(name: str, value):
-            if name in split_keys:
-                if value.ndim < 2 or value.shape[1] % n_split:
-                    raise ChunkSizeError(f"unfold_column_chunks: {name!r} of shape {tuple(value.shape)} does not "
-                                         f"split into {n_split} pieces along axis 1")
-                return value.reshape(value.shape[0] * n_split, value.shape[1] // n_split, *value.shape[2:])
-            if isinstance(value, torch.Tensor):
-                return torch.repeat_interleave(value, n_split, dim=0)
-            return np.repeat(value, n_split, axis=0)
-
-        rows = len(self) * n_split
-        batch = None
-        if self.batch is not None:
-            batch = TensorDict({k: unfold(k, v) for k, v in self.batch.items()}, batch_size=[rows])
-        non_tensor = {k: unfold(k, v) for k, v in self.non_tensor_batch.items()}
-        return type(self)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
-
-    def save_to_disk(self, filepath: str) -> None:
-        """Write this batch to one file (overwritten if present) in the wire format: a
-        numpy ``.npz`` of raw buffers plus a JSON header. Nothing is pickled."""
-        wire = self.to_wire()
-        arrays, header = {}, {"wire_version": wire["wire_version"], "batch_size": wire["batch_size"],
-                              "meta_info": wire["meta_info"], "batch": None, "non_tensor_batch": {}}
-        if wire["batch"] is not None:
-            header["batch"] = {}
-            for i, (key, (dtype, array)) in enumerate(wire["batch"].items()):
-                arrays[f"t{i}"] = array
-                header["batch"][key] = [dtype, f"t{i}"]
-        for i, (key, entry) in enumerate(wire["non_tensor_batch"].items()):
-            arrays[f"n{i}"] = entry[1]
-            header["non_tensor_batch"][key] = [entry[0], f"n{i}", list(entry[2]) if len(entry) > 2 else None]
-        arrays["header"] = np.frombuffer(json.dumps(header).encode("utf-8"), dtype=np.uint8)
-        with open(filepath, "wb") as f:
-            np.savez(f, **arrays)
-
-    @staticmethod
-    def load_from_disk(filepath: str) -> "DataProto":
-        """Read a file written by :meth:`save_to_disk` (``allow_pickle=False``)."""
-        with np.load(filepath, allow_pickle=False) as npz:
-            header = json.loads(npz["header"].tobytes().decode("utf-8"))
-            batch = None
-            if header["batch"] is not None:
-                batch = {k: (dtype, np.array(npz[name])) for k, (dtype, name) in header["batch"].items()}
-            non_tensor = {}
-            for key, (kind, name, shape) in header["non_tensor_batch"].items():
-                array = np.array(npz[name])
-                non_tensor[key] = (kind, array) if kind == "raw" else (kind, array, tuple(shape))
-        return _from_wire({"wire_version": header["wire_version"], "batch": batch,
-                           "batch_size": header["batch_size"], "non_tensor_batch": non_tensor,
-                           "meta_info": header["meta_info"]})
-
     # ---------------------------------------------------------------- pickle-free wire
 
     def to_wire(self) -> dict:
@@ -1121,22 +588,7 @@ class DataProto:
         Raises UnsupportedObjectError naming the column (or meta key) and the offending
         type when something cannot be represented.
         """
-        batch = None
-        if self.batch is not None:
-            batch = {k: _tensor_to_wire(v) for k, v in self.batch.items()}
-        non_tensor = {k: _object_column_to_wire(k, v) for k, v in self.non_tensor_batch.items()}
-        meta = {}
-        for key, value in self.meta_info.items():
-            if not isinstance(key, str):
-                raise UnsupportedObjectError(f"meta_info keys must be str; found {key!r}")
-            meta[key] = _to_json_value(value, f"meta_info[{key!r}]")
-        return {
-            "wire_version": WIRE_VERSION,
-            "batch": batch,
-            "batch_size": [len(self)] if self.batch is not None else None,
-            "non_tensor_batch": non_tensor,
-            "meta_info": json.dumps(meta, allow_nan=True) if meta else "",
-        }
+        return wire.encode(self.batch, self.non_tensor_batch, self.meta_info, len(self))
 
     @staticmethod
     def from_wire(state: dict) -> "DataProto":
@@ -1149,6 +601,11 @@ class DataProto:
         # numpy arrays: with protocol 5 the array buffers travel out of band, so tensor
         # bytes are never pickled, and nothing but JSON and raw numbers is decoded.
         return (_from_wire, (self.to_wire(),))
+
+
+def _from_wire(state: dict) -> DataProto:
+    batch, non_tensor, meta = wire.decode(state)
+    return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
 
 # ------------------------------------------------------------------ padding helpers
@@ -1177,32 +634,6 @@ def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     return data.slice(0, len(data) - pad_size) if pad_size else data
 
 
-# ------------------------------------------------------- verl's module-level helpers
-
-
-def union_two_dict(dict1: dict, dict2: dict) -> dict:
-    """Add ``dict2``'s items to ``dict1`` (in place) and return it; a key both hold with
-    different values is a UnionConflictError."""
-    for key, value in dict2.items():
-        if key in dict1 and not _same_value(dict1[key], value):
-            raise UnionConflictError(f"union_two_dict: {key!r} differs: {dict1[key]!r} vs {value!r}")
-        dict1[key] = value
-    return dict1
-
-
-def list_of_dict_to_dict_of_list(list_of_dict: list[dict]) -> dict:
-    """``[{a: 1, b: 2}, {a: 3, b: 4}]`` -> ``{a: [1, 3], b: [2, 4]}`` (keys of the first)."""
-    if not list_of_dict:
-        return {}
-    keys = list(list_of_dict[0])
-    out: dict[str, list] = {k: [] for k in keys}
-    for i, row in enumerate(list_of_dict):
-        if set(row) != set(keys):
-            raise DataProtoError(f"list_of_dict_to_dict_of_list: row {i} has keys {sorted(row)}, row 0 {sorted(keys)}")
-        for k in keys:
-            out[k].append(row[k])
-    return out
-
 
 def collate_fn(items: list[DataProtoItem]) -> DataProto:
     """DataProtoItems (rows) back into one DataProto (copy), e.g. as a DataLoader's collate."""
@@ -1217,38 +648,6 @@ def collate_fn(items: list[DataProtoItem]) -> DataProto:
         non_tensor[key] = column
     return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(items[0].meta_info))
 
-
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
-    """Group consecutive rows: a batch of ``B`` rows becomes ``new_batch_size`` rows whose
-    columns gain a second axis of ``B // new_batch_size`` (views where possible; ``data``
-    is left as it was). Undo with :func:`unfold_batch_dim`."""
-    n = len(data)
-    if not isinstance(new_batch_size, int) or new_batch_size < 1 or n % new_batch_size:
-        raise ChunkSizeError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size!r} rows")
-    group = n // new_batch_size
-    batch = None
-    if data.batch is not None:
-        batch = TensorDict({k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.batch.items()},
-                           batch_size=[new_batch_size])
-    non_tensor = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
-
-
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
-    """Inverse of :func:`fold_batch_dim`: merge the first ``batch_dims`` axes of every
-    column into one batch axis (views where possible)."""
-    if batch_dims < 1:
-        raise DataProtoError(f"unfold_batch_dim: batch_dims must be >= 1; found {batch_dims}")
-    columns = list(data.batch.items()) if data.batch is not None else []
-    first = columns[0][1] if columns else next(iter(data.non_tensor_batch.values()), None)
-    if first is None:
-        return type(data)(meta_info=dict(data.meta_info))
-    rows = int(np.prod(tuple(first.shape[:batch_dims])))
-    batch = None
-    if data.batch is not None:
-        batch = TensorDict({k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in columns}, batch_size=[rows])
-    non_tensor = {k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
-    return type(data)(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info))
 
 
 # ---------------------------------------------------------------------- futures
@@ -1296,3 +695,4 @@ class DataProtoFuture:
         if self.dispatch_fn is not None:
             output = self.dispatch_fn(output)
         return output
+

@@ -14,10 +14,11 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from rlhf_core import session
+from rlhf_core.session import session
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld
-from rlhf_core.trainer.restore import checkpoint_plan, open_run
+from rlhf_core.record.lease import CONTROLLER_TTL_S, IterationLeases, LeaseHeld
+from rlhf_core.record.checkpoints import checkpoint_plan
+from rlhf_core.trainer.restore import open_run
 from rlhf_core.trainer.run import finish_outputs, run_iterations
 
 
@@ -63,11 +64,11 @@ class SessionAttachment:
         ray.get(self.record.committed.remote(self.claim, step))  # refused if another controller claimed since
 
 
-def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, log=print, on_stage=None,
+def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_stage=None,
             lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None,
             attached: session.AttachedSession | None = None, only_iteration: int | None = None,
             lease_holder: str = "") -> dict:
-    """Run iterations against the run's long-lived session (this process must already be
+    """Run iterations of the run ``istore`` records against its long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
 
@@ -82,9 +83,9 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
     for this process)."""
     import ray
 
-    from rlhf_core.trainer.prefetch import SessionPrefetch
+    from rlhf_core.session.prefetch import SessionPrefetch
 
-    istore, state = open_run(cfg, store, run_id, log)
+    run_id, state = istore.run_id, open_run(cfg, istore, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -113,7 +114,7 @@ def iterate(cfg: RunConfig, run_id: str, store: str, head, iterations: int = 1, 
             except Exception:  # noqa: BLE001 - the record is gone (the session restarted): ensure() finds out
                 attached = None
         if attached is None:
-            attached = session.ensure(cfg, run_id, store, head)
+            attached = session.ensure(cfg, istore.ref, head)
         info = attached.info
         log(f"[rlhf] session of run {run_id}: attached to generation {info['generation']} (job {info['job_id']})")
         # the workers are this controller's (dirty until it commits) before anything else,
@@ -153,7 +154,7 @@ def attach_ahead(cfg: RunConfig, run_id: str) -> session.AttachedSession | None:
     loop's modules and attach to the session's workers (no claim: the running controller
     keeps them). None when there is no session to attach to yet."""
     import rlhf_core.trainer.ppo  # noqa: F401 - imported now rather than after the commit
-    import rlhf_core.trainer.prefetch  # noqa: F401
+    import rlhf_core.session.prefetch  # noqa: F401
 
     import ray
 

@@ -7,7 +7,7 @@ The scheme needs only the one primitive every store here honours: create-only wr
     {run}/leases/iter-{N:06d}/{generation:08d}.json   {"holder", "token", "state", "at", "process",
                                                         "checkpoint"}
 
-(the path grammar: ``rlhf_core.run_layout``).
+(the path grammar: ``rlhf_core.record.run_layout``).
 
 Every change (acquire, take over, renew, release) is the creation of the next generation,
 so two contenders for one change cannot both succeed: exactly one creates it, the other
@@ -39,8 +39,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from rlhf_core import run_layout
-from rlhf_core.processes import known_dead, this_process
+from rlhf_core.record import run_layout
+from rlhf_core.runtime.processes import known_dead, this_process
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 

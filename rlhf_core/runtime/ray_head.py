@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rlhf_core.net import free_ports
-from rlhf_core.processes import known_dead, pid_alive, process_start_time, this_process
+from rlhf_core.runtime.net import free_ports
+from rlhf_core.runtime.processes import known_dead, pid_alive, process_start_time, this_process
 
 
 @dataclass

@@ -16,7 +16,7 @@ serve loop to rebuild; one that finds no session at all submits a new serve job.
 way the workers come back from the last committed checkpoint.
 
 A second detached actor, ``prefetch``, computes the next iteration's inference stages on
-the workers between two controllers (``rlhf_core.trainer.prefetch``).
+the workers between two controllers (``rlhf_core.session.prefetch``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from rlhf_core.config import RunConfig
-from rlhf_core.trainer.prefetch import PREFETCH_ACTOR, Prefetcher
-from rlhf_core.workers.worker_set import WorkerSet, checkpoint_exists
+from rlhf_core.session.prefetch import PREFETCH_ACTOR, Prefetcher
+from rlhf_core.checkpoint.layout import checkpoint_exists
+from rlhf_core.record.run_layout import RunRef
+from rlhf_core.workers.worker_set import WorkerSet
 
 SESSION_ACTOR = "session"
 WORKER_PREFIX = "rlhf_worker"
@@ -50,7 +52,7 @@ class AttachedSession:
     workers: WorkerSet
     record: object        # the SessionRecord actor handle
     info: dict            # the record's published state when attached
-    prefetcher: object = None  # the Prefetcher actor handle (rlhf_core.trainer.prefetch)
+    prefetcher: object = None  # the Prefetcher actor handle (rlhf_core.session.prefetch)
 
 
 class SessionRecord:
@@ -115,10 +117,12 @@ class SessionRecord:
 # --------------------------------------------------------------------- the serve job
 
 
-def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.5) -> str:
+def serve(cfg: RunConfig, run: RunRef, log=print, poll_s: float = 0.5) -> str:
     """The session job's body (this process is connected to the cluster, in the run's
     namespace). Returns why it ended: "idle" or "stopped"."""
     import ray
+
+    run_id = run.run_id
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append("stopped"))  # `ray job stop`
@@ -138,7 +142,7 @@ def serve(cfg: RunConfig, run_id: str, store: str, log=print, poll_s: float = 0.
             generation += 1
             t0 = time.perf_counter()
             workers = _place(cfg, run_id)
-            step = _restore(cfg, store, run_id, workers, log)
+            step = _restore(cfg, run, workers, log)
             ray.get(prefetcher.reset.remote(workers.worker_names, generation))
             ray.get(record.rebuilt.remote(status="ready", generation=generation, step=step,
                                           worker_names=workers.worker_names, started_at=time.time()))
@@ -178,12 +182,15 @@ def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
                            detached=True)
 
 
-def _restore(cfg: RunConfig, store: str, run_id: str, workers: WorkerSet, log) -> int | None:
+def _restore(cfg: RunConfig, run: RunRef, workers: WorkerSet, log) -> int | None:
     """Load the last committed checkpoint; the step the weights are at (None: fresh,
     the controller writes step 0's checkpoint itself)."""
-    from rlhf_core.trainer.restore import load_checkpoint, open_run, weights_checkpoint, weights_plan
+    from rlhf_core.record.checkpoints import weights_checkpoint, weights_plan
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.trainer.restore import load_checkpoint, open_run
 
-    istore, state = open_run(cfg, store, run_id, log=lambda *a: None)
+    istore = IterationStore(run)
+    state = open_run(cfg, istore, log=lambda *a: None)
     if state.global_step == 0 or weights_plan(istore, state.global_step)[1]:
         return None  # fresh, or a checkpoint plus a redo (the controller has the trainer for it)
     uri = weights_checkpoint(istore, state.global_step)
@@ -212,15 +219,12 @@ FORWARDED_ENV = ("RLHF_CACHE", "PYTHONPATH", "HF_HOME", "AWS_ENDPOINT_URL", "AWS
 SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
-def session_entrypoint(run_id: str, store: str) -> str:
-    """The serve job's command line; Ray runs it with a shell, so every argument is
-    validated and quoted."""
+def session_entrypoint(run: RunRef) -> str:
+    """The serve job's command line; Ray runs it with a shell, so every argument (checked
+    when ``run`` was made) is quoted."""
     import shlex
 
-    from rlhf_core.run_ids import validate_run_id, validate_store_uri
-
-    argv = [sys.executable, "-m", "rlhf_core.cli", "serve", "--foreground",
-            "--run-id", validate_run_id(run_id), "--store", validate_store_uri(store)]
+    argv = [sys.executable, "-m", "rlhf_core.cli", "serve", "--foreground", "--run-id", run.run_id, "--store", run.store]
     return " ".join(shlex.quote(a) for a in argv)
 
 
@@ -229,7 +233,7 @@ def write_credentials_file(directory: str) -> str | None:
     (``directory`` is the local head's folder; one file per submission, which its serve
     job removes once read, and stopping the head removes what is left); None when there
     are none. On KubeRay the Ray pods get them from the Kubernetes secret instead."""
-    from rlhf_core.ray_head import CREDENTIALS_GLOB, write_private
+    from rlhf_core.runtime.ray_head import CREDENTIALS_GLOB, write_private
 
     secrets = {k: os.environ[k] for k in SECRET_ENV if os.environ.get(k)}
     if not secrets:
@@ -251,11 +255,11 @@ def load_credentials_file(path: str | None) -> None:
     os.unlink(path)
 
 
-def submit_job(client, cfg: RunConfig, run_id: str, store: str, head=None) -> str:
+def submit_job(client, cfg: RunConfig, run: RunRef, head=None) -> str:
     """Submit ``rlhf serve`` for the run unless one is live; returns its submission id.
     Submission ids are create-only in the Jobs API, so two racing submitters end up
     with one job. ``head``: the local head (its folder holds the credentials file)."""
-    entrypoint = session_entrypoint(run_id, store)  # refuses a bad run id or store first
+    run_id, entrypoint = run.run_id, session_entrypoint(run)
     job = find_job(client, run_id)
     if job is not None:
         return job.submission_id
@@ -316,14 +320,15 @@ def attach_to(cfg: RunConfig, run_id: str, record, info: dict) -> AttachedSessio
     return AttachedSession(workers, record, info, prefetcher)
 
 
-def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900.0) -> AttachedSession:
+def ensure(cfg: RunConfig, run: RunRef, head, timeout_s: float = 900.0) -> AttachedSession:
     """The session's worker groups for this controller (connected to the cluster in the
     run's namespace): attach to the live session, or have it rebuilt / started from the
     last committed checkpoint and then attach. ``head``: the cluster (``HeadInfo``)."""
     import ray
 
-    from rlhf_core.ray_head import jobs_client
+    from rlhf_core.runtime.ray_head import jobs_client
 
+    run_id = run.run_id
     deadline = time.monotonic() + timeout_s
     asked_rebuild_of, submitted = None, None
     while time.monotonic() < deadline:
@@ -344,7 +349,7 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
         elif info is None:
             client = jobs_client(head)
             if submitted is None:
-                submitted = submit_job(client, cfg, run_id, store, head)
+                submitted = submit_job(client, cfg, run, head)
             elif str(client.get_job_status(submitted)) not in _LIVE_JOB:
                 raise RuntimeError(f"session job {submitted} ended ({client.get_job_status(submitted)}):\n"
                                    f"{client.get_job_logs(submitted)[-3000:]}")
@@ -353,7 +358,7 @@ def ensure(cfg: RunConfig, run_id: str, store: str, head, timeout_s: float = 900
 
 
 def _job_live(head, submission_id: str) -> bool:
-    from rlhf_core.ray_head import jobs_client
+    from rlhf_core.runtime.ray_head import jobs_client
 
     try:
         return str(jobs_client(head).get_job_status(submission_id)) in _LIVE_JOB
@@ -387,7 +392,7 @@ def stop(run_id: str, head=None) -> Stopped:
     import ray
 
     from rlhf_core.controller.resource_pool import placement_groups_named, remove_placement_groups
-    from rlhf_core.ray_head import jobs_client
+    from rlhf_core.runtime.ray_head import jobs_client
     from rlhf_core.workers.worker_set import pool_prefixes
 
     stopped = Stopped()

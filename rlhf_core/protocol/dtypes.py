@@ -1,6 +1,6 @@
 """Tensor dtypes numpy cannot hold, and the integer type whose bits carry them.
 
-The wire format (``protocol.py``) and snapshots (``snapshot/``) both move bf16 and fp8
+The wire format (``protocol/dataproto.py``) and snapshots (``snapshot/``) both move bf16 and fp8
 tensors as their raw bit patterns with the logical dtype recorded beside them; this is
 the one table they share.
 """

@@ -10,36 +10,34 @@ from __future__ import annotations
 
 import json
 
-from rlhf_core import run_layout
+from rlhf_core.record import run_layout
+from rlhf_core.record.run_layout import RunRef
 
 
 class LineageError(ValueError):
     """A URI that names nothing committed; the message says what was expected."""
 
 
-def locate(uri: str) -> tuple[str, str, int | None]:
-    """(store, run_id, iteration) of an iteration, stage snapshot or checkpoint URI; a
-    run URI gives its last committed iteration (None here, resolved by the caller)."""
+def locate(uri: str) -> tuple[RunRef, int | None]:
+    """(run, iteration) of an iteration, stage snapshot or checkpoint URI; a run URI gives
+    its last committed iteration (None here, resolved by the caller)."""
     uri = uri.rstrip("/")
     loc = run_layout.parse(uri)
     if loc is None:
-        store, run_id = run_layout.split_run_uri(uri)
-        return store, run_id, None
-    store, run_id = loc.store, loc.run_id
+        return RunRef.from_uri(uri), None
     if loc.iteration is not None:
-        return store, run_id, loc.iteration
-    step = loc.step
-    if step == 0:
-        raise LineageError(f"{uri} is the starting checkpoint of run {run_id}: no iteration produced it")
-    return store, run_id, step - 1  # step S is written by iteration S - 1
+        return loc.run, loc.iteration
+    if loc.step == 0:
+        raise LineageError(f"{uri} is the starting checkpoint of run {loc.run.run_id}: no iteration produced it")
+    return loc.run, loc.step - 1  # step S is written by iteration S - 1
 
 
 def chain(uri: str) -> list[dict]:
     """The iterations from the one ``uri`` names back to the first, newest first."""
-    from rlhf_core.trainer.iteration_store import IterationStore
+    from rlhf_core.record.iteration_store import IterationStore
 
-    store, run_id, n = locate(uri)
-    istore = IterationStore(store, run_id)
+    run, n = locate(uri)
+    istore, run_id, store = IterationStore(run), run.run_id, run.store
     committed = istore.committed_iterations()
     if not committed:
         raise LineageError(f"no committed iteration of run {run_id!r} under {store}")

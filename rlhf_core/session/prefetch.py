@@ -113,7 +113,7 @@ class _Job:
 class Prefetcher:
     """Detached actor of a session (threaded): computes ahead on the session's workers.
 
-    The session (``rlhf_core.session.serve``) places it next to the record and ``reset``s
+    The session (``rlhf_core.session.session.serve``) places it next to the record and ``reset``s
     it with every generation of workers; controllers ``start`` and ``take``."""
 
     def __init__(self, cfg: RunConfig, namespace: str, worker_role: str, record_name: str) -> None:

@@ -30,7 +30,6 @@ SNAPSHOT_MARKER = MANIFEST_NAME  # a stage's commit marker (the snapshot format'
 
 MANIFEST = "MANIFEST.json"
 CHECKPOINTS, LEASES, REPLAYS = "checkpoints", "leases", "replays"
-TRAINER_STATE_FILE = "trainer_state.json"
 INITIAL_CHECKPOINT = "INITIAL.json"
 _ITERATION_DIR = re.compile(r"^iter-(\d{6})$")
 _CHECKPOINT_DIR = re.compile(r"^step-(\d{6})(?:-[0-9a-f]+)?$")
@@ -77,10 +76,35 @@ def replay_dir(iteration: int, stage: str, stamp: str) -> str:
     return f"{REPLAYS}/{iteration_dir(iteration)}/{stage}-{stamp}"
 
 
-def split_run_uri(run_uri: str) -> tuple[str, str]:
-    """(store, run_id) of ``{store}/{run_id}``."""
-    store, _, run_id = run_uri.rstrip("/").rpartition("/")
-    return store, run_id
+@dataclass(frozen=True)
+class RunRef:
+    """One run: the store that holds runs and the run's id, checked when made. Everything
+    that reads or writes a run's record is handed one of these (or the IterationStore
+    opened on it), never the two strings."""
+
+    store: str
+    run_id: str
+
+    def __post_init__(self) -> None:
+        from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
+
+        validate_store_uri(self.store)
+        validate_run_id(self.run_id)
+
+    @property
+    def uri(self) -> str:
+        return f"{self.store.rstrip('/')}/{self.run_id}"
+
+    @classmethod
+    def from_uri(cls, run_uri: str) -> "RunRef":
+        """The run ``{store}/{run_id}`` names."""
+        store, _, run_id = run_uri.rstrip("/").rpartition("/")
+        return cls(store, run_id)
+
+
+def run_id_of(run_uri: str) -> str:
+    """The last part of ``{store}/{run_id}``, unchecked (``RunRef.from_uri`` checks it)."""
+    return run_uri.rstrip("/").rpartition("/")[2]
 
 
 def iteration_of_dir(name: str) -> int | None:
@@ -98,12 +122,8 @@ class Location:
     step: int | None = None        # a checkpoint
 
     @property
-    def store(self) -> str:
-        return split_run_uri(self.run_uri)[0]
-
-    @property
-    def run_id(self) -> str:
-        return split_run_uri(self.run_uri)[1]
+    def run(self) -> RunRef:
+        return RunRef.from_uri(self.run_uri)
 
     @property
     def iteration_uri(self) -> str | None:

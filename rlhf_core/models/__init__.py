@@ -1,0 +1,1 @@
+"""Models built on this machine: the built-in task's model and Qwen2 from a config."""
