@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from rlhf_core.config import RunConfig, apply_overrides, handover
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,14 +177,14 @@ def idle(args) -> None:
                 overrides = [*HEAVY, *args.overrides, "trainer.progress=false", f"trainer.output_dir={work / 'out'}"]
                 standin = LocalKfpStandIn(str(head_root), str(work / "kfp" / run_id))
                 os.makedirs(work / "kfp" / run_id, exist_ok=True)
-                plan = lambda total: Plan(run_id, store, {"run_id": run_id, "store": store,
-                                                          "config_overrides": overrides},
+                given = {"run_id": run_id, "store": store, **handover(apply_overrides(RunConfig(), overrides).validate())}
+                plan = lambda total: Plan(run_id, store, given,
                                           iterations=total, poll_s=0.2, pipelined=pipelined)
                 # the session starts and the models load in a first iteration, not timed; it
                 # has the session compute the next one ahead, as every iteration but a last does
                 os.environ["RLHF_SIMULATED_POD_START_S"] = "0"
                 warm = standin.run_pipeline("local", f"{run_id} warm-up", params={
-                    "run_id": run_id, "store": store, "config_overrides": overrides, "prefetch_next": True,
+                    **given, "prefetch_next": True,
                     "lease_holder": f"bench:{run_id}/warm-up"})
                 while standin.get_run(warm.run_id).state == "RUNNING":
                     time.sleep(0.2)

@@ -15,7 +15,7 @@ from components.iteration import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout_s: int) -> NamedTuple(
+def launch_cluster(run_id: str, config: dict, config_hash: str, kube_spec: dict, timeout_s: int) -> NamedTuple(
         "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
     """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
     with the pods' phases and events); outputs its Ray Client and Jobs API addresses."""
@@ -24,9 +24,9 @@ def launch_cluster(run_id: str, config_overrides: list, kube_spec: dict, timeout
     from components.kuberay.launcher import Launcher, kube_apis
     from components.kuberay.render import render_raycluster
     from components.kuberay.spec import spec_from_dict
-    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.config import config_from_handover
 
-    cfg = apply_overrides(RunConfig(), list(config_overrides)).validate()
+    cfg = config_from_handover(config, config_hash)
     spec = spec_from_dict(kube_spec)
     custom, core = kube_apis()
     launcher = Launcher(custom, core, spec.namespace)

@@ -9,7 +9,7 @@ from components.iteration import IMAGE
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_reward: float, budget_s: float,
-                   config_overrides: list, kube_spec: dict, cluster_policy: str, max_retries: int,
+                   config: dict, config_hash: str, kube_spec: dict, cluster_policy: str, max_retries: int,
                    kfp_host: str, namespace: str, experiment: str, service_account: str,
                    summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics], stop_at_val: float = -1.0,
                    pipelined: bool = True):
@@ -30,8 +30,11 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.report import run_history
 
+    from rlhf_core.config import config_from_handover
+
     validate_run_id(run_id, "run_id")  # before the KFP client or the store is touched
     validate_store_uri(store, "store")
+    config_from_handover(config, config_hash)  # a config its runs would refuse is refused here, once
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # run terminated: submit no more
     client = kfp.Client(host=kfp_host or None, namespace=namespace or None)  # in-cluster: the SA token
@@ -40,7 +43,7 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     except ValueError:
         experiment_id = client.create_experiment(experiment, namespace=namespace or None).experiment_id
     package = str(resources.files("pipelines") / "ppo_iteration_kuberay.yaml")
-    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": list(config_overrides),
+    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config": dict(config), "config_hash": config_hash,
                                 "kube_spec": dict(kube_spec), "cluster_policy": cluster_policy},
                 iterations=iterations if more <= 0 else None, more=more if more > 0 else None,
                 stop_at_reward=stop_at_reward if stop_at_reward >= 0 else None,

@@ -22,7 +22,7 @@ IMAGE = os.environ.get("RLHF_IMAGE", DEFAULT_IMAGE)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def run_iteration(run_id: str, store: str, config_overrides: list, head_root: str, ray_address: str,
+def run_iteration(run_id: str, store: str, config: dict, config_hash: str, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], summary: dsl.Output[dsl.Markdown],
                   dashboard_url: str = "", kfp_run_id: str = "",
@@ -56,7 +56,7 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     probes.phase("body_start")
     from rlhf_core.runtime import ray_head
     from rlhf_core.session import session
-    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.config import config_from_handover
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.report import markdown_report
@@ -86,7 +86,8 @@ def run_iteration(run_id: str, store: str, config_overrides: list, head_root: st
     if not lease_holder and kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
         lease_holder = f"kfp:{kfp_run_id}/{kfp_task}"
 
-    cfg = apply_overrides(RunConfig(), list(config_overrides) + ["trainer.progress=false"]).validate()
+    cfg = config_from_handover(config, config_hash)
+    cfg.trainer.progress = False  # no progress bars in a pod's log (not part of the hash)
     # with a dashboard URL the cluster is a remote one (KubeRay); else this machine's head
     info = ray_head.resolve_head(head_root, ray_address if dashboard_url else "", dashboard_url)
     ray_head.connect(info, session.namespace_of(run_id))

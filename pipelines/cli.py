@@ -17,6 +17,7 @@ def run_pipeline(args, cfg, iterations: int, run, api) -> int:
     the KFP API. One attempt per iteration (a failed run ends the command, with the command
     that continues: its iteration resumes at the stage where it stopped)."""
     from components.driver import DriveError, Plan, drive
+    from rlhf_core.config import handover
     from rlhf_core.runtime import ray_head
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.trainer.progress import ProgressLine, closing_lines
@@ -51,7 +52,7 @@ def run_pipeline(args, cfg, iterations: int, run, api) -> int:
     # commit meanwhile: the total stays the total), else this many more
     total = (args.iterations if args.iterations is not None else cfg.trainer.total_iterations) \
         if args.more is None else None
-    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": list(args.overrides)},
+    plan = Plan(run_id, store, {"run_id": run_id, "store": store, **handover(cfg)},
                 iterations=total, more=None if total is not None else iterations, max_retries=0, poll_s=0.2,
                 pipelined=getattr(args, "pipelined", True), prefetch_after_last=not ours or bool(args.keep_session))
     try:
@@ -102,7 +103,7 @@ def _remote(args):
         raise SystemExit(f"rlhf: config error: {exc}") from None
     target = remote.Target(host=args.host, namespace=args.namespace, experiment=args.experiment,
                            service_account=args.service_account)
-    arguments = remote.pipeline_arguments(args.run_id, args.store, args.overrides, kube_spec, args.cluster_policy)
+    arguments = remote.pipeline_arguments(args.run_id, args.store, cfg, kube_spec, args.cluster_policy)
     return remote, cfg, target, arguments
 
 

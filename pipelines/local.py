@@ -29,7 +29,7 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
     return [str(p) for p in gone]
 
 
-def run_one_iteration(run_id: str, store: str, overrides: list, head_root: str, pipeline_root: str,
+def run_one_iteration(run_id: str, store: str, cfg, head_root: str, pipeline_root: str,
                       lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
                       follows: int = -1) -> dict:
     """One run of the per-iteration pipeline on the local runner, in this process (what
@@ -37,6 +37,7 @@ def run_one_iteration(run_id: str, store: str, overrides: list, head_root: str, 
     from which checkpoint is the caller's choice: the fine-tune driver
     (``components.driver.drive``) schedules runs, on this machine through
     ``LocalKfpStandIn``."""
+    from rlhf_core.config import handover
     from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
 
     validate_run_id(run_id, "run_id")  # before the runner starts or the store is resolved
@@ -45,7 +46,7 @@ def run_one_iteration(run_id: str, store: str, overrides: list, head_root: str, 
     local_init(pipeline_root)
     from pipelines.ppo_iteration import ppo_iteration_local as ppo_iteration
 
-    task = ppo_iteration(run_id=run_id, store=store, config_overrides=list(overrides),
+    task = ppo_iteration(run_id=run_id, store=store, **handover(cfg),
                          head_root=os.path.abspath(head_root), lease_holder=lease_holder, parent_model=parent_model,
                          prefetch_next=prefetch_next, follows=follows)
     return {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}
@@ -223,7 +224,8 @@ class LocalKfpStandIn:
         with open(self.log_path, "a", encoding="utf-8") as log:  # where each run's output starts
             log.write(f"=== run {kfp_run_id}: {job_name} ===\n")
         runner.start({"run_id": params["run_id"], "store": params["store"],
-                      "config_overrides": list(params.get("config_overrides", [])), "head_root": self.head_root,
+                      "config": params.get("config", {}), "config_hash": params.get("config_hash", ""),
+                      "head_root": self.head_root,
                       "lease_holder": params.get("lease_holder", ""), "parent_model": params.get("parent_model", ""),
                       "prefetch_next": bool(params.get("prefetch_next", True)),
                       "follows": int(params.get("follows", -1))}, env)
@@ -287,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follows", type=int, default=-1, help="started ahead: wait for this iteration's commit")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    run_one_iteration(args.run_id, args.store, args.overrides, args.head_root, args.root, args.lease_holder,
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), args.overrides).validate()
+    run_one_iteration(args.run_id, args.store, cfg, args.head_root, args.root, args.lease_holder,
                       args.parent_model, args.prefetch_next, follows=args.follows)
     return 0
 

@@ -10,6 +10,7 @@ import os
 import signal
 
 from components.driver import Plan, drive, report_markdown
+from rlhf_core.config import RunConfig, apply_overrides, handover
 from rlhf_core.cli_args import REQUIRED, add_run_arguments
 from pipelines.local import LocalKfpStandIn
 
@@ -30,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))  # finish the current run, submit no more
     os.makedirs(args.root, exist_ok=True)
-    plan = Plan(args.run_id, args.store, {"run_id": args.run_id, "store": args.store,
-                                           "config_overrides": list(args.overrides)},
+    cfg = apply_overrides(RunConfig(), list(args.overrides)).validate()
+    plan = Plan(args.run_id, args.store, {"run_id": args.run_id, "store": args.store, **handover(cfg)},
                 iterations=args.iterations, more=args.more, stop_at_reward=args.stop_at_reward,
                 budget_s=args.budget_s, poll_s=args.poll_s, pipelined=args.pipelined)
     standin = LocalKfpStandIn(args.head_root, args.root)

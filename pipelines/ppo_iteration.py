@@ -49,14 +49,14 @@ def _pod_settings(task, small: bool) -> None:
     kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
 
 
-def _iteration(run_id, store, config_overrides, head_root, ray_address="", dashboard_url="", lease_holder="",
+def _iteration(run_id, store, config, config_hash, head_root, ray_address="", dashboard_url="", lease_holder="",
                parent_model="", prefetch_next=True, follows=-1, retry_backoff=RETRY_BACKOFF):
     # One controller pod per iteration (plus the cluster's launch, and the parent's import
     # on a server): the controller makes sure the session is up itself (it submits the
     # session job when there is none and waits for it) and writes the report, so separate
     # session-check or report pods would only add pod starts to every run.
     def controller(**parent):
-        step = run_iteration(run_id=run_id, store=store, config_overrides=config_overrides, head_root=head_root,
+        step = run_iteration(run_id=run_id, store=store, config=config, config_hash=config_hash, head_root=head_root,
                              ray_address=ray_address, dashboard_url=dashboard_url,
                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
                              kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, lease_holder=lease_holder,
@@ -81,10 +81,10 @@ def _ppo_iteration(retry_backoff: str):
     @dsl.pipeline(name="rlhf-ppo-iteration",
                   description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it "
                               "stopped.")
-    def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
+    def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config: dict = {}, config_hash: str = "",
                       head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
                       prefetch_next: bool = True, follows: int = -1):
-        _iteration(run_id, store, config_overrides, head_root, lease_holder=lease_holder, parent_model=parent_model,
+        _iteration(run_id, store, config, config_hash, head_root, lease_holder=lease_holder, parent_model=parent_model,
                    prefetch_next=prefetch_next, follows=follows, retry_backoff=retry_backoff)
 
     return ppo_iteration
@@ -99,19 +99,19 @@ ppo_iteration_local = _ppo_iteration(LOCAL_RETRY_BACKOFF)
 @dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
               description="One PPO/GRPO iteration of a run on its KubeRay cluster (created or reused), "
                           "resumable at the stage where it stopped.")
-def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config_overrides: list = [],
+def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config: dict = {}, config_hash: str = "",
                           kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
                           lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
                           follows: int = -1):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
     with dsl.ExitHandler(teardown, name="iteration"):
-        cluster = launch_cluster(run_id=run_id, config_overrides=config_overrides, kube_spec=kube_spec,
+        cluster = launch_cluster(run_id=run_id, config=config, config_hash=config_hash, kube_spec=kube_spec,
                                  timeout_s=launch_timeout_s)
         _pod_settings(cluster, small=True)
         # what kube_spec may choose is not given to this pod: launch_cluster reads the policy
         # from the Ray namespace (where profile users cannot edit it), not from the profile's
-        controllers = _iteration(run_id, store, config_overrides, "", cluster.outputs["ray_address"],
+        controllers = _iteration(run_id, store, config, config_hash, "", cluster.outputs["ray_address"],
                                  cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next, follows)
         for step in controllers:  # they talk to the token-authenticated Ray cluster
             kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET,
@@ -122,12 +122,13 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
               description="A whole PPO/GRPO fine-tune: runs the per-iteration KubeRay pipeline again and again "
                           "until the run's total, a reward target, a validation score or a time budget is reached.")
 def finetune(run_id: str = "demo", store: str = "s3://rlhf/runs", iterations: int = 300, more: int = 0,
-             stop_at_reward: float = -1.0, budget_s: float = 0.0, config_overrides: list = [], kube_spec: dict = {},
+             stop_at_reward: float = -1.0, budget_s: float = 0.0, config: dict = {}, config_hash: str = "",
+             kube_spec: dict = {},
              cluster_policy: str = "keep", max_retries: int = 2, kfp_host: str = "", namespace: str = "",
              experiment: str = "rlhf", service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0,
              pipelined: bool = True):
     driver = drive_finetune(run_id=run_id, store=store, iterations=iterations, more=more,
-                            stop_at_reward=stop_at_reward, budget_s=budget_s, config_overrides=config_overrides,
+                            stop_at_reward=stop_at_reward, budget_s=budget_s, config=config, config_hash=config_hash,
                             kube_spec=kube_spec, cluster_policy=cluster_policy, max_retries=max_retries,
                             kfp_host=kfp_host, namespace=namespace, experiment=experiment,
                             service_account=service_account, stop_at_val=stop_at_val, pipelined=pipelined)

@@ -60,11 +60,14 @@ class Target:
             return client.create_experiment(self.experiment, namespace=self.namespace).experiment_id
 
 
-def pipeline_arguments(run_id: str, store: str, overrides: list, kube_spec, cluster_policy: str = "keep") -> dict:
-    """Parameters of the KubeRay pipeline (``pipelines/ppo_iteration_kuberay.yaml``)."""
+def pipeline_arguments(run_id: str, store: str, cfg, kube_spec, cluster_policy: str = "keep") -> dict:
+    """Parameters of the KubeRay pipeline (``pipelines/ppo_iteration_kuberay.yaml``): the
+    resolved config ``cfg`` as data and its hash (``rlhf_core.config.handover``)."""
     import dataclasses
 
-    return {"run_id": run_id, "store": store, "config_overrides": list(overrides),
+    from rlhf_core.config import handover
+
+    return {"run_id": run_id, "store": store, **handover(cfg),
             "kube_spec": dataclasses.asdict(kube_spec), "cluster_policy": cluster_policy}
 
 

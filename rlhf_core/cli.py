@@ -61,19 +61,12 @@ def _config(overrides: list[str]):
 
 def _run_config(args: argparse.Namespace):
     """``rlhf run``'s config and provenance: ``--config FILE`` (ours or verl's layout), then
-    the overrides. The file's keys are put before the overrides in ``args.overrides``, so
-    every process an iteration starts (pipeline components, the session) reads the same."""
+    the overrides. Resolved here, once: every process an iteration starts (pipeline
+    components, the session) is handed this config as data (``config.handover``)."""
     from rlhf_core.config import ConfigError, load_config
 
     try:
         cfg, provenance = load_config(args.config, args.overrides)
-        if args.config is not None:
-            import yaml
-
-            from rlhf_core.verl_keys import flatten
-
-            with open(args.config, encoding="utf-8") as f:
-                args.overrides = flatten(yaml.safe_load(f) or {}) + list(args.overrides)
     except ConfigError as exc:
         raise SystemExit(f"rlhf: config error: {exc}") from None
     return cfg, provenance
@@ -207,7 +200,6 @@ def _run(args: argparse.Namespace) -> int:
             cfg.trainer.total_iterations = total_iterations(cfg)
         except DatasetError as exc:
             raise SystemExit(f"rlhf: {exc}") from None
-        args.overrides.append(f"trainer.total_iterations={cfg.trainer.total_iterations}")
         provenance["trainer.total_iterations"] = provenance["trainer.total_epochs"]
     _save_provenance(cfg, args.run_id, provenance)
     total = None if args.more is not None else (args.iterations if args.iterations is not None
@@ -262,7 +254,8 @@ def _interrupted(args, cfg, store: str, total: int, how: str = "interrupted") ->
     from rlhf_core.trainer.stages import persisted_names
 
     again = ["rlhf", "run", "--run-id", args.run_id, "--iterations", str(total), *(["--direct"] if args.direct else []),
-             *(["--store", args.store] if args.store else []), *args.overrides]
+             *(["--store", args.store] if args.store else []), *(["--config", args.config] if args.config else []),
+             *args.overrides]
     try:
         istore = IterationStore(RunRef(store, args.run_id))
         n = len(istore.committed_iterations())
@@ -476,6 +469,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
         print(table_text(set(fields_where(lambda meta: True))))
         return 0
+    if args.handover:
+        import json
+
+        from rlhf_core.config import handover
+
+        print(json.dumps(handover(cfg), indent=1, sort_keys=True))
+        return 0
     print(describe(cfg))
     return 0
 
@@ -585,6 +585,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the run config with documentation")
     config.add_argument("--verl", action="store_true", help="print the table of verl's keys: what each becomes here")
+    config.add_argument("--handover", action="store_true",
+                        help="print the resolved config and its hash as JSON: a pipeline run's `config` and "
+                             "`config_hash` parameters")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
 

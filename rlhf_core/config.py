@@ -242,7 +242,7 @@ class TrainerConfig:
     critic_warmup: int = _f(0, "verl's critic warmup: the actor updates from iteration critic_warmup on, counted "
                             "from 1 as verl does (so N-1 critic-only iterations first; 0 and 1: none)",
                             **NON_NEGATIVE)
-    project_name: str | None = _f(None, "the MLflow experiment (None: $RLHF_MLFLOW_EXPERIMENT, else rlhf)",
+    project_name: str | None = _f(None, "the MLflow experiment (None: MLflow's $MLFLOW_EXPERIMENT_NAME, else rlhf)",
                                   hashed=False)
     experiment_name: str | None = _f(None, "the MLflow run's name (None: the run id)", hashed=False)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
@@ -600,6 +600,26 @@ def config_from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
     from rlhf_core.verl_keys import flatten
 
     return apply_overrides(base or RunConfig(), flatten(data))
+
+
+def handover(cfg: RunConfig) -> dict:
+    """The resolved config as a parent hands it to a child process (a pipeline run's
+    components, the fine-tune driver's runs): the config as data and its hash. The child
+    rebuilds it with ``config_from_handover``; no override string is parsed twice."""
+    return {"config": cfg.to_dict(), "config_hash": cfg.config_hash()}
+
+
+def config_from_handover(config, config_hash, field: str = "config") -> RunConfig:
+    """The config ``handover`` wrote: built, validated, and refused unless it hashes to
+    ``config_hash``, so a child runs exactly what its parent resolved."""
+    if not isinstance(config, dict) or not config:
+        raise ConfigError(f"{field}: expected the run's resolved config (a mapping, as `rlhf submit` or the "
+                          f"driver writes it); found {config!r:.120}")
+    cfg = config_from_dict(config).validate()
+    if cfg.config_hash() != config_hash:
+        raise ConfigError(f"{field}_hash: expected the hash of {field}, {cfg.config_hash()}; found "
+                          f"{config_hash!r:.80}")
+    return cfg
 
 
 def load_config(path: str | None, overrides: list[str], notes: list[str] | None = None

@@ -29,6 +29,7 @@ from rlhf_core.record.run_ids import RunIdError, StoreUriError
 from rlhf_core.record.manifest_schema import ManifestError
 from rlhf_core.record.iteration_store import IterationStore
 from rlhf_core.record.run_layout import RunRef
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_handover, handover
 
 URI_TYPES = (cli_args.store_uri, cli_args.run_uri)
 
@@ -139,7 +140,7 @@ def test_the_iteration_component_checks_its_store_and_run_id_first(offline, tmp_
     from components.iteration import run_iteration
 
     parent = SimpleNamespace(uri=f"{BAD_STORE}/r/checkpoints/step-000000")
-    common = dict(config_overrides=[], head_root=str(tmp_path), ray_address="", snapshots=None, model=None,
+    common = dict(**handover(RunConfig()), head_root=str(tmp_path), ray_address="", snapshots=None, model=None,
                   metrics=None, summary=None, parent=parent)
     with pytest.raises(StoreUriError, match="^store: expected a scheme among .* found 'ftp'"):
         run_iteration.python_func(run_id="r", store=BAD_STORE, **common)
@@ -152,7 +153,7 @@ def test_the_finetune_component_checks_its_store_before_the_kfp_client(offline):
 
     with pytest.raises(StoreUriError, match="^store: expected a scheme among"):
         drive_finetune.python_func(run_id="r", store=BAD_STORE, iterations=1, more=0, stop_at_reward=-1.0,
-                                   budget_s=0.0, config_overrides=[], kube_spec={}, cluster_policy="keep",
+                                   budget_s=0.0, **handover(RunConfig()), kube_spec={}, cluster_policy="keep",
                                    max_retries=0, kfp_host="http://example.invalid", namespace="", experiment="e",
                                    service_account="", summary=None, metrics=None)
 
@@ -399,3 +400,32 @@ def test_any_bad_argument_of_any_command_ends_in_one_line(data, damaged_store, o
 @pytest.mark.parametrize("argv", [[], ["no-such-command"], ["--no-such-option"]])
 def test_no_command_or_an_unknown_one_is_one_line(argv, capsys):
     _assert_one_line_error(*_ended(argv, capsys), argv)
+
+
+def test_a_pipeline_run_is_handed_the_resolved_config_and_refuses_one_that_is_not_what_was_hashed(offline, tmp_path,
+                                                                                                   capsys):
+    """The config reaches a pipeline run as data (``config`` and ``config_hash``, through
+    KFP's JSON): it comes back field for field, and a config changed on the way, or none,
+    is refused in one line naming the parameter, before the store or a head is touched."""
+    from components.iteration import run_iteration
+
+    cfg = apply_overrides(RunConfig(), ["actor.lr=2e-5", "rollout.n=3", "data.train_batch_size=64"]).validate()
+    given = json.loads(json.dumps(handover(cfg)))  # what a pipeline parameter carries
+    back = config_from_handover(given["config"], given["config_hash"])
+    assert back.to_dict() == cfg.to_dict() and back.config_hash() == cfg.config_hash()
+    tampered = json.loads(json.dumps(given))
+    tampered["config"]["actor"]["lr"] = 3e-5
+    with pytest.raises(ConfigError, match=f"^config_hash: expected the hash of config, [0-9a-f]{{64}}; found "
+                                          f"'{given['config_hash']}'$"):
+        config_from_handover(tampered["config"], tampered["config_hash"])
+    with pytest.raises(ConfigError, match="^config: expected the run's resolved config"):
+        config_from_handover({}, given["config_hash"])
+    common = dict(head_root=str(tmp_path / "head"), ray_address="", snapshots=None, model=None, metrics=None,
+                  summary=None)
+    with pytest.raises(ConfigError, match="^config_hash: expected the hash of config"):
+        run_iteration.python_func(run_id="r", store=str(tmp_path / "store"), **tampered, **common)
+    assert not (tmp_path / "head").exists()
+    # what `rlhf config --handover` prints is what a run of the pipeline takes
+    assert main(["config", "--handover", "actor.lr=2e-5", "rollout.n=3", "data.train_batch_size=64"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == given

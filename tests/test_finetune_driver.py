@@ -18,6 +18,7 @@ from pipelines.local import LocalKfpStandIn
 from rlhf_core.runtime import ray_head
 from rlhf_core.record.iteration_store import IterationStore
 from rlhf_core.record.run_layout import RunRef
+from rlhf_core.config import RunConfig, apply_overrides, handover
 
 SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,8 @@ def stop_session(place, run_id):
 def plan_for(place, run_id, **kw):
     overrides = [*SMALL, f"trainer.output_dir={place / 'out'}"]
     store = f"file://{place / 'store'}"
-    return Plan(run_id, store, {"run_id": run_id, "store": store, "config_overrides": overrides}, poll_s=0.5, **kw)
+    cfg = apply_overrides(RunConfig(), overrides).validate()
+    return Plan(run_id, store, {"run_id": run_id, "store": store, **handover(cfg)}, poll_s=0.5, **kw)
 
 
 def test_three_iterations_with_a_failed_one_retried_and_resumed(place):

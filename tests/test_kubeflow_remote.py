@@ -13,6 +13,7 @@ import pytest
 from kfp_recorder import Recorder
 
 from rlhf_core.cli import main
+from rlhf_core.config import RunConfig, apply_overrides, config_from_handover
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,9 +33,12 @@ def test_submit_posts_one_run_of_the_compiled_pipeline(capsys):
     assert experiment["display_name"] == "rlhf"
     assert run["experiment_id"] == "exp-1" and run["display_name"] == "nightly-iteration"
     params = run["runtime_config"]["parameters"]
-    assert {k: params[k] for k in ("run_id", "store", "config_overrides", "cluster_policy")} == {
-        "run_id": "nightly", "store": "s3://models/runs", "config_overrides": ["actor.lr=1e-5", "rollout.n=4"],
-        "cluster_policy": "keep"}
+    assert {k: params[k] for k in ("run_id", "store", "cluster_policy")} == {
+        "run_id": "nightly", "store": "s3://models/runs", "cluster_policy": "keep"}
+    # the resolved config travels as data with its hash; the component rebuilds exactly it
+    resolved = config_from_handover(params["config"], params["config_hash"])
+    assert resolved.actor.lr == 1e-5 and resolved.rollout.n == 4
+    assert resolved.config_hash() == apply_overrides(RunConfig(), ["actor.lr=1e-5", "rollout.n=4"]).config_hash()
     assert params["kube_spec"]["namespace"] == "rlhf" and params["kube_spec"]["object_store_secret"]
     assert run["service_account"] == "rlhf-pipeline"
     spec = run["pipeline_spec"]
@@ -96,7 +100,8 @@ def test_submit_with_iterations_starts_the_fine_tune_driver(capsys):
     assert run["pipeline_spec"]["pipeline_spec"]["pipelineInfo"]["name"] == "rlhf-finetune"
     params = run["runtime_config"]["parameters"]
     assert params["iterations"] == 300 and params["more"] == 0 and params["stop_at_reward"] == 0.9
-    assert params["config_overrides"] == ["actor.lr=1e-5"] and params["kfp_host"] == rec.url
+    assert config_from_handover(params["config"], params["config_hash"]).actor.lr == 1e-5
+    assert params["kfp_host"] == rec.url
     assert "up to 300 iterations in all" in capsys.readouterr().out
 
 

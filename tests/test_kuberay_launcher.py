@@ -13,7 +13,7 @@ from fake_kube_api import FakeKubeAPI
 from components.kuberay.launcher import ClusterLaunchError, Launcher, kube_apis 
 from components.kuberay.render import render_raycluster 
 from components.kuberay.spec import KubeSpec 
-from rlhf_core.config import RunConfig 
+from rlhf_core.config import RunConfig, handover
 
 PATH = "/apis/ray.io/v1/namespaces/rlhf/rayclusters"
 
@@ -183,7 +183,7 @@ def launch_component(fake, monkeypatch, kube_spec, env=None):
     monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    return cluster.launch_cluster.python_func(run_id="nightly", config_overrides=[], kube_spec=kube_spec,
+    return cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec=kube_spec,
                                               timeout_s=5)
 
 

@@ -15,6 +15,7 @@ import yaml
 
 import kustomize_lite
 import rbac_lite
+from rlhf_core.config import RunConfig, handover
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S_VERSION = kubernetes_validate.latest_version()
@@ -77,7 +78,7 @@ def _component_calls(monkeypatch) -> list[tuple[str, str]]:
         real = launcher.kube_apis
         monkeypatch.setattr(launcher, "kube_apis", lambda: real(host=fake.url))
         launch = lambda run_id, timeout_s=30: cluster.launch_cluster.python_func(
-            run_id=run_id, config_overrides=[], kube_spec={}, timeout_s=timeout_s)
+            run_id=run_id, **handover(RunConfig()), kube_spec={}, timeout_s=timeout_s)
         launch("nightly")
         fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["workerGroupSpecs"][0]["replicas"] = 0  # idled out
         launch("nightly")

@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-EXPERIMENT_ENV = "RLHF_MLFLOW_EXPERIMENT"
+#: MLflow's own variable for the active experiment: the default when trainer.project_name is unset
+EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
 
 
 def _flat(data: dict, prefix: str = "") -> dict:
