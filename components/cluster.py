@@ -15,7 +15,7 @@ from components.iteration import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def launch_cluster(run_id: str, config: dict, config_hash: str, kube_spec: dict, timeout_s: int) -> NamedTuple(
+def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, timeout_s: int) -> NamedTuple(
         "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
     """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
     with the pods' phases and events); outputs its Ray Client and Jobs API addresses."""

@@ -9,7 +9,7 @@ from components.iteration import IMAGE
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_reward: float, budget_s: float,
-                   config: dict, config_hash: str, kube_spec: dict, cluster_policy: str, max_retries: int,
+                   config: str, config_hash: str, kube_spec: dict, cluster_policy: str, max_retries: int,
                    kfp_host: str, namespace: str, experiment: str, service_account: str,
                    summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics], stop_at_val: float = -1.0,
                    pipelined: bool = True):
@@ -43,7 +43,7 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     except ValueError:
         experiment_id = client.create_experiment(experiment, namespace=namespace or None).experiment_id
     package = str(resources.files("pipelines") / "ppo_iteration_kuberay.yaml")
-    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config": dict(config), "config_hash": config_hash,
+    plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config": config, "config_hash": config_hash,
                                 "kube_spec": dict(kube_spec), "cluster_policy": cluster_policy},
                 iterations=iterations if more <= 0 else None, more=more if more > 0 else None,
                 stop_at_reward=stop_at_reward if stop_at_reward >= 0 else None,

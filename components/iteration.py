@@ -22,7 +22,7 @@ IMAGE = os.environ.get("RLHF_IMAGE", DEFAULT_IMAGE)
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def run_iteration(run_id: str, store: str, config: dict, config_hash: str, head_root: str, ray_address: str,
+def run_iteration(run_id: str, store: str, config: str, config_hash: str, head_root: str, ray_address: str,
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], summary: dsl.Output[dsl.Markdown],
                   dashboard_url: str = "", kfp_run_id: str = "",

@@ -224,7 +224,7 @@ class LocalKfpStandIn:
         with open(self.log_path, "a", encoding="utf-8") as log:  # where each run's output starts
             log.write(f"=== run {kfp_run_id}: {job_name} ===\n")
         runner.start({"run_id": params["run_id"], "store": params["store"],
-                      "config": params.get("config", {}), "config_hash": params.get("config_hash", ""),
+                      "config": params.get("config", ""), "config_hash": params.get("config_hash", ""),
                       "head_root": self.head_root,
                       "lease_holder": params.get("lease_holder", ""), "parent_model": params.get("parent_model", ""),
                       "prefetch_next": bool(params.get("prefetch_next", True)),

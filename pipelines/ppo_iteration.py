@@ -81,7 +81,7 @@ def _ppo_iteration(retry_backoff: str):
     @dsl.pipeline(name="rlhf-ppo-iteration",
                   description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it "
                               "stopped.")
-    def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config: dict = {}, config_hash: str = "",
+    def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config: str = "", config_hash: str = "",
                       head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
                       prefetch_next: bool = True, follows: int = -1):
         _iteration(run_id, store, config, config_hash, head_root, lease_holder=lease_holder, parent_model=parent_model,
@@ -99,7 +99,7 @@ ppo_iteration_local = _ppo_iteration(LOCAL_RETRY_BACKOFF)
 @dsl.pipeline(name="rlhf-ppo-iteration-kuberay",
               description="One PPO/GRPO iteration of a run on its KubeRay cluster (created or reused), "
                           "resumable at the stage where it stopped.")
-def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config: dict = {}, config_hash: str = "",
+def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config: str = "", config_hash: str = "",
                           kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
                           lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
                           follows: int = -1):
@@ -122,7 +122,7 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
               description="A whole PPO/GRPO fine-tune: runs the per-iteration KubeRay pipeline again and again "
                           "until the run's total, a reward target, a validation score or a time budget is reached.")
 def finetune(run_id: str = "demo", store: str = "s3://rlhf/runs", iterations: int = 300, more: int = 0,
-             stop_at_reward: float = -1.0, budget_s: float = 0.0, config: dict = {}, config_hash: str = "",
+             stop_at_reward: float = -1.0, budget_s: float = 0.0, config: str = "", config_hash: str = "",
              kube_spec: dict = {},
              cluster_policy: str = "keep", max_retries: int = 2, kfp_host: str = "", namespace: str = "",
              experiment: str = "rlhf", service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0,

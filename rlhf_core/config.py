@@ -604,18 +604,24 @@ def config_from_dict(data: dict, base: RunConfig | None = None) -> RunConfig:
 
 def handover(cfg: RunConfig) -> dict:
     """The resolved config as a parent hands it to a child process (a pipeline run's
-    components, the fine-tune driver's runs): the config as data and its hash. The child
-    rebuilds it with ``config_from_handover``; no override string is parsed twice."""
-    return {"config": cfg.to_dict(), "config_hash": cfg.config_hash()}
+    components, the fine-tune driver's runs): the config as JSON text and its hash. Text,
+    not a mapping: KFP carries a mapping parameter as a protobuf Struct, which has no null
+    and turns every integer into a float. The child rebuilds the config with
+    ``config_from_handover``; no override string is parsed twice."""
+    return {"config": json.dumps(cfg.to_dict(), sort_keys=True), "config_hash": cfg.config_hash()}
 
 
 def config_from_handover(config, config_hash, field: str = "config") -> RunConfig:
-    """The config ``handover`` wrote: built, validated, and refused unless it hashes to
-    ``config_hash``, so a child runs exactly what its parent resolved."""
-    if not isinstance(config, dict) or not config:
-        raise ConfigError(f"{field}: expected the run's resolved config (a mapping, as `rlhf submit` or the "
-                          f"driver writes it); found {config!r:.120}")
-    cfg = config_from_dict(config).validate()
+    """The config ``handover`` wrote: parsed, built, validated, and refused unless it
+    hashes to ``config_hash``, so a child runs exactly what its parent resolved."""
+    try:
+        data = json.loads(config) if isinstance(config, str) else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{field}: expected the run's resolved config as JSON text (what `rlhf config "
+                          f"--handover` prints); found {config!r:.120}")
+    cfg = config_from_dict(data).validate()
     if cfg.config_hash() != config_hash:
         raise ConfigError(f"{field}_hash: expected the hash of {field}, {cfg.config_hash()}; found "
                           f"{config_hash!r:.80}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
@@ -79,3 +80,49 @@ def uris_naming_nothing(store: str, run_id: str) -> list[str]:
     for row in chain(istore.run_uri):
         named += [row["checkpoint"], row["manifest"], *row["snapshots"].values()]
     return sorted({uri for uri in named if names_nothing(uri)})
+
+
+# ----------------------------------------------------------- processes a test started
+
+def in_session(proc, sid: int) -> bool:
+    """Whether ``proc`` belongs to session ``sid`` (a command a test started with
+    ``start_new_session=True``: its pid is the session's id)."""
+    try:
+        return os.getsid(proc.pid) == sid
+    except OSError:
+        return False
+
+
+def status_of(proc) -> str | None:
+    import psutil
+
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
+
+
+def frozen_in_session(sid: int, leader, timeout_s: float = 600) -> list:
+    """Wait until a process of session ``sid`` has stopped itself at its freeze point
+    (``RLHF_FREEZE_AT``); return the session's processes then (``status_of`` tells the
+    stopped ones). Fails if ``leader`` ends first."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while leader.poll() is None and time.monotonic() < deadline:
+        procs = [p for p in psutil.process_iter() if in_session(p, sid)]
+        if any(status_of(p) == psutil.STATUS_STOPPED for p in procs):
+            return procs
+        time.sleep(0.2)
+    raise AssertionError(f"no process of session {sid} reached its freeze point (leader exit code {leader.poll()})")
+
+
+def still_alive(procs, timeout_s: float = 120) -> list:
+    """The processes of ``procs`` still alive (zombies count as gone) after waiting for them."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return [p for p in alive if status_of(p) not in (None, psutil.STATUS_ZOMBIE)]
+

@@ -404,8 +404,8 @@ def test_no_command_or_an_unknown_one_is_one_line(argv, capsys):
 
 def test_a_pipeline_run_is_handed_the_resolved_config_and_refuses_one_that_is_not_what_was_hashed(offline, tmp_path,
                                                                                                    capsys):
-    """The config reaches a pipeline run as data (``config`` and ``config_hash``, through
-    KFP's JSON): it comes back field for field, and a config changed on the way, or none,
+    """The config reaches a pipeline run as data (``config``, JSON text, and
+    ``config_hash``, through KFP's JSON): it comes back field for field, and a config changed on the way, or none,
     is refused in one line naming the parameter, before the store or a head is touched."""
     from components.iteration import run_iteration
 
@@ -413,13 +413,14 @@ def test_a_pipeline_run_is_handed_the_resolved_config_and_refuses_one_that_is_no
     given = json.loads(json.dumps(handover(cfg)))  # what a pipeline parameter carries
     back = config_from_handover(given["config"], given["config_hash"])
     assert back.to_dict() == cfg.to_dict() and back.config_hash() == cfg.config_hash()
-    tampered = json.loads(json.dumps(given))
-    tampered["config"]["actor"]["lr"] = 3e-5
+    tampered = {**given, "config": given["config"].replace('"lr": 2e-05', '"lr": 3e-05')}
+    assert tampered["config"] != given["config"]
     with pytest.raises(ConfigError, match=f"^config_hash: expected the hash of config, [0-9a-f]{{64}}; found "
                                           f"'{given['config_hash']}'$"):
         config_from_handover(tampered["config"], tampered["config_hash"])
-    with pytest.raises(ConfigError, match="^config: expected the run's resolved config"):
-        config_from_handover({}, given["config_hash"])
+    for nothing in ("", "{}", "not json", {"actor": {}}):
+        with pytest.raises(ConfigError, match="^config: expected the run's resolved config as JSON text"):
+            config_from_handover(nothing, given["config_hash"])
     common = dict(head_root=str(tmp_path / "head"), ray_address="", snapshots=None, model=None, metrics=None,
                   summary=None)
     with pytest.raises(ConfigError, match="^config_hash: expected the hash of config"):

@@ -11,7 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
+
+from helpers import frozen_in_session, status_of
 
 from components.driver import Plan, drive, report_markdown
 from pipelines.local import LocalKfpStandIn
@@ -138,26 +141,6 @@ def test_a_killed_driver_started_again_continues_from_the_committed_iteration(pl
     stop_session(place, "killed")
 
 
-def _frozen_in_session(sid: int, leader, timeout_s: float = 600) -> list:
-    """The processes of session ``sid`` stopped at their freeze point (``RLHF_FREEZE_AT``),
-    once there is one; fails if ``leader`` ends first."""
-    import psutil
-
-    deadline = time.monotonic() + timeout_s
-    while leader.poll() is None and time.monotonic() < deadline:
-        stopped = []
-        for proc in psutil.process_iter():
-            try:
-                if os.getsid(proc.pid) == sid and proc.status() == psutil.STATUS_STOPPED:
-                    stopped.append(proc)
-            except (OSError, psutil.Error):
-                continue
-        if stopped:
-            return stopped
-        time.sleep(0.2)
-    raise AssertionError(f"nothing of session {sid} reached its freeze point (leader exit code {leader.poll()})")
-
-
 def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_running(place):
     """The driver's pod dies, its child pipeline run does not: the driver started again
     (its pod retried) has lease holders of its own, so it cannot take over the live
@@ -175,7 +158,7 @@ def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_run
                              stderr=subprocess.DEVNULL, env={**os.environ, "RLHF_FREEZE_AT": "snapshot:*/iter-000000/rollout"})
     leases = place / "store" / "orphan" / "leases"
     try:
-        frozen = _frozen_in_session(first.pid, first)
+        frozen = [p for p in frozen_in_session(first.pid, first) if status_of(p) == psutil.STATUS_STOPPED]
         os.kill(first.pid, signal.SIGKILL)  # the driver only: its child run goes on
         first.wait()
         second = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

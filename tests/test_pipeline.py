@@ -5,13 +5,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import names_nothing, uris_naming_nothing
+from helpers import frozen_in_session, in_session, names_nothing, still_alive, uris_naming_nothing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,37 +133,6 @@ def _pipeline_run(out: Path, run_id: str, env: dict, **popen):
         env=env, **popen)
 
 
-def _frozen_processes(sid: int, leader, timeout_s: float = 600) -> list:
-    """Wait until a process of session ``sid`` has stopped itself at its freeze point
-    (``RLHF_FREEZE_AT``), or ``leader`` ended; return the session's processes then."""
-    import psutil
-
-    deadline = time.monotonic() + timeout_s
-    while leader.poll() is None and time.monotonic() < deadline:
-        procs = [p for p in psutil.process_iter() if _in_session(p, sid)]
-        if any(_status(p) == psutil.STATUS_STOPPED for p in procs):
-            return procs
-        time.sleep(0.2)
-    raise AssertionError(f"no process of session {sid} reached its freeze point (leader exit code {leader.poll()})")
-
-
-def _status(proc) -> str | None:
-    import psutil
-
-    try:
-        return proc.status()
-    except psutil.Error:
-        return None
-
-
-def _gone(procs, timeout_s: float = 120) -> list:
-    """The processes of ``procs`` still alive (zombies count as gone) after waiting for them."""
-    import psutil
-
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    return [p for p in alive if _status(p) not in (None, psutil.STATUS_ZOMBIE)]
-
-
 def _rollout_committed(out: Path, proc, timeout_s: float = 600) -> bool:
     """Wait until iteration 0's rollout snapshot of run r is committed (or ``proc`` ends)."""
     import time
@@ -199,9 +167,9 @@ def test_a_pipeline_mode_run_killed_in_its_first_iteration_resumes_at_once_and_b
     # fast the rest of the iteration would run, the kill lands before its commit
     first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True)
     try:
-        started = _frozen_processes(first.pid, first)
+        started = frozen_in_session(first.pid, first)
         os.killpg(first.pid, signal.SIGKILL)  # the command, the local runner and the controller
-        assert _gone(started) == []  # all of them dead before the command runs again
+        assert still_alive(started) == []  # all of them dead before the command runs again
         assert not (out / "store" / "r" / "iter-000000" / "MANIFEST.json").exists()
         again = _pipeline_run(out, "r", env)
         stdout, stderr = again.communicate(timeout=900)
@@ -243,8 +211,8 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
         if mode == "direct":
             assert _rollout_committed(out, first), first.communicate(timeout=60)
         else:
-            _frozen_processes(first.pid, first)
-        started = [p for p in psutil.process_iter() if _in_session(p, first.pid) and p.pid != first.pid]
+            frozen_in_session(first.pid, first)
+        started = [p for p in psutil.process_iter() if in_session(p, first.pid) and p.pid != first.pid]
         assert started  # the runner(s) and the component, or the direct run's Ray
         first.send_signal(signal.SIGTERM)
         stdout, stderr = first.communicate(timeout=120)
@@ -255,7 +223,7 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
         if mode != "direct":
             assert "and iteration 0's finished stages (rollout" in last, last
         assert "Traceback" not in stdout + stderr
-        assert _gone(started) == []
+        assert still_alive(started) == []
         assert ray_head.read_head(out / "head") is None  # the head it started is stopped
         again = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", *extra, "--iterations", "2",
                                 "--run-id", "r", *SMALL, f"trainer.output_dir={out}"], cwd=tmp_path, env=env,
@@ -270,13 +238,6 @@ def test_sigterm_to_the_command_alone_ends_everything_it_started(tmp_path, mode)
             pass
         subprocess.run([sys.executable, "-m", "rlhf_core.cli", "head", "stop", "--root", str(out / "head")],
                        capture_output=True, timeout=120)
-
-
-def _in_session(proc, sid: int) -> bool:
-    try:
-        return os.getsid(proc.pid) == sid
-    except OSError:
-        return False
 
 
 def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continue(tmp_path):
@@ -297,7 +258,7 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
     first = _pipeline_run(out, "r", {**env, "RLHF_FREEZE_AT": "stage:advantage"}, start_new_session=True,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        started = _frozen_processes(first.pid, first)
+        started = frozen_in_session(first.pid, first)
         os.killpg(first.pid, signal.SIGINT)
         os.killpg(first.pid, signal.SIGCONT)
         stdout, stderr = first.communicate(timeout=300)
@@ -306,7 +267,7 @@ def test_ctrl_c_in_the_first_iteration_ends_in_one_line_that_says_how_to_continu
         last = stderr.strip().splitlines()[-1]
         assert re.match(r"rlhf: interrupted; run r keeps 0 committed iteration\(s\) and iteration 0's "
                         r"finished stages \(rollout, reward[a-z_, ]*\); continue with: rlhf run ", last), last
-        assert _gone(started) == []
+        assert still_alive(started) == []
         command = last.split("continue with: ", 1)[1]
         argv = shlex.split(command)
         assert argv[:6] == ["rlhf", "run", "--run-id", "r", "--iterations", "2"], command
