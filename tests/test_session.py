@@ -21,7 +21,6 @@ from helpers import fingerprint, small_config
 from rlhf_core.config import apply_overrides
 from rlhf_core.runtime import ray_head
 from rlhf_core.trainer.run import run_direct
-from rlhf_core.record.iteration_store import IterationStore
 from rlhf_core.record.run_layout import RunRef
 
 OVERRIDES = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4", "trainer.progress=false"]
@@ -135,7 +134,7 @@ def test_controller_sigkilled_at_every_stage_resumes_bit_identical(tmp_path, hea
             assert list((iteration / "update_actor").glob("data-*"))  # data written, no manifest
             assert not (iteration / "update_actor" / "SNAPSHOT.json").exists()
     assert sorted(p.name for p in iteration.iterdir()) == sorted(ALL_STAGES[:-1])  # all but weight_sync
-    out = iterate(tmp_path, IterationStore(RunRef("--iterations", head_root)), "2", overrides=PPO).stdout
+    out = iterate(tmp_path, head_root, "--iterations", "2", overrides=PPO).stdout
     assert "iteration 1:" in out and "iteration 2:" in out
     assert_same_as_direct(tmp_path, 3, PPO)
 
