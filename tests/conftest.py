@@ -51,7 +51,15 @@ KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_
              "test_pipeline.py::test_a_failed_pipeline_run_ends_rlhf_run")
 
 
+#: The longest modules, longest first (``--durations`` on a 2-core machine): with two
+#: worker processes they start first, so no long module is left to run alone at the end.
+LONGEST_FIRST = ("test_session", "test_pipeline", "test_multinode", "test_finetune_driver", "test_resume",
+                 "test_fsdp", "test_controller", "test_trainer_smoke", "test_replay", "test_real_model")
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: in-module order kept
     for item in items:
         names = set(MODULE_MARKS.get(item.module.__name__, ()))
         for fixture, marks in FIXTURE_MARKS.items():
@@ -72,30 +80,29 @@ _durations: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    if report.when == "call":
+    # (reports carry the test's markers, also where a worker process ran the test)
+    if report.when == "call" and "slow" not in report.keywords:
         _durations[report.nodeid] = report.duration
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    fast = {item.nodeid for item in getattr(config, "_rlhf_items", [])}
-    over = sorted((d, n) for n, d in _durations.items() if n in fast and d > FAST_BUDGET_S)
+    over = sorted((d, n) for n, d in _durations.items() if d > FAST_BUDGET_S)
     if over:
         terminalreporter.write_line(f"fast-tier tests over {FAST_BUDGET_S:.0f} s (mark them slow in conftest.SLOW):")
         for seconds, node in reversed(over):
             terminalreporter.write_line(f"  {seconds:6.1f}s {node}")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_finish(session):
-    session.config._rlhf_items = [item for item in session.items if item.get_closest_marker("slow") is None]
-
-
 @pytest.fixture(scope="session", autouse=True)
 def model_cache(tmp_path_factory):
-    """One cache of built-in models for the whole test session (the warm-start SFT runs
-    once, not once per module); a cache the environment names is used as is."""
+    """One cache of built-in models for the whole test run (the warm-start SFT runs once,
+    not once per module or per worker process: the workers' temp folders share a parent);
+    a cache the environment names is used as is."""
     if "RLHF_CACHE" not in os.environ:
-        os.environ["RLHF_CACHE"] = str(tmp_path_factory.mktemp("rlhf-cache"))
+        base = tmp_path_factory.getbasetemp()
+        shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "rlhf-cache"
+        shared.mkdir(exist_ok=True)
+        os.environ["RLHF_CACHE"] = str(shared)
     yield os.environ["RLHF_CACHE"]
 
 # Every Ray this test session starts listens on loopback only and wants a token; Ray reads

@@ -40,14 +40,23 @@ def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
     path = node_cache() / f"builtin-digits-{key}"
     if (path / "WARM_START.json").exists():
         return str(path)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    _build_and_warm_start(tmp, seed, progress)
-    try:
-        os.rename(tmp, path)  # atomic publish; a concurrent builder may have won
-    except OSError:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one builder per node: the processes that want the model while it is built wait for it
+    # (the lock goes with its holder's death) instead of each running the warm start
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "WARM_START.json").exists():
+            return str(path)
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        _build_and_warm_start(tmp, seed, progress)
+        try:
+            os.rename(tmp, path)  # atomic publish (a builder without the lock, an older version, may have won)
+        except OSError:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(path)
 
 
