@@ -4,7 +4,7 @@ weight sync gathers at once.
     .venv/bin/python benchmarks/scale.py [--worlds 1 2 4] [--steps 3] [--layers 12] [--hidden 768]
 
 For each strategy and world size, real ranks (processes, gloo on CPU, the trainer's own
-``rlhf_core.workers.sharding``) build the model from a Qwen2 config (random weights, built
+``rlhf_core.distributed.sharding``) build the model from a Qwen2 config (random weights, built
 here), take AdamW steps, and count the bytes of parameters + gradients + optimizer state
 they hold (local shards under FSDP). Printed as ratios against DDP in the same run:
 

@@ -38,7 +38,7 @@ def _f(default, help: str, *, choices: tuple | None = None, registry: str | None
 POSITIVE = {"gt": 0}
 NON_NEGATIVE = {"ge": 0}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-#: ``actor.strategy``: how ranks share a trained model (``rlhf_core.workers.sharding``).
+#: ``actor.strategy``: how ranks share a trained model (``rlhf_core.distributed.sharding``).
 STRATEGIES = ("fsdp", "ddp")
 #: ``rollout.name``: the generation engines (``rlhf_core.workers.rollout``).
 ROLLOUT_ENGINES = ("vllm", "hf")

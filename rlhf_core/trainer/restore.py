@@ -1,7 +1,9 @@
-"""Where a run stands and how its workers get there: open a run, checkpoints.
+"""Where a run stands and how its workers get there: open a run, write a checkpoint,
+load one and redo the updates after it. Which checkpoint a step starts from is the
+record's (``rlhf_core/record/checkpoints.py``); this module acts on the workers.
 
 Used by the iteration loop (``trainer/run.py``), the long-lived session and replay; it
-imports neither, so none of them imports another through it.
+imports none of them, so none of them imports another through it.
 """
 
 from __future__ import annotations
