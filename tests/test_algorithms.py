@@ -18,6 +18,7 @@ from rlhf_core.algorithms import (
     get_adv_estimator_fn,
     kl_penalty,
     masked_mean,
+    masked_sum,
     masked_whiten,
     register_adv_est,
 )
@@ -165,3 +166,43 @@ def test_kl_controllers_and_kl_in_reward():
     rewards, kl = apply_kl_penalty(scores, t([[0.0, -1.0]]), t([[-1.0, -1.0]]), mask, kl_coef=0.5)
     assert rewards.flatten().tolist() == pytest.approx([-0.5, 1.0])
     assert kl == pytest.approx(0.5)
+
+
+def test_what_masked_positions_hold_never_reaches_a_value_or_a_gradient():
+    """After a response's end a log-prob may be -inf (HF's scores for the padding): masked
+    statistics, the policy loss, its gradient and the KL in the reward stay finite, and
+    equal what zeros in those positions give."""
+    mask = t([[1, 1, 0, 0], [1, 1, 1, 0]])
+    ninf = float("-inf")
+    old = t([[-1.0, -2.0, ninf, ninf], [-0.5, -1.5, -0.7, ninf]])
+    adv = t([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]])
+    for value in (masked_sum(old, mask), masked_mean(old, mask), masked_mean(old, mask, dim=-1)):
+        assert torch.isfinite(value).all()
+    assert masked_sum(old, mask) == masked_sum(torch.where(mask.bool(), old, 0.0), mask)
+
+    def loss_and_grad(new_masked, old_masked, mode):
+        new = torch.tensor([[-1.1, -1.9, new_masked, new_masked], [-0.4, -1.6, -0.9, new_masked]], requires_grad=True)
+        old_ = torch.where(mask.bool(), old, torch.full_like(old, old_masked))
+        out = compute_policy_loss(old_, new, adv, mask, loss_agg_mode=mode)
+        out["pg_loss"].backward()
+        return out, new.grad
+
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        out, grad = loss_and_grad(ninf, ninf, mode)
+        clean, clean_grad = loss_and_grad(0.0, 0.0, mode)
+        assert all(torch.isfinite(v).all() for v in out.values()) and torch.isfinite(grad).all(), mode
+        assert torch.equal(out["pg_loss"], clean["pg_loss"]) and torch.equal(grad, clean_grad), mode
+        assert torch.equal(out["ppo_kl"], clean["ppo_kl"])
+    rewards, kl = apply_kl_penalty(torch.zeros(2, 4), old, torch.where(mask.bool(), old - 0.1, old), mask, 0.1)
+    assert torch.isfinite(rewards).all() and math.isfinite(kl)
+
+
+def test_rollout_log_probs_after_a_responses_end_are_zero_not_minus_infinity():
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.workers.rollout import _finish_tensors
+
+    prompts = DataProto.from_dict({"input_ids": torch.tensor([[5, 6], [7, 8]]),
+                                   "attention_mask": torch.ones(2, 2, dtype=torch.long)})
+    lp = torch.tensor([[-0.5, -1.0, float("-inf")], [-0.2, float("-inf"), float("-inf")]])
+    out = _finish_tensors(prompts, torch.tensor([[9, 2, 0], [2, 0, 0]]), lp, torch.tensor([2, 1]))
+    assert torch.equal(out.batch["rollout_log_probs"], torch.tensor([[-0.5, -1.0, 0.0], [-0.2, 0.0, 0.0]]))

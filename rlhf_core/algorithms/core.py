@@ -102,8 +102,15 @@ def get_kl_estimator_fn(name: str) -> Callable:
 # --------------------------------------------------------------------- masked statistics
 
 
+def masked_only(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``mask`` is nonzero, 0 elsewhere: what a masked position holds (a
+    -inf log-prob after a response's end) never reaches a product (``-inf * 0`` is NaN)."""
+    return torch.where(mask != 0, values, values.new_zeros(()))
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim=dim)
+    weighted = masked_only(values, mask) * mask
+    return weighted.sum() if dim is None else weighted.sum(dim=dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -273,7 +280,9 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
     """
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual clip; found {clip_ratio_c}")
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    # masked positions are 0 before anything is computed from them: a -inf there would make
+    # NaN in the forward and, through exp, in the gradient (masking the loss is too late)
+    negative_approx_kl = torch.clamp(masked_only(log_prob - old_log_prob, response_mask), min=-20.0, max=20.0)
     ratio = torch.exp(negative_approx_kl)
     ppo_kl = masked_mean(-negative_approx_kl, response_mask)
     loss_unclipped = -advantages * ratio
@@ -372,7 +381,7 @@ def apply_kl_penalty(token_level_scores: torch.Tensor, old_log_prob: torch.Tenso
                      kl_penalty_name: str = "k1") -> tuple[torch.Tensor, float]:
     """KL in the reward: ``r_t = score_t - beta * KL_t``; returns rewards and the batch's
     mean per-sequence KL (what a KL controller updates on)."""
-    kld = kl_penalty(old_log_prob, ref_log_prob, kl_penalty_name) * response_mask
+    kld = masked_only(kl_penalty(old_log_prob, ref_log_prob, kl_penalty_name), response_mask) * response_mask
     rewards = token_level_scores - kl_coef * kld
     current_kl = masked_mean(kld, response_mask, dim=-1).mean().item()
     return rewards, current_kl

@@ -51,7 +51,8 @@ def _finish_tensors(prompts: DataProto, resp: torch.Tensor, rollout_lp: torch.Te
         "prompts": prompt_ids,
         "responses": resp,
         "response_mask": resp_mask,
-        "rollout_log_probs": rollout_lp * resp_mask,
+        # after a response's end HF's scores may give the padding -inf: never multiplied through
+        "rollout_log_probs": torch.where(resp_mask.bool(), rollout_lp, torch.zeros_like(rollout_lp)),
         "input_ids": torch.cat([prompt_ids, resp], dim=1),
         "attention_mask": attention_mask,
         "position_ids": position_ids,
