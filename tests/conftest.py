@@ -31,6 +31,7 @@ MODULE_MARKS = {
 }
 #: Single tests measured slow on a 2-core machine (``--durations``), by node id prefix.
 SLOW = (
+    "test_log_probs.py::test_a_log_prob_pass_at_qwen2s_vocabulary",
     "test_verl_keys.py::test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct",
     "test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",
     "test_pipeline.py::test_a_pipeline_mode_run_killed_in_its_first_iteration",

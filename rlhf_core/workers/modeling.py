@@ -74,23 +74,78 @@ def _pad_responses(t: torch.Tensor, response_length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, response_length - t.shape[1])) if t.shape[1] < response_length else t
 
 
+#: The fp32 logits one log-prob pass may hold at once. A batch whose logits fit is one
+#: full-vocabulary pass, as it always was (bit for bit: the built-in task's 14-word
+#: vocabulary always fits); a larger one is projected on its response positions only, a
+#: slice of tokens at a time, each slice recomputed in the backward: at Qwen2's 151,936
+#: words a slice is ~440 tokens.
+LOGIT_BUDGET_BYTES = 256 * 2**20
+
+
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
-                       with_entropy: bool = False):
+                       with_entropy: bool = False, chunk_tokens: int | None = None):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
     (0 where every row's response has ended: see ``trim_padding``).
 
     Logits are divided by the sampling temperature so the log-probs are those of the
-    distribution the responses were sampled from.
+    distribution the responses were sampled from. Logits beyond ``LOGIT_BUDGET_BYTES``
+    (or ``chunk_tokens`` given) are computed in slices of tokens: the vocabulary
+    projection runs inside the model's forward (where FSDP has gathered its parameters)
+    on the response positions only, and the batch's full logits never exist at once.
     """
     input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
                                                                  response_length)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    logits = logits[:, -kept - 1:-1].float() / temperature
     responses = input_ids[:, -kept:]
-    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
-    return _pad_responses(log_probs, response_length), entropy
+    from rlhf_core.distributed import sharding
+
+    head = sharding.unwrap(model).get_output_embeddings()  # (DDP hides the model's own methods)
+    original = head.forward
+    token_bytes = head.out_features * 4
+    if chunk_tokens is None and input_ids.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = logits[:, -kept - 1:-1].float() / temperature
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+        entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
+        return _pad_responses(log_probs, response_length), entropy
+    chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
+
+    def project(hidden: torch.Tensor) -> torch.Tensor:  # the kept + 1 last positions
+        rows, width = hidden.shape[0], kept
+        flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])
+        targets = responses.reshape(-1)
+        parts = []
+        for start in range(0, flat.shape[0], chunk_tokens):
+            piece = (flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+            if torch.is_grad_enabled() and flat.requires_grad:
+                from torch.utils.checkpoint import checkpoint
+
+                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, with_entropy,
+                                        use_reentrant=False))
+            else:
+                parts.append(_token_log_probs(original, *piece, temperature, with_entropy))
+        # a copy (2 numbers a token), not a view: FSDP2 hooks its module's output for the backward
+        return torch.cat(parts).reshape(rows, width, -1).clone()
+
+    head.forward = project  # what the model's forward returns as its logits: (log-prob, entropy)
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=kept + 1).logits
+    finally:
+        head.forward = original
+    log_probs = _pad_responses(out[..., 0], response_length)
+    entropy = _pad_responses(out[..., 1], response_length) if with_entropy else None
+    return log_probs, entropy
+
+
+def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                     with_entropy: bool) -> torch.Tensor:
+    """(log-prob of each target, entropy or 0) of one slice of tokens: [tokens, 2]."""
+    logits = projection(hidden).float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs).sum(dim=-1) if with_entropy else torch.zeros_like(chosen)
+    return torch.stack([chosen, entropy], dim=-1)
 
 
 class ValueModel(torch.nn.Module):
