@@ -87,6 +87,12 @@ TABLE: dict[str, Rule] = {
     "actor_rollout_ref.model.use_remove_padding": _note("no effect: sequences are padded here (verl's "
                                                         "padding-free kernels are a speed mechanism)"),
     "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
+    A + "ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
+                                               refuse="no sequence parallelism (Ulysses) here yet: use 1",
+                                               accepts=lambda raw: raw.strip() == "1"),
+    "critic.ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
+                                                  refuse="no sequence parallelism (Ulysses) here yet: use 1",
+                                                  accepts=lambda raw: raw.strip() == "1"),
     # actor
     A + "optim.lr": _m("actor.lr"),
     A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps", note="verl's -1 (use the warmup ratio) is 0 here",

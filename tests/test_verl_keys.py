@@ -198,3 +198,14 @@ def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model
     assert provenance["rollout.response_length"] == "verl:data.max_response_length"
     assert provenance["trainer.total_iterations"] == provenance["trainer.total_epochs"] == "override"
     assert "trainer.logger=" in capsys.readouterr().err
+
+
+def test_ulysses_sequence_parallelism_of_one_is_taken_and_more_is_refused():
+    from rlhf_core.config import ConfigError
+
+    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"):
+        notes = []
+        cfg = apply_overrides(RunConfig(), [f"{key}=1"], notes=notes)
+        assert cfg.to_dict() == RunConfig().to_dict() and any("no sequence parallelism" in n for n in notes), notes
+        with pytest.raises((ConfigError, ValueError), match=f"{key}'=2: no sequence parallelism"):
+            apply_overrides(RunConfig(), [f"{key}=2"])
