@@ -106,6 +106,15 @@ class ActorConfig:
                                            **NON_NEGATIVE)
     log_prob_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing old and reference "
                                                 "log-probs on one rank (0: all at once)", **NON_NEGATIVE)
+    use_dynamic_bsz: bool = _f(False, "micro-batches of the update by tokens, not rows: each holds at most "
+                               "ppo_max_token_len_per_gpu tokens (prompt and response), balanced by tokens "
+                               "(ppo_micro_batch_size_per_gpu is then not used)")
+    ppo_max_token_len_per_gpu: int = _f(16384, "tokens per update micro-batch on one rank, with use_dynamic_bsz",
+                                        **POSITIVE)
+    log_prob_use_dynamic_bsz: bool = _f(False, "forwards for old and reference log-probs by tokens, not rows "
+                                        "(log_prob_max_token_len_per_gpu each)")
+    log_prob_max_token_len_per_gpu: int = _f(16384, "tokens per log-prob forward on one rank, with "
+                                             "log_prob_use_dynamic_bsz", **POSITIVE)
     clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)", ge=0, lt=1)
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
@@ -171,6 +180,12 @@ class CriticConfig:
                                            "mini-batch)", **NON_NEGATIVE)
     forward_micro_batch_size_per_gpu: int = _f(0, "responses per forward when computing values on one rank "
                                                "(0: all at once)", **NON_NEGATIVE)
+    use_dynamic_bsz: bool = _f(False, "micro-batches by tokens, not rows: the update's hold at most "
+                               "ppo_max_token_len_per_gpu tokens, the value forwards' forward_max_token_len_per_gpu")
+    ppo_max_token_len_per_gpu: int = _f(32768, "tokens per update micro-batch on one rank, with use_dynamic_bsz",
+                                        **POSITIVE)
+    forward_max_token_len_per_gpu: int = _f(32768, "tokens per value forward on one rank, with use_dynamic_bsz",
+                                            **POSITIVE)
     loss_agg_mode: str = _f("token-mean", "how the value loss reduces over tokens and responses",
                             choices=LOSS_AGG_MODES)
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
@@ -394,6 +409,15 @@ class RunConfig:
         if self.custom_reward_function.path and not self.custom_reward_function.path.endswith(".py"):
             raise ConfigError(f"custom_reward_function.path: expected a .py file; "
                               f"found {self.custom_reward_function.path!r}")
+        longest = self.data.max_prompt_length + self.rollout.response_length
+        budgets = [("actor.ppo_max_token_len_per_gpu", self.actor.use_dynamic_bsz),
+                   ("actor.log_prob_max_token_len_per_gpu", self.actor.log_prob_use_dynamic_bsz),
+                   ("critic.ppo_max_token_len_per_gpu", self.use_critic and self.critic.use_dynamic_bsz),
+                   ("critic.forward_max_token_len_per_gpu", self.use_critic and self.critic.use_dynamic_bsz)]
+        for path, used in budgets:
+            if used and _get(self, path) < longest:
+                raise ConfigError(f"{path}: expected at least data.max_prompt_length + rollout.response_length "
+                                  f"({longest} tokens: the longest sequence); found {_get(self, path)}")
         for section in ("actor", "critic") if self.use_critic else ("actor",):
             mini = getattr(self, section).ppo_mini_batch_size
             if self.data.train_batch_size % mini:

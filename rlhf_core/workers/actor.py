@@ -81,13 +81,18 @@ class ActorRolloutRefWorker(TrainableWorker):
             model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
             data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy)
 
+    def _log_prob_budget(self) -> tuple[int, str]:
+        actor = self.config.actor
+        return (actor.log_prob_max_token_len_per_gpu if actor.log_prob_use_dynamic_bsz else 0,
+                "actor.log_prob_max_token_len_per_gpu")
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data = devices.to_device(data)
         with torch.no_grad():
             log_probs, entropy = modeling.forward_in_chunks(
                 lambda part: self._log_probs(sharding.unwrap(self.policy), part, with_entropy=True),
-                data, self.config.actor.log_prob_micro_batch_size_per_gpu)
+                data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
         return DataProto.from_dict(devices.to_host({"old_log_probs": log_probs, "entropys": entropy}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -98,7 +103,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         with torch.no_grad():
             log_probs, _ = modeling.forward_in_chunks(
                 lambda part: self._log_probs(self.reference, part, with_entropy=False),
-                data, self.config.actor.log_prob_micro_batch_size_per_gpu)
+                data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
         return DataProto.from_dict(devices.to_host({"ref_log_prob": log_probs}))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

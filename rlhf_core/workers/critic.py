@@ -35,8 +35,11 @@ class CriticWorker(TrainableWorker):
     def compute_values(self, data: DataProto) -> DataProto:
         data = devices.to_device(data)
         with torch.no_grad():
+            critic = self.config.critic
             (values,) = modeling.forward_in_chunks(lambda part: (self._values(sharding.unwrap(self.critic), part),),
-                                                   data, self.config.critic.forward_micro_batch_size_per_gpu)
+                                                   data, critic.forward_micro_batch_size_per_gpu,
+                                                   critic.forward_max_token_len_per_gpu if critic.use_dynamic_bsz else 0,
+                                                   "critic.forward_max_token_len_per_gpu")
             values = values * data.batch["response_mask"]
         return DataProto.from_dict(devices.to_host({"values": values}))
 

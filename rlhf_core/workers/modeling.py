@@ -201,23 +201,73 @@ def mini_batch_rows(ppo_mini_batch_size: int, n: int, world_size: int, rows: int
     return mini
 
 
-def micro_batches(batch, micro_rows: int, loss_agg_mode: str = "token-mean"):
+class TokenBudgetError(ValueError):
+    """A sequence longer than the token budget of one micro-batch."""
+
+
+def token_budget_parts(lengths: list[int], budget: int, field: str) -> list[list[int]]:
+    """Row indices in groups of at most ``budget`` tokens (``lengths``: each row's), as few
+    groups as fit and balanced by tokens as verl balances them: the fewest groups the
+    total needs, longest rows first into the lightest group, one group more while any is
+    over. Rows keep their order inside a group. A row longer than the budget is refused."""
+    longest = max(lengths, default=0)
+    if longest > budget:
+        raise TokenBudgetError(f"{field}: expected every sequence to fit in {budget} tokens; found one of {longest} "
+                               f"(prompt and response)")
+    count = max(1, -(-sum(lengths) // budget))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    while True:
+        groups: list[list[int]] = [[] for _ in range(count)]
+        load = [0] * count
+        for i in order:
+            lightest = min(range(count), key=lambda g: (load[g], g))
+            groups[lightest].append(i)
+            load[lightest] += lengths[i]
+        if max(load) <= budget:
+            return [sorted(g) for g in groups if g]
+        count += 1
+
+
+def _row_tokens(batch) -> list[int]:
+    return batch.batch["attention_mask"].sum(dim=1).tolist()  # one host read per batch
+
+
+def micro_batches(batch, micro_rows: int, loss_agg_mode: str = "token-mean", token_budget: int = 0,
+                  field: str = "ppo_max_token_len_per_gpu"):
     """(micro-batch, weight) pairs for gradient accumulation: the weighted sum of the
     micro-batches' losses is the whole batch's loss (token-mean: by response tokens; the
-    sequence means: by rows). ``micro_rows`` 0 or >= the batch: the batch itself, weight 1."""
+    sequence means: by rows), however the rows are grouped. Groups of ``micro_rows`` rows,
+    or with ``token_budget`` > 0 of at most that many tokens (``token_budget_parts``).
+    ``micro_rows`` 0 or >= the batch (and no budget): the batch itself, weight 1."""
     rows = len(batch)
-    if micro_rows <= 0 or micro_rows >= rows:
+    if token_budget > 0:
+        parts = [batch.select_idxs(group) for group in token_budget_parts(_row_tokens(batch), token_budget, field)]
+    elif micro_rows <= 0 or micro_rows >= rows:
         yield batch, 1.0
         return
+    else:
+        parts = batch.split(micro_rows)
+    if len(parts) == 1:
+        yield parts[0], 1.0
+        return
     tokens = batch.batch["response_mask"].sum().clamp(min=1)
-    for part in batch.split(micro_rows):
+    for part in parts:
         share = part.batch["response_mask"].sum() / tokens if loss_agg_mode == "token-mean" else len(part) / rows
         yield part, float(share)
 
 
-def forward_in_chunks(fn, data, micro_rows: int) -> list:
-    """``fn(part)`` over row chunks of ``micro_rows`` (0: all rows at once), outputs
-    concatenated along the batch: forward passes over more rows than fit in memory."""
+def forward_in_chunks(fn, data, micro_rows: int, token_budget: int = 0,
+                      field: str = "log_prob_max_token_len_per_gpu") -> list:
+    """``fn(part)`` over row chunks of ``micro_rows`` (0: all rows at once), or with
+    ``token_budget`` > 0 over groups of at most that many tokens; outputs in the rows'
+    order: forward passes over more rows than fit in memory."""
+    if token_budget > 0:
+        groups = token_budget_parts(_row_tokens(data), token_budget, field)
+        outs = [fn(data.select_idxs(group)) for group in groups]
+        order = torch.tensor([i for group in groups for i in group])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return [None if items[0] is None else torch.cat(items)[inverse.to(items[0].device)] for items in zip(*outs)]
     parts = [data] if micro_rows <= 0 or micro_rows >= len(data) else data.split(micro_rows)
     outs = [fn(part) for part in parts]
     if len(outs) == 1:

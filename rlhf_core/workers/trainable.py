@@ -78,8 +78,10 @@ class TrainableWorker(Worker):
                                         dataloader_kwargs={"shuffle": True}):
             self.optimizer.zero_grad(set_to_none=True)
             step: dict[str, float] = {}
-            for micro, weight in modeling.micro_batches(batch, role_cfg.ppo_micro_batch_size_per_gpu,
-                                                        role_cfg.loss_agg_mode):
+            for micro, weight in modeling.micro_batches(
+                    batch, role_cfg.ppo_micro_batch_size_per_gpu, role_cfg.loss_agg_mode,
+                    role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else 0,
+                    f"{prefix}.ppo_max_token_len_per_gpu"):
                 loss, parts = loss_fn(micro)
                 (loss * weight if weight != 1.0 else loss).backward()
                 for key, value in parts.items():
