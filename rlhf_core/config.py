@@ -247,6 +247,8 @@ class AlgorithmConfig:
 
 @dataclass
 class TrainerConfig:
+    balance_batch: bool = _f(True, "reorder each rollout's rows so that every data-parallel rank of the actor "
+                             "gets about the same number of tokens (verl's; no effect at one rank)")
     total_iterations: int = _f(60, "the run's total iterations when `rlhf run` is not given --iterations (a "
                                "re-run of the same command finishes the run, then does nothing)", **POSITIVE,
                                hashed=False)

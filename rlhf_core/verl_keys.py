@@ -184,7 +184,7 @@ TABLE: dict[str, Rule] = {
                             "MLFLOW_TRACKING_URI is set"),
     "trainer.default_local_dir": _note("checkpoints go to the run's store (rlhf run --store)"),
     "trainer.resume_mode": _note("resume is automatic here: a run id with committed iterations continues"),
-    "trainer.balance_batch": _note("no effect: ranks get equal numbers of responses here"),
+    "trainer.balance_batch": _m("trainer.balance_batch", note="tokens balanced across the actor's ranks"),
     "trainer.device": _note("no effect: the device follows resources.gpus_per_node"),
     "trainer.val_only": _refuse("no validation-only runs here"),
 }

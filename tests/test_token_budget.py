@@ -107,3 +107,18 @@ def test_budgets_are_verls_keys_and_one_no_sequence_fits_is_refused():
                                       f"actor.ppo_max_token_len_per_gpu={longest - 1}"]).validate()
     # a budget that is not used is not checked
     apply_overrides(RunConfig(), [f"actor.ppo_max_token_len_per_gpu={longest - 1}"]).validate()
+
+
+def test_a_rollout_is_reordered_so_every_data_parallel_rank_gets_about_the_same_tokens():
+    lengths = [PROMPT + n for n in LENGTHS]
+    for parts in (2, 5):
+        order = modeling.balanced_order(lengths, parts)
+        assert sorted(order) == list(range(len(lengths)))
+        size = len(lengths) // parts
+        loads = [sum(lengths[i] for i in order[p * size:(p + 1) * size]) for p in range(parts)]
+        contiguous = [sum(lengths[p * size:(p + 1) * size]) for p in range(parts)]
+        assert max(loads) - min(loads) <= max(lengths) and max(loads) - min(loads) < max(contiguous) - min(contiguous)
+    assert modeling.balanced_order(lengths, 1) == list(range(len(lengths)))
+    assert modeling.balanced_order(lengths, 3) == list(range(len(lengths)))  # 10 rows do not split in 3: as is
+    cfg = apply_overrides(RunConfig(), ["trainer.balance_batch=false"], notes=[])
+    assert cfg.trainer.balance_batch is False and RunConfig().trainer.balance_batch is True

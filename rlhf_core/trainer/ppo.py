@@ -24,6 +24,7 @@ from rlhf_core.protocol import DataProto
 from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics, validation_metrics
+from rlhf_core.workers import modeling
 
 #: What a model forward needs; stages send workers only the columns they read.
 SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -215,7 +216,11 @@ class PPOTrainer:
         # one seed per response row: its sample does not depend on batching or restarts
         batch.batch["sample_seed"] = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
-        return batch.union(self._take(self.actor.generate_sequences(prompts)))
+        batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
+        if cfg.trainer.balance_batch and cfg.actor.world_size > 1:  # each rank's chunk: about the same tokens
+            batch.reorder(modeling.balanced_order(batch.batch["attention_mask"].sum(dim=1).tolist(),
+                                                  cfg.actor.world_size))
+        return batch
 
     def compute_reward_baseline(self, batch: DataProto) -> DataProto:
         """ReMax's baseline: each prompt's greedy response, scored by the reward function,

@@ -228,6 +228,24 @@ def token_budget_parts(lengths: list[int], budget: int, field: str) -> list[list
         count += 1
 
 
+def balanced_order(lengths: list[int], parts: int) -> list[int]:
+    """A row order whose ``parts`` consecutive equal chunks (one per data-parallel rank)
+    carry about the same number of tokens: longest rows first, each to the lightest chunk
+    with room. Identity when the rows do not split evenly (dispatch pads those) or at one
+    part."""
+    rows = len(lengths)
+    if parts <= 1 or rows % parts:
+        return list(range(rows))
+    size = rows // parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(range(rows), key=lambda i: (-lengths[i], i)):
+        g = min((g for g in range(parts) if len(groups[g]) < size), key=lambda g: (load[g], g))
+        groups[g].append(i)
+        load[g] += lengths[i]
+    return [i for group in groups for i in sorted(group)]
+
+
 def _row_tokens(batch) -> list[int]:
     return batch.batch["attention_mask"].sum(dim=1).tolist()  # one host read per batch
 
