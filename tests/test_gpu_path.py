@@ -397,3 +397,43 @@ def test_the_gpu_smoke_check_prints_one_line_per_step_and_stops_at_the_first_fai
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("PASS", "FAIL"))]
     assert [line.split(" (")[0] for line in lines] == ["PASS first", "FAIL second"] and steps.failed
     assert lines[1].endswith("ZeroDivisionError: division by zero")
+
+
+def test_an_update_reads_its_metrics_from_the_device_once_per_optimizer_step(actor, monkeypatch):
+    """Host reads (``item``, ``tolist``, ``float``, ``int``, ``bool`` of a tensor) in an
+    actor update do not grow with the number of micro-batches: the metrics stay tensors
+    and are read once per optimizer step. (Each forward's padding trim reads which columns
+    its rows use: one read per micro-batch, counted apart.)"""
+    reads: list[str] = []
+    trims: list[int] = []
+    real_trim = modeling.trim_padding
+
+    def counting_trim(*args, **kwargs):
+        trims.append(1)
+        return real_trim(*args, **kwargs)
+
+    def count(name):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, **kwargs):
+            reads.append(name)
+            return real(self, *args, **kwargs)
+        return counted
+
+    def reads_per_step(micro_rows: int) -> float:
+        monkeypatch.setattr(actor.config.actor, "ppo_micro_batch_size_per_gpu", micro_rows)
+        data = _batch()
+        reads.clear()
+        trims.clear()
+        with monkeypatch.context() as m:
+            m.setattr(modeling, "trim_padding", counting_trim)
+            for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+                m.setattr(torch.Tensor, name, count(name))
+            out = actor.update_actor(data)
+        steps = len(out.meta_info["metrics"]["actor/pg_loss"])
+        return (len(reads) - len(trims)) / steps, len(trims) / steps
+
+    whole, whole_trims = reads_per_step(0)   # a mini-batch of 2 rows in one micro-batch
+    split, split_trims = reads_per_step(1)   # ... in two
+    assert split_trims == 2 * whole_trims
+    assert split == whole, (whole, split)

@@ -113,7 +113,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         return _metrics_proto(self._ppo_update(data, self.config.actor, lambda micro: self._policy_loss(micro, policy_loss),
                                                "actor"))
 
-    def _policy_loss(self, batch: DataProto, policy_loss) -> tuple[torch.Tensor, dict[str, float]]:
+    def _policy_loss(self, batch: DataProto, policy_loss) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The actor's loss on one (micro-)batch and its parts, for the metrics."""
         cfg = self.config.actor
         mask = batch.batch["response_mask"].float()
@@ -127,17 +127,17 @@ class ActorRolloutRefWorker(TrainableWorker):
                           clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                           clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode)
         loss = out["pg_loss"]
-        parts = {key: float(out[key]) for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+        parts = {key: out[key].detach() for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
             if cfg.entropy_coeff != 0:
                 loss = loss - cfg.entropy_coeff * entropy_loss
-            parts["entropy"] = entropy_loss.item()
+            parts["entropy"] = entropy_loss.detach()
         if cfg.use_kl_loss:
             kl_loss = agg_loss(kl_penalty(log_prob, batch.batch["ref_log_prob"], cfg.kl_loss_type), mask,
                                cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
-            parts["kl_loss"] = kl_loss.item()
+            parts["kl_loss"] = kl_loss.detach()
         return loss, parts
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

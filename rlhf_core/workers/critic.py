@@ -47,15 +47,15 @@ class CriticWorker(TrainableWorker):
     def update_critic(self, data: DataProto) -> DataProto:
         return DataProto(meta_info={"metrics": self._ppo_update(data, self.config.critic, self._value_loss, "critic")})
 
-    def _value_loss(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, float]]:
+    def _value_loss(self, batch: DataProto) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped value loss on one (micro-)batch and its parts, for the metrics."""
         cfg = self.config.critic
         mask = batch.batch["response_mask"].float()
         vpreds = self._values(self.critic, batch)
         vf_loss, vf_clipfrac = compute_value_loss(vpreds, batch.batch["returns"], batch.batch["values"], mask,
                                                   cfg.cliprange_value, cfg.loss_agg_mode)
-        return vf_loss, {"vf_loss": vf_loss.item(), "vf_clipfrac": vf_clipfrac.item(),
-                         "vpred_mean": masked_mean(vpreds, mask).item()}
+        return vf_loss, {"vf_loss": vf_loss.detach(), "vf_clipfrac": vf_clipfrac.detach(),
+                         "vpred_mean": masked_mean(vpreds, mask).detach()}
 
     def _trained_model(self):
         return self.critic

@@ -252,7 +252,8 @@ def _row_tokens(batch) -> list[int]:
 
 def micro_batches(batch, micro_rows: int, loss_agg_mode: str = "token-mean", token_budget: int = 0,
                   field: str = "ppo_max_token_len_per_gpu"):
-    """(micro-batch, weight) pairs for gradient accumulation: the weighted sum of the
+    """(micro-batch, weight) pairs for gradient accumulation (a weight is a number or a
+    0-dim tensor): the weighted sum of the
     micro-batches' losses is the whole batch's loss (token-mean: by response tokens; the
     sequence means: by rows), however the rows are grouped. Groups of ``micro_rows`` rows,
     or with ``token_budget`` > 0 of at most that many tokens (``token_budget_parts``).
@@ -269,9 +270,8 @@ def micro_batches(batch, micro_rows: int, loss_agg_mode: str = "token-mean", tok
         yield parts[0], 1.0
         return
     tokens = batch.batch["response_mask"].sum().clamp(min=1)
-    for part in parts:
-        share = part.batch["response_mask"].sum() / tokens if loss_agg_mode == "token-mean" else len(part) / rows
-        yield part, float(share)
+    for part in parts:  # (a token share stays a tensor: no host read per micro-batch)
+        yield part, part.batch["response_mask"].sum() / tokens if loss_agg_mode == "token-mean" else len(part) / rows
 
 
 def forward_in_chunks(fn, data, micro_rows: int, token_budget: int = 0,

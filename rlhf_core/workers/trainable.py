@@ -58,7 +58,7 @@ class TrainableWorker(Worker):
 
     def _ppo_update(self, data: DataProto, role_cfg, loss_fn: Callable, prefix: str) -> dict[str, list]:
         """PPO epochs over shuffled mini-batches of ``data``, each accumulated over
-        micro-batches (token-weighted): ``loss_fn(micro) -> (loss, {metric: float})``.
+        micro-batches (token-weighted): ``loss_fn(micro) -> (loss, {metric: 0-dim tensor})``.
         A step whose gradient norm is not finite is skipped (the optimizer does not step,
         the schedule does) and counted in ``{prefix}/nonfinite_grad_steps``. Returns the
         metrics, one list entry per optimizer step."""
@@ -77,22 +77,23 @@ class TrainableWorker(Worker):
         for batch in data.make_iterator(mini, role_cfg.ppo_epochs, seed=shuffle_seed,
                                         dataloader_kwargs={"shuffle": True}):
             self.optimizer.zero_grad(set_to_none=True)
-            step: dict[str, float] = {}
+            step: dict[str, torch.Tensor] = {}  # summed on the device: read once per optimizer step
             for micro, weight in modeling.micro_batches(
                     batch, role_cfg.ppo_micro_batch_size_per_gpu, role_cfg.loss_agg_mode,
                     role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else 0,
                     f"{prefix}.ppo_max_token_len_per_gpu"):
                 loss, parts = loss_fn(micro)
-                (loss * weight if weight != 1.0 else loss).backward()
-                for key, value in parts.items():
-                    step[key] = step.get(key, 0.0) + value * weight
+                (loss * weight).backward()
+                for key, value in parts.items():  # in float64, as Python floats were summed
+                    weighted = value.detach().double() * (weight.double() if torch.is_tensor(weight) else weight)
+                    step[key] = step[key] + weighted if key in step else weighted
             grad_norm = sharding.grad_norm_and_clip(model, role_cfg.grad_clip)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
             else:  # one bad batch must not write NaN into every weight
                 skipped += 1
             self.scheduler.step()
-            for key, value in step.items():
+            for key, value in zip(step, torch.stack(list(step.values())).tolist() if step else []):
                 metrics.setdefault(f"{prefix}/{key}", []).append(value)
             metrics.setdefault(f"{prefix}/grad_norm", []).append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)  # gradient memory goes back for rollout
