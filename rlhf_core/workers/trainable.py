@@ -85,7 +85,9 @@ class TrainableWorker(Worker):
                 loss, parts = loss_fn(micro)
                 (loss * weight).backward()
                 for key, value in parts.items():  # in float64, as Python floats were summed
-                    weighted = value.detach().double() * (weight.double() if torch.is_tensor(weight) else weight)
+                    value = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, dtype=torch.float64,
+                                            device=loss.device)  # (a loss_fn may give plain numbers)
+                    weighted = value * (weight.double() if torch.is_tensor(weight) else weight)
                     step[key] = step[key] + weighted if key in step else weighted
             grad_norm = sharding.grad_norm_and_clip(model, role_cfg.grad_clip)
             if math.isfinite(grad_norm):
