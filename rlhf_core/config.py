@@ -57,6 +57,11 @@ class ModelConfig:
                     checkpoint=True)
     enable_gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass (actor and "
                                              "critic): less memory for longer sequences, ~30% more compute")
+    use_remove_padding: bool = _f(False, "padding-free forwards of the actor and reference (and the critic, unless "
+                                  "critic.use_remove_padding says otherwise): each micro-batch's sequences packed "
+                                  "into one, attention bounded per sequence (FlashAttention's varlen kernel where "
+                                  "it is installed, else SDPA per sequence); equal to the padded forward up to "
+                                  "float rounding")
 
 
 @dataclass
@@ -182,6 +187,8 @@ class CriticConfig:
                                                "(0: all at once)", **NON_NEGATIVE)
     use_dynamic_bsz: bool = _f(False, "micro-batches by tokens, not rows: the update's hold at most "
                                "ppo_max_token_len_per_gpu tokens, the value forwards' forward_max_token_len_per_gpu")
+    use_remove_padding: bool | None = _f(None, "padding-free forwards of the value model (None: as "
+                                         "model.use_remove_padding)")
     ppo_max_token_len_per_gpu: int = _f(32768, "tokens per update micro-batch on one rank, with use_dynamic_bsz",
                                         **POSITIVE)
     forward_max_token_len_per_gpu: int = _f(32768, "tokens per value forward on one rank, with use_dynamic_bsz",
@@ -343,6 +350,12 @@ class RunConfig:
     @property
     def use_critic(self) -> bool:
         return self.critic.enable if self.critic.enable is not None else self.estimator.needs_critic
+
+    @property
+    def critic_remove_padding(self) -> bool:
+        """Whether the value model's forwards are packed (``critic.use_remove_padding``)."""
+        return self.model.use_remove_padding if self.critic.use_remove_padding is None \
+            else self.critic.use_remove_padding
 
     @property
     def use_reference(self) -> bool:

@@ -84,8 +84,8 @@ TABLE: dict[str, Rule] = {
     # model
     "actor_rollout_ref.model.path": _m("model.path"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": _m("model.enable_gradient_checkpointing"),
-    "actor_rollout_ref.model.use_remove_padding": _note("no effect: sequences are padded here (verl's "
-                                                        "padding-free kernels are a speed mechanism)"),
+    "actor_rollout_ref.model.use_remove_padding": _m("model.use_remove_padding"),
+    "critic.model.use_remove_padding": _m("critic.use_remove_padding"),
     "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
     A + "ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
                                                refuse="no sequence parallelism (Ulysses) here yet: use 1",

@@ -251,17 +251,22 @@ def test_weight_sync_streams_one_gathered_tensor_at_a_time(tmp_path):
     assert seen["kept"] == sum(gathered.values()) > 2 * seen["dropped"]
 
 
-def _log_prob_rank_main(rank: int, world: int, rdzv: str, strategy: str, chunk: int | None, out: str) -> None:
+def _log_prob_rank_main(rank: int, world: int, rdzv: str, strategy: str, chunk: int | None, out: str,
+                        packed: bool = False) -> None:
     """Two optimizer steps on a loss over response log-probs and entropies, computed by
-    ``modeling.response_log_probs`` (sliced when ``chunk`` is given)."""
+    ``modeling.response_log_probs`` (sliced when ``chunk`` is given; padding-free when
+    ``packed``)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
                       RLHF_RDZV_ID=rdzv)
     torch.set_num_threads(1)
     from rlhf_core.controller.worker import Worker
     from rlhf_core.distributed import sharding
-    from rlhf_core.workers import modeling
+    from rlhf_core.workers import modeling, packing
 
-    model = modeling.init_distributed_model(Worker(), _model(), sharding.ShardingSpec(strategy=strategy))
+    model = _model()
+    if packed:
+        packing.enable_packing(model)
+    model = modeling.init_distributed_model(Worker(), model, sharding.ShardingSpec(strategy=strategy))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     share = ROWS // world
     for step in range(2):
@@ -270,7 +275,7 @@ def _log_prob_rank_main(rank: int, world: int, rdzv: str, strategy: str, chunk: 
         mask[::2, -3:] = 0  # every other response ends early
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
         log_probs, entropy = modeling.response_log_probs(model, ids, mask, position_ids, 6, 0.8, with_entropy=True,
-                                                         chunk_tokens=chunk)
+                                                         chunk_tokens=chunk, packed=packed)
         resp = mask[:, -6:]
         loss = -((log_probs - 0.01 * entropy) * resp).sum() / share  # data-parallel ranks average gradients
         optimizer.zero_grad(set_to_none=True)
@@ -287,9 +292,9 @@ def test_sliced_log_probs_train_under_fsdp_and_ddp_what_one_full_pass_trains(tmp
     train the weights one rank trains with one full-vocabulary pass (within what two Adam
     steps make of float rounding: two ranks without slices differ from one by ~6e-5; a
     gradient off by a factor of two differed by 1.5e-3)."""
-    def run(world, strategy, chunk):
+    def run(world, strategy, chunk, packed=False):
         out = str(tmp_path / f"lp-{uuid.uuid4().hex[:8]}.pt")
-        mp.start_processes(_log_prob_rank_main, args=(world, uuid.uuid4().hex[:8], strategy, chunk, out),
+        mp.start_processes(_log_prob_rank_main, args=(world, uuid.uuid4().hex[:8], strategy, chunk, out, packed),
                            nprocs=world, start_method="spawn")
         return torch.load(out)["state"]
 
@@ -297,3 +302,5 @@ def test_sliced_log_probs_train_under_fsdp_and_ddp_what_one_full_pass_trains(tmp
     assert _max_diff(one, _model().state_dict()) > 1e-3, "the steps must move the weights"
     assert _max_diff(run(2, "fsdp", 5), one) < 2e-4
     assert _max_diff(run(2, "ddp", 5), one) < 2e-4
+    # padding-free: the packed sequences' attention set up before FSDP2 wraps the model
+    assert _max_diff(run(2, "fsdp", 5, packed=True), one) < 2e-4

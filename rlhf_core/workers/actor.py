@@ -18,7 +18,7 @@ from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
-from rlhf_core.workers import devices, modeling
+from rlhf_core.workers import devices, modeling, packing
 from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 from rlhf_core.workers.trainable import TrainableWorker
 
@@ -39,6 +39,8 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
+        if cfg.model.use_remove_padding:  # before the reference copy: both forwards are packed
+            packing.enable_packing(policy)
         reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.use_reference else None
         self.policy = modeling.init_distributed_model(self, policy, sharding.ShardingSpec.from_config(cfg),
                                                       resources=cfg.resources)
@@ -79,7 +81,8 @@ class ActorRolloutRefWorker(TrainableWorker):
     def _log_probs(self, model, data: DataProto, with_entropy: bool):
         return modeling.response_log_probs(
             model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
-            data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy)
+            data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy,
+            packed=self.config.model.use_remove_padding)
 
     def _log_prob_budget(self) -> tuple[int, str]:
         actor = self.config.actor

@@ -21,15 +21,17 @@ class CriticWorker(TrainableWorker):
         cfg = self.config
         self._seed_init()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
-        self.critic = modeling.init_distributed_model(self, modeling.ValueModel(path, cfg.model.dtype),
-                                                      sharding.ShardingSpec.from_config(cfg), resources=cfg.resources)
+        value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding)
+        self.critic = modeling.init_distributed_model(self, value_model, sharding.ShardingSpec.from_config(cfg),
+                                                      resources=cfg.resources)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
 
     def _values(self, model, data: DataProto) -> torch.Tensor:
         return modeling.response_values(model, data.batch["input_ids"], data.batch["attention_mask"],
-                                        data.batch["position_ids"], data.batch["responses"].shape[1])
+                                        data.batch["position_ids"], data.batch["responses"].shape[1],
+                                        packed=self.config.critic_remove_padding)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

@@ -84,36 +84,61 @@ LOGIT_BUDGET_BYTES = 256 * 2**20
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
-                       with_entropy: bool = False, chunk_tokens: int | None = None):
+                       with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
-    (0 where every row's response has ended: see ``trim_padding``).
+    (0 where a row's response has ended, or, padded, where every row's has: see
+    ``trim_padding``).
 
     Logits are divided by the sampling temperature so the log-probs are those of the
-    distribution the responses were sampled from. Logits beyond ``LOGIT_BUDGET_BYTES``
-    (or ``chunk_tokens`` given) are computed in slices of tokens: the vocabulary
-    projection runs inside the model's forward (where FSDP has gathered its parameters)
-    on the response positions only, and the batch's full logits never exist at once.
+    distribution the responses were sampled from. ``packed``: the rows' real tokens in one
+    packed sequence (``packing``; the model's attention set up by ``packing.enable_packing``),
+    projected on the response positions only. Logits beyond ``LOGIT_BUDGET_BYTES`` (or
+    ``chunk_tokens`` given) are computed in slices of tokens: the vocabulary projection
+    runs inside the model's forward (where FSDP has gathered its parameters) on the
+    response positions only, and the batch's full logits never exist at once.
     """
-    input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
-                                                                 response_length)
-    responses = input_ids[:, -kept:]
     from rlhf_core.distributed import sharding
 
-    head = sharding.unwrap(model).get_output_embeddings()  # (DDP hides the model's own methods)
-    original = head.forward
+    inner = sharding.unwrap(model)  # (DDP hides the model's own methods)
+    head = inner.get_output_embeddings()
     token_bytes = head.out_features * 4
-    if chunk_tokens is None and input_ids.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-        logits = logits[:, -kept - 1:-1].float() / temperature
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-        entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
-        return _pad_responses(log_probs, response_length), entropy
-    chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
+    if packed:
+        from rlhf_core.workers import packing
 
-    def project(hidden: torch.Tensor) -> torch.Tensor:  # the kept + 1 last positions
-        rows, width = hidden.shape[0], kept
-        flat = hidden[:, :-1].reshape(rows * width, hidden.shape[-1])
+        rows = packing.pack(input_ids, attention_mask, position_ids, response_length)
+        inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "logits_to_keep": rows.predictors,
+                  **rows.attention_kwargs(inner.config._attn_implementation)}
+        targets, select, finish = rows.targets, (lambda hidden: hidden[0]), rows.unpack
+    else:
+        input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
+                                                                     response_length)
+        responses = input_ids[:, -kept:]
+        if chunk_tokens is None and input_ids.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
+            # one full-vocabulary pass, as it always was (bit for bit)
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+            logits = logits[:, -kept - 1:-1].float() / temperature
+            log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+            entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
+            return _pad_responses(log_probs, response_length), entropy
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "logits_to_keep": kept + 1}
         targets = responses.reshape(-1)
+
+        def select(hidden):  # the kept + 1 last positions -> the kept that predict responses
+            return hidden[:, :-1].reshape(-1, hidden.shape[-1])
+
+        def finish(flat):
+            return _pad_responses(flat.reshape(len(responses), kept), response_length)
+
+    if chunk_tokens is None and targets.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
+        logits = select(model(**inputs).logits).float() / temperature
+        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return finish(log_probs), finish(entropy_from_logits(logits)) if with_entropy else None
+    chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
+    original = head.forward
+
+    def project(hidden: torch.Tensor) -> torch.Tensor:
+        flat = select(hidden)
         parts = []
         for start in range(0, flat.shape[0], chunk_tokens):
             piece = (flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
@@ -125,17 +150,14 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             else:
                 parts.append(_token_log_probs(original, *piece, temperature, with_entropy))
         # a copy (2 numbers a token), not a view: FSDP2 hooks its module's output for the backward
-        return torch.cat(parts).reshape(rows, width, -1).clone()
+        return torch.cat(parts).clone()
 
-    head.forward = project  # what the model's forward returns as its logits: (log-prob, entropy)
+    head.forward = project  # what the model's forward returns as its logits: [tokens, (log-prob, entropy)]
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=kept + 1).logits
+        out = model(**inputs).logits
     finally:
         head.forward = original
-    log_probs = _pad_responses(out[..., 0], response_length)
-    entropy = _pad_responses(out[..., 1], response_length) if with_entropy else None
-    return log_probs, entropy
+    return finish(out[:, 0]), finish(out[:, 1]) if with_entropy else None
 
 
 def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -151,22 +173,37 @@ def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, te
 class ValueModel(torch.nn.Module):
     """A causal LM backbone with a scalar value head (initialised from the policy)."""
 
-    def __init__(self, path: str, dtype: str = "float32") -> None:
+    def __init__(self, path: str, dtype: str = "float32", packed: bool = False) -> None:
         super().__init__()
         lm = load_causal_lm(path, dtype)
+        if packed:
+            from rlhf_core.workers import packing
+
+            packing.enable_packing(lm)
         self.backbone = lm.model
         self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids, attention_mask, position_ids):
+    def forward(self, input_ids, attention_mask, position_ids, keep: torch.Tensor | None = None, **attention):
+        """Values at every position, or at the positions ``keep`` (packed forwards)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
-        return self.value_head(hidden).squeeze(-1)
+                               position_ids=position_ids, **attention).last_hidden_state
+        return self.value_head(hidden if keep is None else hidden[:, keep]).squeeze(-1)
 
 
-def response_values(model, input_ids, attention_mask, position_ids, response_length: int) -> torch.Tensor:
-    """V(s_t) for each response token t: the value at the position that predicts it."""
+def response_values(model, input_ids, attention_mask, position_ids, response_length: int,
+                    packed: bool = False) -> torch.Tensor:
+    """V(s_t) for each response token t: the value at the position that predicts it
+    (``packed``: as ``response_log_probs``; 0 where a row's response has ended)."""
+    if packed:
+        from rlhf_core.distributed import sharding
+        from rlhf_core.workers import packing
+
+        rows = packing.pack(input_ids, attention_mask, position_ids, response_length)
+        implementation = sharding.unwrap(model).backbone.config._attn_implementation
+        return rows.unpack(model(rows.input_ids, None, rows.position_ids, keep=rows.predictors,
+                                 **rows.attention_kwargs(implementation))[0])
     input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
                                                                  response_length)
     values = model(input_ids, attention_mask, position_ids)

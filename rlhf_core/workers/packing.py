@@ -1,0 +1,150 @@
+"""Padding-free forwards (verl's ``use_remove_padding``): a micro-batch's sequences packed
+into one row of real tokens, positions restarting per sequence, attention never crossing
+from one sequence into another.
+
+A padded micro-batch computes every layer over ``rows x longest`` positions; packed, over
+the real tokens only. Attention is the one layer that must know where sequences begin:
+
+- with FlashAttention installed (GPU), HF's ``flash_attention_2`` reads the sequence
+  boundaries (``cu_seq_lens_q`` / ``cu_seq_lens_k``) and runs its varlen kernel, as verl's
+  padding-free path does;
+- otherwise ``PACKED_SDPA``, registered here, runs PyTorch's SDPA once per sequence
+  (causal, no mask: exact, and on GPU SDPA's own flash kernel). A block-diagonal mask
+  over the packed row would be exact too, but it costs ``tokens^2`` memory and compute,
+  where the per-sequence calls cost ``sum(length^2)``.
+
+Calls without sequence boundaries (generation, the padded path) go to plain SDPA with
+SDPA's masks, unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: The attention implementation a packed model runs with when FlashAttention is absent.
+PACKED_SDPA = "rlhf_packed_sdpa"
+
+
+@dataclass
+class PackedRows:
+    """A padded micro-batch as one packed row, and the way back.
+
+    ``input_ids`` / ``position_ids``: [1, tokens], the real tokens of every row in row order
+    (each row's own position ids, so rotary positions are those of the padded layout).
+    ``predictors``: the packed index of the position that predicts each response token
+    (row-major over the real response tokens); ``targets``: those tokens.
+    ``response_index``: where each of them sits in the [rows, response_length] output."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: list[int]           # [rows + 1]: where each sequence starts in the packed row
+    max_length: int
+    predictors: torch.Tensor
+    targets: torch.Tensor
+    response_index: torch.Tensor    # [rows, response_length] bool
+    rows: int
+    response_length: int
+
+    def attention_kwargs(self, implementation: str) -> dict:
+        """What the model's forward passes down to every attention layer: the boundaries
+        on the tokens' device for FlashAttention, on the host for ``PACKED_SDPA`` (which
+        loops over them in Python: no device read per layer)."""
+        device = self.input_ids.device if implementation != PACKED_SDPA else "cpu"
+        bounds = torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
+        return {"cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
+
+    def unpack(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[n, ...] values of the response tokens -> [rows, response_length, ...], 0 where
+        a row has no response token (differentiable)."""
+        out = per_token.new_zeros((self.rows, self.response_length) + tuple(per_token.shape[1:]))
+        return out.index_put((self.response_index,), per_token)
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+         response_length: int) -> PackedRows:
+    """Pack a left-padded-prompt, right-padded-response micro-batch (the rollout's layout).
+
+    A response token is predicted by the position just left of it, as in the padded
+    forward; that position must be a real token of the same row."""
+    rows, width = input_ids.shape
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    flat_real = real.flatten().nonzero().squeeze(1)
+    packed_index = torch.full((rows * width,), -1, dtype=torch.long, device=input_ids.device)
+    packed_index[flat_real] = torch.arange(flat_real.numel(), device=input_ids.device)
+    packed_index = packed_index.view(rows, width)
+    response_index = real[:, -response_length:]
+    predictors = packed_index[:, width - response_length - 1:width - 1][response_index]
+    targets = input_ids[:, -response_length:][response_index]
+    host = [0] + torch.cumsum(lengths, 0).tolist()
+    if bool((predictors < 0).any()):
+        raise ValueError("attention_mask: expected every response token to follow a real token of its row "
+                         "(a prompt of at least one token, no padding inside a sequence); found a response token "
+                         "after padding")
+    return PackedRows(
+        input_ids=input_ids.flatten()[flat_real].unsqueeze(0),
+        position_ids=position_ids.flatten()[flat_real].unsqueeze(0),
+        cu_seqlens=host,
+        max_length=int(max(b - a for a, b in zip(host, host[1:]))) if rows else 0,
+        predictors=predictors, targets=targets, response_index=response_index, rows=rows,
+        response_length=response_length)
+
+
+def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+    """HF attention-interface function: SDPA per packed sequence when the forward carries
+    sequence boundaries, plain SDPA otherwise. Query/key/value: [1, heads, tokens, dim]."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    host = bounds.tolist()
+    if sliding_window is not None and max(b - a for a, b in zip(host, host[1:])) > sliding_window:
+        raise ValueError(f"model.use_remove_padding: a sequence is longer than the model's sliding window "
+                         f"({sliding_window}); packed attention here is full causal: turn padding removal off")
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
+                                   dropout=dropout, scaling=scaling, is_causal=True, **kwargs)[0]
+            for a, b in zip(host, host[1:]) if b > a]
+    return torch.cat(outs, dim=1), None
+
+
+def _no_mask_when_packed(*args, attention_mask=None, **kwargs):
+    """The mask function of ``PACKED_SDPA``: SDPA's, except for a forward without a padding
+    mask (a packed one), which needs none: its attention is bounded per sequence."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
+    AttentionMaskInterface.register(PACKED_SDPA, _no_mask_when_packed)
+
+
+def packed_attention_implementation(on_gpu: bool) -> str:
+    """``flash_attention_2`` where FlashAttention is installed on a GPU, else ``PACKED_SDPA``."""
+    if on_gpu:
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+    _register()
+    return PACKED_SDPA
+
+
+def enable_packing(model) -> str:
+    """Switch ``model``'s attention to one that takes packed sequences; returns its name."""
+    name = packed_attention_implementation(torch.cuda.is_available())
+    model.set_attn_implementation(name)
+    return name

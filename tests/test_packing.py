@@ -1,0 +1,229 @@
+"""Padding-free forwards (``model.use_remove_padding``, ``rlhf_core.workers.packing``): a
+micro-batch's sequences packed into one, attention bounded per sequence, give the padded
+forward's log-probs, entropies, values and gradients (fp32, to 1e-5), through the model
+helpers and through the workers' stages."""
+
+import pytest
+import torch
+
+from rlhf_core.config import RunConfig, apply_overrides
+from rlhf_core.controller import Worker
+from rlhf_core.models.qwen2 import qwen2_from_config
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import modeling, packing
+
+#: GQA (4 query heads over 2 key/value heads), head_dim 32, untied head.
+SHAPE = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False)
+PROMPT, RESPONSE, VOCAB = 9, 8, 101
+
+#: (prompt tokens, response tokens) per row: lengths spread, a batch of one, a full row,
+#: one-token prompts and responses, a row with no response token.
+MIXES = [[(9, 8)], [(3, 1)], [(9, 8), (2, 3), (5, 8), (1, 1)], [(4, 2), (9, 0), (6, 7)],
+         [(7, 5)] * 3, [(1, 8), (9, 1), (3, 4), (8, 6), (2, 2), (5, 7)]]
+
+
+def batch(mix, seed=0):
+    """Left-padded prompts, right-padded responses: the rollout's layout."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (len(mix), PROMPT + RESPONSE), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (prompt, response) in enumerate(mix):
+        mask[i, PROMPT - prompt:PROMPT + response] = 1
+    ids = ids * mask
+    return ids, mask, (mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = qwen2_from_config(seed=0, vocab_size=VOCAB, **SHAPE)
+    m.config.use_cache = False
+    return m
+
+
+@pytest.fixture(scope="module")
+def packed_model(model):
+    import copy
+
+    m = copy.deepcopy(model)
+    assert packing.enable_packing(m) == packing.PACKED_SDPA  # no FlashAttention on CPU
+    return m
+
+
+def same_gradient(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal up to fp32 rounding: a relative 1e-5 of the gradient's norm."""
+    return bool((got - expected).norm() <= 1e-5 * expected.norm() + 1e-8)
+
+
+def _grads(model, fn, weights):
+    model.zero_grad()
+    lp, ent = fn()
+    ((lp * weights[0]).sum() + (ent * weights[1]).sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mix", MIXES, ids=lambda mix: "-".join(f"{p}+{r}" for p, r in mix))
+@pytest.mark.parametrize("chunk", [None, 3], ids=["one-pass", "sliced"])
+def test_packed_log_probs_entropies_and_gradients_equal_the_padded_forward(model, packed_model, mix, chunk):
+    ids, mask, pos = batch(mix)
+    resp = mask[:, -RESPONSE:].bool()
+    padded = lambda: modeling.response_log_probs(model, ids, mask, pos, RESPONSE, 0.7, with_entropy=True)
+    packed = lambda: modeling.response_log_probs(packed_model, ids, mask, pos, RESPONSE, 0.7, with_entropy=True,
+                                                 chunk_tokens=chunk, packed=True)
+    with torch.no_grad():
+        (lp, ent), (plp, pent) = padded(), packed()
+    assert plp.shape == ent.shape == (len(mix), RESPONSE)
+    assert (plp[resp] - lp[resp]).abs().max() <= 1e-5 if resp.any() else True
+    assert (pent[resp] - ent[resp]).abs().max() <= 1e-5 if resp.any() else True
+    assert not plp[~resp].any() and not pent[~resp].any()  # nothing where a row has no token
+    weights = torch.randn((2,) + resp.shape, generator=torch.Generator().manual_seed(1)) * resp
+    expected, got = _grads(model, padded, weights), _grads(packed_model, packed, weights)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert same_gradient(got[name], expected[name]), name
+
+
+def test_packing_leaves_the_padded_forward_and_generation_unchanged(model, packed_model):
+    """The packed attention takes a forward without sequence boundaries as plain SDPA: the
+    padded forward and HF generation (the hf rollout's) give the same bits."""
+    ids, mask, pos = batch(MIXES[2])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits,
+                           packed_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits)
+    prompts, prompt_mask = ids[:, :PROMPT], mask[:, :PROMPT]
+    kwargs = dict(attention_mask=prompt_mask, max_new_tokens=6, do_sample=False, pad_token_id=0, use_cache=True)
+    assert torch.equal(model.generate(prompts, **kwargs), packed_model.generate(prompts, **kwargs))
+
+
+def test_a_packed_sequence_never_attends_to_another(packed_model):
+    """Changing one row's tokens leaves every other row's packed log-probs bit for bit."""
+    ids, mask, pos = batch(MIXES[5])
+    changed = ids.clone()
+    changed[2] = torch.where(mask[2].bool(), (ids[2] + 1) % VOCAB, 0)
+    with torch.no_grad():
+        a, _ = modeling.response_log_probs(packed_model, ids, mask, pos, RESPONSE, packed=True)
+        b, _ = modeling.response_log_probs(packed_model, changed, mask, pos, RESPONSE, packed=True)
+    others = [i for i in range(len(ids)) if i != 2]
+    assert torch.equal(a[others], b[others]) and not torch.equal(a[2], b[2])
+
+
+def test_packed_values_and_their_gradient_equal_the_padded_value_model(tmp_path, model):
+    model.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    padded, packed = modeling.ValueModel(str(tmp_path)), modeling.ValueModel(str(tmp_path), packed=True)
+    for m in (padded, packed):  # a value head that is not zero, so its gradient reaches the backbone
+        torch.nn.init.normal_(m.value_head.weight, std=0.02, generator=torch.Generator().manual_seed(3))
+    for mix in MIXES:
+        ids, mask, pos = batch(mix, seed=len(mix))
+        resp = mask[:, -RESPONSE:].bool()
+        for m in (padded, packed):
+            m.zero_grad()
+        v = modeling.response_values(padded, ids, mask, pos, RESPONSE)
+        pv = modeling.response_values(packed, ids, mask, pos, RESPONSE, packed=True)
+        assert torch.allclose(pv[resp], v[resp], atol=1e-5, rtol=0) and not pv[~resp].any()
+        (v * resp).sum().backward()
+        (pv * resp).sum().backward()
+        for (name, p), q in zip(padded.named_parameters(), packed.parameters()):
+            assert same_gradient(q.grad, p.grad), name
+
+
+def test_a_response_after_padding_is_refused_in_one_line():
+    ids, mask, pos = batch([(3, 4)])
+    mask[0, PROMPT - 3:PROMPT] = 0  # a response with no prompt before it
+    with pytest.raises(ValueError, match=r"^attention_mask: expected every response token to follow a real "
+                                         r"token .*found a response token after padding$"):
+        packing.pack(ids, mask, pos, RESPONSE)
+
+
+def test_a_sequence_longer_than_a_sliding_window_is_refused(packed_model):
+    rows = packing.pack(*batch([(9, 8)]), RESPONSE)
+    attention = packed_model.model.layers[0].self_attn
+    q = torch.zeros(1, 4, 17, 32)
+    kv = torch.zeros(1, 2, 17, 32)
+    with pytest.raises(ValueError, match=r"^model.use_remove_padding: a sequence is longer than the model's "
+                                         r"sliding window \(8\)"):
+        packing.packed_sdpa_attention(attention, q, kv, kv, None, sliding_window=8,
+                                      **rows.attention_kwargs(packing.PACKED_SDPA))
+
+
+# ------------------------------------------------------------------ through the workers
+
+
+def _config(folder, extra=()) -> RunConfig:
+    return apply_overrides(RunConfig(), [f"model.path={folder}", f"data.max_prompt_length={PROMPT}",
+                                         f"rollout.response_length={RESPONSE}", "rollout.n=1",
+                                         "actor.ppo_mini_batch_size=3", "critic.ppo_mini_batch_size=3",
+                                         "actor.ppo_micro_batch_size_per_gpu=2", "actor.use_kl_loss=true",
+                                         "actor.entropy_coeff=0.01", "algorithm.adv_estimator=gae", *extra])
+
+
+def _stage_batch() -> DataProto:
+    ids, mask, pos = batch(MIXES[5], seed=4)
+    g = torch.Generator().manual_seed(5)
+    response_mask = mask[:, -RESPONSE:]
+    lp = -torch.rand(ids.shape[0], RESPONSE, generator=g)
+    data = DataProto.from_dict({
+        "prompts": ids[:, :PROMPT], "responses": ids[:, PROMPT:], "response_mask": response_mask,
+        "input_ids": ids, "attention_mask": mask, "position_ids": pos, "old_log_probs": lp,
+        "ref_log_prob": lp - 0.1, "advantages": torch.randn(lp.shape, generator=g) * response_mask,
+        "values": torch.randn(lp.shape, generator=g), "returns": torch.randn(lp.shape, generator=g)})
+    data.meta_info["global_step"] = 1
+    return data
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Actor and critic workers, padded and packed, from the same weights."""
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers.actor import ActorRolloutRefWorker
+    from rlhf_core.workers.critic import CriticWorker
+
+    folder = build_model_folder(tmp_path_factory.mktemp("model"))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(Worker, "init_process_group", lambda self, backend=None: backend)
+    made = {}
+    for packed in (False, True):
+        cfg = _config(folder, [f"model.use_remove_padding={str(packed).lower()}", "rollout.name=hf"])
+        made["actor", packed] = ActorRolloutRefWorker(cfg)
+        made["critic", packed] = CriticWorker(cfg)
+        made["actor", packed].init_model()
+        made["critic", packed].init_model()
+    mp.undo()
+    return made
+
+
+def _close(a, b, mask=None):
+    if mask is not None:
+        a, b = a[mask.bool()], b[mask.bool()]
+    return torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_workers_stages_give_the_padded_numbers_packed(workers):
+    data = _stage_batch()
+    mask = data.batch["response_mask"]
+    padded, packed = workers["actor", False], workers["actor", True]
+    for stage, column in (("compute_log_prob", "old_log_probs"), ("compute_log_prob", "entropys"),
+                          ("compute_ref_log_prob", "ref_log_prob")):
+        assert _close(getattr(padded, stage)(data).batch[column], getattr(packed, stage)(data).batch[column], mask)
+    assert _close(workers["critic", False].compute_values(data).batch["values"],
+                  workers["critic", True].compute_values(data).batch["values"])
+    # the first optimizer step's metrics (loss parts, grad norm) come from the same weights;
+    # later ones not quite: Adam's first step moves a weight by about lr whatever its
+    # gradient's size, so rounding-level gradients become lr-level weight differences
+    for role, stage in (("actor", "update_actor"), ("critic", "update_critic")):
+        metrics = [getattr(workers[role, p], stage)(data).meta_info["metrics"] for p in (False, True)]
+        assert metrics[0].keys() == metrics[1].keys() and any("grad_norm" in k for k in metrics[0])
+        for key in [k for k in metrics[0] if "timing" not in k]:
+            first = [m[key][0] if isinstance(m[key], list) else m[key] for m in metrics]
+            assert abs(first[0] - first[1]) <= 1e-5 + 1e-4 * abs(first[0]), (key, first)
+
+
+def test_packing_is_on_where_configured():
+    cfg = RunConfig()
+    assert not cfg.model.use_remove_padding and not cfg.critic_remove_padding
+    cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.model.use_remove_padding=True"], notes=[])
+    assert cfg.model.use_remove_padding and cfg.critic_remove_padding  # the critic follows the model
+    cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.model.use_remove_padding=True",
+                                        "critic.model.use_remove_padding=False"], notes=[])
+    assert cfg.model.use_remove_padding and not cfg.critic_remove_padding
