@@ -51,7 +51,8 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     fast.chat_template = CHATML
     fast.save_pretrained(path)
     shape.setdefault("vocab_size", tok.get_vocab_size())
-    model = qwen2_from_config(seed, use_cache=True, max_position_embeddings=2048, eos_token_id=tok.token_to_id("<|im_end|>"),
+    shape.setdefault("max_position_embeddings", 2048)
+    model = qwen2_from_config(seed, use_cache=True, eos_token_id=tok.token_to_id("<|im_end|>"),
                               pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None, **shape)
     model.save_pretrained(path, safe_serialization=True)
     return Path(path)
