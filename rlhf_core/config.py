@@ -309,6 +309,10 @@ class ResourcesConfig:
                             "trainer.cpus_per_worker CPUs per rank)", **NON_NEGATIVE, hashed=False)
     cpus_per_node: float = _f(4.0, "CPUs per node", **POSITIVE, hashed=False)
     memory_gib_per_node: float = _f(16.0, "memory per node, GiB", **POSITIVE, hashed=False)
+    gpu_memory_gib: float = _f(0.0, "memory of one GPU, GiB, for the micro-batch memory check (validate(), "
+                               "when model.path is a readable folder; the workers check again with the model "
+                               "loaded); 0: the workers check against the device's own memory", **NON_NEGATIVE,
+                               hashed=False)
     object_store_gib_per_node: float = _f(4.0, "Ray object store (shared memory) per node, GiB", **POSITIVE,
                                           hashed=False)
     critic_nnodes: int = _f(1, "nodes of the critic's own pool when critic.world_size > 0", **POSITIVE, hashed=False)
@@ -479,6 +483,10 @@ class RunConfig:
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
+        if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
+            shape = ModelShape.from_folder(self.model.path)
+            if shape is not None:
+                check_micro_batch_memory(self, shape, self.resources.gpu_memory_gib * 2**30)
         return self
 
 
@@ -505,6 +513,126 @@ def field_help(f: dataclasses.Field) -> str:
     if meta.get("registry"):
         return f"{help_text}: {' | '.join(registered(meta['registry']))} (registered)"
     return help_text
+
+
+#: The fp32 logits one log-prob pass may hold at once (``workers.modeling``). A batch whose
+#: logits fit is one full-vocabulary pass, as it always was (bit for bit: the built-in
+#: task's 14-word vocabulary always fits); a larger one is projected on its response
+#: positions only, a slice of tokens at a time, each slice recomputed in the backward: at
+#: Qwen2's 151,936 words a slice is ~440 tokens.
+LOGIT_BUDGET_BYTES = 256 * 2**20
+#: The share of a GPU's memory that one micro-batch's activations and logits may take; the
+#: rest holds the rank's shards of weights, gradients and optimizer state, the layer FSDP
+#: has gathered, and the allocator's slack.
+MICRO_BATCH_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the micro-batch memory estimate needs of a decoder-only model."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ModelShape":
+        return cls(*(int(getattr(config, name)) for name in _SHAPE_KEYS))
+
+    @classmethod
+    def from_folder(cls, path: str) -> "ModelShape | None":
+        """The shape in ``path/config.json`` when ``path`` is a folder on this machine with
+        the four sizes as integers; None otherwise (an object-store URI, a volume not
+        mounted here, a built-in model): the workers check once the model is loaded."""
+        import os
+
+        config_file = os.path.join(path, "config.json")
+        if "://" in path or ":" in path.split("/")[0] or not os.path.isfile(config_file):
+            return None
+        try:
+            with open(config_file) as fh:
+                data = json.load(fh)
+        except (OSError, ValueError):
+            return None
+        data = data.get("text_config", data) if isinstance(data, dict) else None
+        if not isinstance(data, dict) or not all(type(data.get(k)) is int and data[k] > 0 for k in _SHAPE_KEYS):
+            return None
+        return cls(*(data[k] for k in _SHAPE_KEYS))
+
+
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+
+
+def micro_batch_memory(cfg: "RunConfig", shape: ModelShape) -> list[tuple[str, str, int]]:
+    """(the field that sizes it, what it holds, estimated bytes) of one micro-batch of each
+    pass a run makes on one rank: the actor's update and log-prob forwards, the critic's.
+
+    An estimate of what grows with the micro-batch, not a measurement: the logits (a full
+    pass while its fp32 logits fit ``LOGIT_BUDGET_BYTES``: the model's own, their fp32
+    copy, the log-softmax and the entropy; beyond it three budgets' worth of slices) and
+    the activations (in the compute dtype, per token and layer ~6 hidden and 4
+    intermediate values kept for the backward: q/k/v, attention and projection outputs,
+    the norms, the MLP's gate, up, activation and product; with gradient checkpointing one
+    hidden per layer plus one layer recomputed; a forward without gradient holds one
+    layer's at a time)."""
+    width = 2 if cfg.resources.gpus_per_node and cfg.actor.fsdp_config.mixed_precision != "fp32" \
+        or cfg.model.dtype != "float32" else 4
+    longest = cfg.data.max_prompt_length + cfg.rollout.response_length
+    per_layer = 6 * shape.hidden_size + 4 * shape.intermediate_size
+
+    def logits(tokens: int) -> int:
+        full = tokens * shape.vocab_size * 4
+        return tokens * shape.vocab_size * (width + 12) if full <= LOGIT_BUDGET_BYTES else 3 * LOGIT_BUDGET_BYTES
+
+    def activations(tokens: int, training: bool) -> int:
+        if not training:
+            return tokens * (per_layer + shape.hidden_size) * width
+        if cfg.model.enable_gradient_checkpointing:
+            return tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer) * width
+        return tokens * shape.num_hidden_layers * per_layer * width
+
+    def tokens_of(section, rows_field: str, budget_field: str, dynamic: bool, all_rows: int, ranks: int):
+        if dynamic:
+            budget = getattr(section, budget_field)
+            return budget_field, f"{budget} tokens", budget
+        rows = getattr(section, rows_field) or -(-all_rows // ranks)
+        return rows_field, f"{rows} rows x {longest} tokens", rows * longest
+
+    n, actor = cfg.rollout.n, cfg.actor
+    passes = []
+    field_name, held, tokens = tokens_of(actor, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+                                         actor.use_dynamic_bsz, actor.ppo_mini_batch_size * n, actor.world_size)
+    passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, True)))
+    if cfg.use_reference or cfg.old_log_prob_column == "old_log_probs":
+        field_name, held, tokens = tokens_of(actor, "log_prob_micro_batch_size_per_gpu",
+                                             "log_prob_max_token_len_per_gpu", actor.log_prob_use_dynamic_bsz,
+                                             cfg.data.train_batch_size * n, actor.world_size)
+        passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, False)))
+    if cfg.use_critic:
+        critic, ranks = cfg.critic, cfg.critic.world_size or actor.world_size
+        field_name, held, tokens = tokens_of(critic, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+                                             critic.use_dynamic_bsz, critic.ppo_mini_batch_size * n, ranks)
+        passes.append((f"critic.{field_name}", held, activations(tokens, True)))
+        field_name, held, tokens = tokens_of(critic, "forward_micro_batch_size_per_gpu",
+                                             "forward_max_token_len_per_gpu", critic.use_dynamic_bsz,
+                                             cfg.data.train_batch_size * n, ranks)
+        passes.append((f"critic.{field_name}", held, activations(tokens, False)))
+    return passes
+
+
+def check_micro_batch_memory(cfg: "RunConfig", shape: ModelShape, gpu_bytes: float) -> None:
+    """Refuse, in one line naming the field, a micro-batch estimated to need more than
+    ``MICRO_BATCH_MEMORY_SHARE`` of a GPU's memory (``micro_batch_memory``)."""
+    limit = MICRO_BATCH_MEMORY_SHARE * gpu_bytes
+    for path, held, need in micro_batch_memory(cfg, shape):
+        if need > limit:
+            advice = "lower it" + ("" if cfg.model.enable_gradient_checkpointing or "critic.forward" in path
+                                   or "log_prob" in path else ", or set model.enable_gradient_checkpointing")
+            raise ConfigError(
+                f"{path}: expected a micro-batch whose logits and activations fit in "
+                f"{MICRO_BATCH_MEMORY_SHARE:.0%} of a GPU's {gpu_bytes / 2**30:.0f} GiB ({limit / 2**30:.1f} GiB); "
+                f"found ~{need / 2**30:.1f} GiB for {held} (vocabulary {shape.vocab_size}, hidden "
+                f"{shape.hidden_size}, {shape.num_hidden_layers} layers): {advice}")
 
 
 class ConfigError(ValueError):

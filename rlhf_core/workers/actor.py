@@ -39,6 +39,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
+        modeling.check_micro_batch_memory(cfg, policy.config)
         if cfg.model.use_remove_padding:  # before the reference copy: both forwards are packed
             packing.enable_packing(policy)
         reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.use_reference else None

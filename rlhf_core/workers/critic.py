@@ -22,6 +22,7 @@ class CriticWorker(TrainableWorker):
         self._seed_init()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding)
+        modeling.check_micro_batch_memory(cfg, value_model.backbone.config)
         self.critic = modeling.init_distributed_model(self, value_model, sharding.ShardingSpec.from_config(cfg),
                                                       resources=cfg.resources)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)

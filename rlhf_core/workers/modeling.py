@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_core.algorithms import entropy_from_logits
+from rlhf_core.config import LOGIT_BUDGET_BYTES  # (validate()'s memory estimate counts it too)
 
 
 class ModelPathError(ValueError):
@@ -74,12 +75,22 @@ def _pad_responses(t: torch.Tensor, response_length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, response_length - t.shape[1])) if t.shape[1] < response_length else t
 
 
-#: The fp32 logits one log-prob pass may hold at once. A batch whose logits fit is one
-#: full-vocabulary pass, as it always was (bit for bit: the built-in task's 14-word
-#: vocabulary always fits); a larger one is projected on its response positions only, a
-#: slice of tokens at a time, each slice recomputed in the backward: at Qwen2's 151,936
-#: words a slice is ~440 tokens.
-LOGIT_BUDGET_BYTES = 256 * 2**20
+def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None) -> None:
+    """validate()'s micro-batch memory check with the loaded model's shape (validate()
+    checks only where ``model.path`` is a folder it can read): against
+    ``resources.gpu_memory_gib`` when declared, else ``device_bytes`` (the GPU's own total
+    memory by default). Nothing to check on CPU ranks."""
+    from rlhf_core.config import ModelShape, check_micro_batch_memory as check
+
+    if not cfg.resources.gpus_per_node:
+        return
+    if cfg.resources.gpu_memory_gib:
+        device_bytes = cfg.resources.gpu_memory_gib * 2**30
+    elif device_bytes is None:
+        if not torch.cuda.is_available():
+            return  # a GPU pool's rank without one: placing the model refuses it, in its own words
+        device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    check(cfg, ModelShape.from_hf_config(getattr(model_config, "text_config", model_config)), device_bytes)
 
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
