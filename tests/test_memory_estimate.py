@@ -102,3 +102,15 @@ def test_a_folder_whose_config_says_no_sizes_is_left_to_the_workers(tmp_path, co
     (tmp_path / "config.json").write_text(content)
     assert ModelShape.from_folder(str(tmp_path)) is None
     assert ModelShape.from_folder("s3://bucket/model") is None and ModelShape.from_folder("builtin:digits") is None
+
+
+def test_verls_qwen2_7b_script_fits_80_gb_and_not_24(qwen_7b_folder):
+    """verl's run_qwen2-7b.sh (40 rows a micro-batch, gradient checkpointing) as written,
+    on H100s (80 GB) and on GPUs of 24 GB."""
+    from tests.test_verl_keys import QWEN2_7B
+
+    script = [a for a in QWEN2_7B if not a.startswith("actor_rollout_ref.model.path=")]
+    ours = [f"model.path={qwen_7b_folder}", "resources.gpu_memory_gib=80"]
+    apply_overrides(RunConfig(), script + ours, notes=[]).validate()
+    with pytest.raises(ConfigError, match=r"^actor.ppo_micro_batch_size_per_gpu: .* for 40 rows x 1536 tokens "):
+        apply_overrides(RunConfig(), script + ours + ["resources.gpu_memory_gib=24"], notes=[]).validate()
