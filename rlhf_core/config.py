@@ -220,6 +220,48 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass
+class RewardModelFSDPConfig:
+    param_offload: bool = _f(True, "keep the reward model's shards on the CPU between its forwards, as "
+                             "verl's reward-model worker always does (no effect on CPU machines)")
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: str = _f("", "the reward model: a Hugging Face sequence-classification folder with one label "
+                   "(a local or mounted folder, or an s3:// / gs:// folder fetched once per node, like "
+                   "model.path)")
+    use_remove_padding: bool = _f(False, "padding-free forwards of the reward model (as model.use_remove_padding)")
+    fsdp_config: RewardModelFSDPConfig = field(default_factory=RewardModelFSDPConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    """A learned reward model (verl's ``reward_model`` section): with ``enable``, a reward-
+    model worker scores each response at its last valid token (``rm_scores``), and those
+    scores are the rewards (verl's default reward manager), or what a custom reward
+    function sees as ``extra_info["rm_score"]``. When its tokenizer or chat template
+    differs from the policy's, each response is decoded and re-templated for it, after
+    the prompt's chat messages."""
+
+    enable: bool = _f(False, "score responses with reward_model.model.path")
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = _f(0, "responses per reward-model forward on one rank (0: all at once)",
+                                       **NON_NEGATIVE)
+    use_dynamic_bsz: bool = _f(False, "reward-model forwards by tokens, not rows (forward_max_token_len_per_gpu "
+                               "each)")
+    forward_max_token_len_per_gpu: int = _f(32768, "tokens per reward-model forward on one rank, with "
+                                            "use_dynamic_bsz", **POSITIVE)
+    max_length: int = _f(0, "re-templated inputs longer than this are truncated by reward_model.truncation "
+                         "(0: the policy's data.max_prompt_length + rollout.response_length, verl's default)",
+                         **NON_NEGATIVE)
+    truncation: str = _f("right", "a re-templated input longer than max_length: right (keep its start, verl's "
+                         "default), left (keep its end), middle (its start and end), error (refuse the batch)",
+                         choices=("right", "left", "middle", "error"))
+    reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers): naive = the "
+                             "reward model's score, or the reward function's per response", choices=("naive",))
+
+
+@dataclass
 class KLControlConfig:
     type: str = _f("fixed", "fixed | adaptive (Ziegler et al. 2019)", choices=("fixed", "adaptive"))
     kl_coef: float = _f(0.001, "initial / fixed coefficient of KL in the reward", **NON_NEGATIVE)
@@ -340,6 +382,7 @@ class RunConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
@@ -399,6 +442,8 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
+        if not self.reward_model.enable:
+            data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
         for path in fields_where(lambda meta: not meta["hashed"]):
             *parents, key = path.split(".")
             chain = [data]
@@ -483,6 +528,13 @@ class RunConfig:
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
+        if self.reward_model.enable and not self.reward_model.model.path:
+            raise ConfigError("reward_model.model.path: expected a sequence-classification model folder with "
+                              "reward_model.enable=True; found none")
+        if self.reward_model.enable and self.estimator.needs_reward_baseline:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator}: expected an estimator "
+                              f"without a greedy reward baseline with reward_model.enable=True (the baseline is "
+                              f"scored by the reward function here); found one")
         if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
             shape = ModelShape.from_folder(self.model.path)
             if shape is not None:

@@ -154,14 +154,43 @@ TABLE: dict[str, Rule] = {
     # data
     "data.max_response_length": _m("rollout.response_length", note="max new tokens per response"),
     "data.val_files": _m("data.val_files", note="the validation set"),
-    "data.return_raw_chat": _note("no effect: the prompt's chat messages are kept and templated here"),
     # critic (verl's critic.* keys of the same name are ours)
     "critic.optim.lr": _m("critic.lr"),
     "critic.strategy": _m("actor.strategy", note="one strategy for actor and critic here", convert=_strategy),
     # reward
-    "reward_model.enable": Rule(note="false: rewards come from reward.function, as verl's reward function",
-                                refuse="no reward-model workers here: score with reward.function (or "
-                                "custom_reward_function.path)", accepts=lambda raw: raw.lower() in ("false", "0")),
+    # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
+    # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, model.use_remove_padding,
+    # model.fsdp_config.param_offload); the rest:
+    "reward_model.strategy": Rule(note="the reward model is sharded with FSDP2 here", refuse="only FSDP here",
+                                  accepts=lambda raw: raw in ("fsdp", "fsdp2")),
+    "reward_model.use_reward_loop": _note("the reward model is scored by reward-model workers in the training "
+                                          "pool here (verl's reward loop serves it with vLLM): the same score, "
+                                          "the model's at each response's last token after re-templating"),
+    "reward_model.rollout.name": _note("no effect: no reward-model server here (reward_model.use_reward_loop)"),
+    "reward_model.rollout.gpu_memory_utilization": _note("no effect: no reward-model server here"),
+    "reward_model.rollout.tensor_model_parallel_size": _note("no effect: no reward-model server here"),
+    "reward_model.rollout.prompt_length": _note("no effect: no reward-model server here (reward_model.max_length "
+                                                "bounds its inputs)"),
+    "reward_model.rollout.response_length": _note("no effect: no reward-model server here"),
+    "reward_model.num_workers": _note("no effect: the reward model runs on every rank of the training pool"),
+    "reward_model.model.input_tokenizer": _note("the policy's tokenizer is model.path's here; responses are "
+                                                "re-templated when the reward model's tokenizer or chat template "
+                                                "differs from it"),
+    "reward_model.model.trust_remote_code": Rule(note="false: the model's own classes only",
+                                                 refuse="no remote code is run here",
+                                                 accepts=lambda raw: raw.lower() in ("false", "0")),
+    "reward_model.micro_batch_size": _refuse("verl's deprecated global micro-batch: use "
+                                             "reward_model.micro_batch_size_per_gpu"),
+    "reward_model.enable_resource_pool": Rule(note="false: the reward model is colocated in the training pool",
+                                              refuse="no reward-model pool of its own here yet: the reward model "
+                                              "is colocated in the training pool",
+                                              accepts=lambda raw: raw.lower() in ("false", "0")),
+    "reward_model.n_gpus_per_node": _note("no effect: the reward model is colocated in the training pool"),
+    "reward_model.nnodes": _note("no effect: the reward model is colocated in the training pool"),
+    "reward_model.launch_reward_fn_async": Rule(note="false: rewards are computed in the reward stage",
+                                                refuse="no asynchronous reward function here",
+                                                accepts=lambda raw: raw.lower() in ("false", "0")),
+    "data.return_raw_chat": _note("no effect: the prompts' chat messages are kept for a reward model here"),
     "custom_reward_function.path": _m("custom_reward_function.path", note="a reward function from a file"),
     "custom_reward_function.name": _m("custom_reward_function.name", note="the function's name in that file"),
     # trainer

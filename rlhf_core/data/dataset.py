@@ -107,9 +107,12 @@ class PromptLoader:
 
     def __init__(self, rows: list[dict], tokenizer, batch_size: int, max_prompt_length: int,
                  seed: int, shuffle: bool = True, cursor: Cursor | None = None, truncation: str = "error",
-                 filter_overlong: bool = False) -> None:
+                 filter_overlong: bool = False, keep_chat: bool = False) -> None:
         """``filter_overlong`` (``data.filter_overlong_prompts``): the rows whose prompt is
-        longer than ``max_prompt_length`` tokens are dropped first, as verl's dataset does."""
+        longer than ``max_prompt_length`` tokens are dropped first, as verl's dataset does.
+        ``keep_chat``: batches carry each prompt's chat messages in a ``raw_chat`` column
+        (None for a prompt given as text), verl's ``return_raw_chat``: a reward model with
+        a chat template of its own re-templates the conversation from them."""
         if not rows:
             raise DatasetError("the prompt dataset is empty")
         self.rows, self.tokenizer = rows, tokenizer
@@ -118,6 +121,7 @@ class PromptLoader:
         if truncation not in TRUNCATION:
             raise DatasetError(f"data.truncation: expected one of {', '.join(TRUNCATION)}; found {truncation!r}")
         self.truncation = truncation
+        self.keep_chat = keep_chat
         self.cursor = cursor or Cursor()
         self._texts = [self._text(i, r) for i, r in enumerate(rows)]
         if filter_overlong:
@@ -195,13 +199,15 @@ class PromptLoader:
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
 
         rows = [self.rows[i] for _, i in picked]
+        columns = {
+            "uid": object_column([f"{epoch}-{i}" for epoch, i in picked]),
+            "raw_prompt": object_column([self._texts[i] for _, i in picked]),
+            "ground_truth": object_column([str(r["ground_truth"]) for r in rows]),
+            "data_source": object_column([r["data_source"] for r in rows]),
+            "extra_info": object_column([r.get("extra_info") or {} for r in rows]),
+        }
+        if self.keep_chat:
+            columns["raw_chat"] = object_column([r["prompt"] if isinstance(r["prompt"], list) else None
+                                                 for r in rows])
         return DataProto.from_dict(
-            tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids},
-            non_tensors={
-                "uid": object_column([f"{epoch}-{i}" for epoch, i in picked]),
-                "raw_prompt": object_column([self._texts[i] for _, i in picked]),
-                "ground_truth": object_column([str(r["ground_truth"]) for r in rows]),
-                "data_source": object_column([r["data_source"] for r in rows]),
-                "extra_info": object_column([r.get("extra_info") or {} for r in rows]),
-            },
-        )
+            tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, non_tensors=columns)

@@ -58,6 +58,33 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     return Path(path)
 
 
+#: A reward model's own chat template (not ChatML): responses are re-templated for it.
+PLAIN_CHAT = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+
+
+def build_reward_model_folder(path: Path, policy_folder: Path, shape: dict | None = None, seed: int = 1,
+                              chat_template: str | None = None) -> Path:
+    """A reward model at ``path``: a Qwen2 sequence classifier with one label and random
+    weights, with the tokenizer of ``policy_folder`` (``chat_template``: another template
+    for it, so responses are re-templated)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_folder)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(seed)
+    config = Qwen2Config(**{**TINY, **(shape or {})}, vocab_size=len(tokenizer), num_labels=1,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         architectures=["Qwen2ForSequenceClassification"])
+    model = Qwen2ForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # scores that differ between responses
+    model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
 def write_verl_parquet(path: Path, count: int = 64) -> Path:
     """GSM8K-style rows as verl's data preprocessing writes them."""
     import pyarrow as pa

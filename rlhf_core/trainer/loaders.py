@@ -39,4 +39,5 @@ def make_loader(cfg: RunConfig, state=None):
     return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
-                        truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts)
+                        truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts,
+                        keep_chat=cfg.reward_model.enable)

@@ -68,7 +68,7 @@ class PPOTrainer:
                  prefetch: "PrefetchSource | None" = None) -> None:
         self.config = config
         self.actor, self.reward = workers["actor"], workers["reward"]
-        self.critic = workers.get("critic")
+        self.critic, self.reward_model = workers.get("critic"), workers.get("reward_model")
         self.loader = loader
         self.state = state or TrainerState(kl_coef=config.algorithm.kl_ctrl.kl_coef)
         kl = config.algorithm.kl_ctrl
@@ -257,6 +257,8 @@ class PPOTrainer:
         prompts.meta_info = {"do_sample": val.do_sample and val.temperature > 0,
                              "sampling": {"temperature": val.temperature, "top_p": val.top_p}}
         batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
+        if self.reward_model is not None:  # validation is scored as training is (verl's rule)
+            batch = self.compute_rm_score(batch)
         batch = self.compute_reward(batch)
         nt = batch.non_tensor_batch
         variables = {"reward": batch.batch["token_level_scores"].sum(dim=-1).tolist()}
@@ -267,8 +269,15 @@ class PPOTrainer:
         return self._stage_metrics(batch, validation_metrics(nt["data_source"].tolist(), nt["uid"].tolist(),
                                                              variables))
 
+    def compute_rm_score(self, batch: DataProto) -> DataProto:
+        """The reward model's score of each response (``rm_scores``, at its last token)."""
+        chat = [key for key in ("raw_prompt", "raw_chat") if key in batch.non_tensor_batch]
+        return batch.union(self._take(self.reward_model.compute_rm_score(batch.select(SEQUENCE_KEYS, chat))))
+
     def compute_reward(self, batch: DataProto) -> DataProto:
-        needed = batch.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])
+        scored = ["rm_scores"] if "rm_scores" in batch.batch.keys() else []
+        needed = batch.select(["responses", "response_mask"] + scored,
+                              ["uid", "data_source", "ground_truth", "extra_info"])
         return batch.union(self._take(self.reward.compute_reward(needed)))
 
     def compute_old_log_prob(self, batch: DataProto) -> DataProto:

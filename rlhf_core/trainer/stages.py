@@ -49,6 +49,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("rollout", "rollout", ("actor",)),
     Stage("reward_baseline", "compute_reward_baseline", ("actor", "reward"),
           enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
+    Stage("rm_score", "compute_rm_score", ("reward_model",), enabled=lambda cfg: cfg.reward_model.enable),
     Stage("reward", "compute_reward", ("reward",)),
     Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.old_log_prob_column == "old_log_probs"),
     Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
@@ -61,7 +62,7 @@ STAGES: tuple[Stage, ...] = (
 
 #: Side stages (see ``side`` above), in the order they run before the training stages.
 SIDE_STAGES: tuple[Stage, ...] = (
-    Stage("validate", "validate", ("actor", "reward"), side=True, enabled=lambda cfg: bool(cfg.data.val_files),
+    Stage("validate", "validate", ("actor", "reward_model", "reward"), side=True, enabled=lambda cfg: bool(cfg.data.val_files),
           due=lambda cfg, step: cfg.validation_due(step)),
 )
 

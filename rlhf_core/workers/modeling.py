@@ -12,7 +12,8 @@ class ModelPathError(ValueError):
     """``model.path`` is not a model folder this machine has."""
 
 
-def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bool = True) -> str:
+def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bool = True,
+                       field: str = "model.path") -> str:
     """The local folder of ``model.path``: a Hugging Face model folder (``config.json``,
     weights, tokenizer), an object-store folder of one (``s3://``, ``gs://``: fetched once
     into this node's cache and checked, ``rlhf_core.data.fetch``; ``weights=False`` leaves
@@ -30,14 +31,14 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
     local = path[len("file://"):] if path.startswith("file://") else path
     if fetch.is_remote(path):
         try:
-            local = fetch.fetch(path, "model.path", weights=weights)
+            local = fetch.fetch(path, field, weights=weights)
         except fetch.FetchError as exc:
             raise ModelPathError(str(exc)) from None
     if not os.path.isfile(os.path.join(local, "config.json")):
         hint = (" (it looks like a Hugging Face hub id: download it first, e.g. `huggingface-cli download "
-                f"{path} --local-dir DIR`, and set model.path=DIR)" if not os.path.exists(local)
+                f"{path} --local-dir DIR`, and set {field}=DIR)" if not os.path.exists(local)
                 and path.count("/") == 1 and not path.startswith((".", "/")) else "")
-        raise ModelPathError(f"model.path: expected a local Hugging Face model folder with config.json; found "
+        raise ModelPathError(f"{field}: expected a local Hugging Face model folder with config.json; found "
                              f"{path!r}{hint}")
     return local
 

@@ -92,6 +92,36 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
         response_length=response_length)
 
 
+@dataclass
+class PackedSequences:
+    """Whole sequences packed (no response bookkeeping): what a scoring forward needs.
+    ``last_tokens``: the packed index of each row's last real token."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: list[int]
+    max_length: int
+    last_tokens: torch.Tensor
+
+    attention_kwargs = PackedRows.attention_kwargs
+
+
+def pack_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   position_ids: torch.Tensor) -> PackedSequences:
+    """Pack a padded batch whose rows each hold one contiguous run of real tokens (left or
+    right padding); a row without a real token is refused."""
+    real = attention_mask.bool()
+    lengths = real.sum(dim=1)
+    host = [0] + torch.cumsum(lengths, 0).tolist()
+    if any(b == a for a, b in zip(host, host[1:])):
+        raise ValueError("attention_mask: expected at least one real token in every row; found an empty row")
+    flat_real = real.flatten().nonzero().squeeze(1)
+    return PackedSequences(
+        input_ids=input_ids.flatten()[flat_real].unsqueeze(0),
+        position_ids=position_ids.flatten()[flat_real].unsqueeze(0),
+        cu_seqlens=host, max_length=int(lengths.max()),
+        last_tokens=torch.tensor(host[1:], device=input_ids.device) - 1)
+
+
 def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                           scaling: float | None = None, sliding_window: int | None = None, **kwargs):
     """HF attention-interface function: SDPA per packed sequence when the forward carries

@@ -1,4 +1,5 @@
-"""The reward worker: a rule-based reward function applied to decoded responses.
+"""The reward worker: the rewards of decoded responses, from a rule-based reward function
+or, with a reward model (``rlhf_core.workers.reward_model``), from its scores.
 
 The function is named as ``module:function`` with verl's signature
 ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict`` (a dict must
@@ -127,16 +128,26 @@ class RewardWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
+        """``token_level_scores``: verl's naive reward manager. With a reward model's
+        ``rm_scores`` in the batch, they are the rewards, unless a custom reward function
+        is set: it scores, and sees the model's score as ``extra_info["rm_score"]``."""
         responses, mask = data.batch["responses"], data.batch["response_mask"]
         texts = [self.tokenizer.decode([t for t, keep in zip(row, row_mask) if keep], skip_special_tokens=True)
                  for row, row_mask in zip(responses.tolist(), mask.tolist())]
         nt = data.non_tensor_batch
+        extra_infos = nt.get("extra_info", [None] * len(data))
+        columns = {"response_text": np.array(texts, dtype=object)}
+        if "rm_scores" in data.batch.keys():
+            rm_scores = data.batch["rm_scores"].float()
+            if not self.config.custom_reward_function.path:
+                return DataProto.from_dict({"token_level_scores": rm_scores.clone()}, columns)
+            extra_infos = [{**(extra or {}), "rm_score": score}
+                           for extra, score in zip(extra_infos, rm_scores.sum(dim=-1).tolist())]
         scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
-                                    nt.get("extra_info", [None] * len(data)), nt["uid"])
+                                    extra_infos, nt["uid"])
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (mask.sum(dim=1) - 1).clamp(min=0)  # outcome reward on the last token
         token_level_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
-        columns = {"response_text": np.array(texts, dtype=object)}
         for key, values in extras.items():
             columns[f"reward_extra/{key}"] = object_column(values)
         return DataProto.from_dict({"token_level_scores": token_level_scores}, columns)

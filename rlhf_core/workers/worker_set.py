@@ -5,8 +5,8 @@ Both the trainer (direct runs, replay) and the long-lived session place their wo
 through this module, so it sits below both. Adding a role is a worker class, one entry in
 ``ROLES`` and the stage(s) that call it (``rlhf_core/trainer/stages.py``)::
 
-    Role("reward_model", "my_pkg.workers:RewardModelWorker", trainable=False,
-         enabled=lambda cfg: cfg.reward.function == "my_pkg.rewards:model_score")
+    Role("verifier", "my_pkg.workers:VerifierWorker", trainable=False,
+         enabled=lambda cfg: cfg.reward.function == "my_pkg.rewards:verified")
 
 Roles are colocated in one process per rank of their pool (``pool_plan``): the ``train``
 pool hosts every role unless the critic has a pool of its own. A pool is one placement
@@ -43,6 +43,8 @@ ROLES: tuple[Role, ...] = (
     Role("actor", "rlhf_core.workers.actor:ActorRolloutRefWorker", trainable=True),
     Role("reward", "rlhf_core.workers.reward:RewardWorker", trainable=False),
     Role("critic", "rlhf_core.workers.critic:CriticWorker", trainable=True, enabled=lambda cfg: cfg.use_critic),
+    Role("reward_model", "rlhf_core.workers.reward_model:RewardModelWorker", trainable=False,
+         enabled=lambda cfg: cfg.reward_model.enable),
 )
 
 

@@ -1,0 +1,219 @@
+"""The reward-model worker: a learned reward (an HF sequence-classification model with one
+label) scores each response, as verl's reward-model worker does.
+
+The score of a sequence is the model's score head applied at its last valid token (the
+highest position id under the attention mask), never at a fixed column and never found
+by looking for a pad token (a response that ends in EOS may end in the pad token too).
+It is placed at the response's last valid token of ``rm_scores`` [rows, response_length],
+which the reward stage turns into ``token_level_scores``.
+
+What the reward model reads:
+
+- when its tokenizer and chat template are the policy's, the policy's own tokens: exactly
+  the sequence that was sampled;
+- otherwise (verl's ``_switch_chat_template``) each response is decoded with the policy's
+  tokenizer, EOS text removed, appended to the prompt's chat messages as the assistant's
+  turn, templated with the reward model's chat template (no generation prompt) and
+  tokenized without added special tokens; longer than ``reward_model.max_length``, it is
+  cut by ``reward_model.truncation`` (verl's rules: right, left, middle, error).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_core.config import RunConfig
+from rlhf_core.controller import Dispatch, Worker, register
+from rlhf_core.protocol import DataProto
+from rlhf_core.workers import devices, modeling
+
+FIELD = "reward_model.model.path"
+
+
+class RewardModelError(ValueError):
+    """The reward model or its inputs are not what scoring needs."""
+
+
+def load_reward_model(path: str, dtype: str = "float32"):
+    """An HF sequence-classification model with one label and a ``score`` head (the
+    layout of Llama, Qwen2, Mistral and Gemma reward models); anything else is refused
+    in one line naming what was found."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(path)
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise RewardModelError(f"{FIELD}: expected a sequence-classification model (architectures "
+                               f"*ForSequenceClassification); found {architectures or 'none'} in {path}")
+    if config.num_labels != 1:
+        raise RewardModelError(f"{FIELD}: expected a reward model with one label (num_labels=1); found "
+                               f"num_labels={config.num_labels} in {path}")
+    model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=getattr(torch, dtype))
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise RewardModelError(f"{FIELD}: expected a score head (a Linear named 'score'); found "
+                               f"{type(getattr(model, 'score', None)).__name__} in {path}")
+    model.config.use_cache = False
+    return model.eval().requires_grad_(False)
+
+
+def same_tokenization(a, b) -> bool:
+    """Whether two tokenizers turn the same chat into the same tokens: same vocabulary,
+    special tokens and chat template."""
+    return (a.get_vocab() == b.get_vocab() and a.chat_template == b.chat_template
+            and a.all_special_tokens == b.all_special_tokens)
+
+
+def last_valid_index(attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """verl's rule: the column of each row's last valid token (the largest position id
+    under the mask)."""
+    return torch.argmax(position_ids * attention_mask, dim=-1)
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    packed: bool = False) -> torch.Tensor:
+    """[rows] scores: the score head at each row's last valid token. ``packed``: the rows'
+    real tokens as one packed sequence (``packing.enable_packing`` set up the model).
+
+    The model's own forward runs (under FSDP its root gathers the embeddings and the head
+    there); the head's per-token output is taken from inside it, and HF's pooling, which
+    finds the last token by looking for the pad token, is ignored."""
+    from rlhf_core.distributed import sharding
+
+    inner = sharding.unwrap(model)
+    head, seen = inner.score, []
+    original = head.forward
+
+    def per_token(hidden):
+        out = original(hidden)
+        seen.append(out)
+        return out
+
+    if packed:
+        from rlhf_core.workers import packing
+
+        rows = packing.pack_sequences(input_ids, attention_mask, position_ids)
+        inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids,
+                  **rows.attention_kwargs(inner.config._attn_implementation)}
+    else:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    head.forward = per_token
+    try:
+        model(**inputs)
+    finally:
+        head.forward = original
+    logits = seen[0].squeeze(-1).float()  # [rows, width] or, packed, [1, tokens]
+    if packed:
+        return logits[0, rows.last_tokens]
+    return logits[torch.arange(len(input_ids), device=logits.device), last_valid_index(attention_mask, position_ids)]
+
+
+def truncate(ids: list[int], max_length: int, rule: str, row: int) -> list[int]:
+    """verl's truncation of a re-templated input (``reward_model.truncation``)."""
+    if len(ids) <= max_length:
+        return ids
+    if rule == "right":
+        return ids[:max_length]
+    if rule == "left":
+        return ids[-max_length:]
+    if rule == "middle":
+        head = max_length // 2
+        return ids[:head] + ids[len(ids) - (max_length - head):]
+    raise RewardModelError(f"reward_model.max_length: row {row}'s re-templated input has {len(ids)} tokens, "
+                           f"more than {max_length}; raise it or set reward_model.truncation=right|left|middle")
+
+
+def retemplate(data: DataProto, policy_tokenizer, tokenizer, max_length: int, truncation: str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's prompts and responses as the reward model's chat: input ids, attention
+    mask and position ids, right-padded (verl's ``_switch_chat_template``). The prompt's
+    chat messages come from the ``raw_chat`` column (a prompt given as text is one user
+    message)."""
+    responses, mask = data.batch["responses"], data.batch["attention_mask"]
+    valid = mask[:, -responses.shape[1]:].sum(dim=1).tolist()
+    chats, texts = data.non_tensor_batch.get("raw_chat"), data.non_tensor_batch.get("raw_prompt")
+    if chats is None and texts is None:
+        raise RewardModelError("reward_model: expected the prompts' chat messages (column raw_chat) or text "
+                               "(raw_prompt) in the batch; found neither")
+    eos = policy_tokenizer.eos_token or ""
+    rows = []
+    for i, (ids, length) in enumerate(zip(responses.tolist(), valid)):
+        response = policy_tokenizer.decode(ids[:length])
+        if eos:
+            response = response.replace(eos, "")
+        chat = list(chats[i]) if chats is not None and chats[i] is not None else \
+            [{"role": "user", "content": str(texts[i])}]
+        text = tokenizer.apply_chat_template(chat + [{"role": "assistant", "content": response}],
+                                             add_generation_prompt=False, tokenize=False)
+        encoded = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not encoded:
+            raise RewardModelError(f"reward_model: row {i} re-templated to no tokens")
+        rows.append(truncate(encoded, max_length, truncation, i))
+    width = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = torch.tensor(r)
+        attention_mask[i, :len(r)] = 1
+    return input_ids, attention_mask, (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[rows, response_length] with each score at its response's last valid token (0 for
+    a row without a response token)."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32)
+    length = response_mask.sum(dim=1)
+    has = length > 0
+    out[has.nonzero().flatten(), (length[has] - 1)] = scores[has].float().cpu()
+    return out
+
+
+class RewardModelWorker(Worker):
+    """Holds the reward model (FSDP2 over the pool's ranks, parameters offloaded between
+    forwards) and scores batches."""
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        from rlhf_core.distributed import sharding
+        from rlhf_core.workers import packing
+
+        cfg, rm = self.config, self.config.reward_model
+        self.model_path = modeling.resolve_model_path(rm.model.path, cfg.trainer.seed, field=FIELD)
+        self.tokenizer = modeling.load_tokenizer(self.model_path)
+        policy_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, weights=False)
+        self.policy_tokenizer = modeling.load_tokenizer(policy_path)
+        self.retemplates = not same_tokenization(self.policy_tokenizer, self.tokenizer)
+        model = load_reward_model(self.model_path, cfg.model.dtype)
+        if model.config.pad_token_id is None:  # HF's pooling (unused here) refuses batches without one
+            model.config.pad_token_id = self.tokenizer.pad_token_id or 0
+        if rm.model.use_remove_padding:
+            packing.enable_packing(model)
+        spec = sharding.ShardingSpec.from_config(cfg, param_offload=rm.model.fsdp_config.param_offload)
+        self.model = modeling.init_distributed_model(self, model, spec, trainable=False, resources=cfg.resources)
+        return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        """``rm_scores`` [rows, response_length]: each response's score at its last valid token."""
+        rm = self.config.reward_model
+        response_mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1]:]
+        if self.retemplates:
+            longest = self.config.data.max_prompt_length + self.config.rollout.response_length
+            ids, mask, positions = retemplate(data, self.policy_tokenizer, self.tokenizer,
+                                              rm.max_length or longest, rm.truncation)
+            inputs = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+        else:
+            inputs = data.select(["input_ids", "attention_mask", "position_ids"], [])
+        inputs = devices.to_device(inputs)
+        with torch.no_grad():
+            [scores] = modeling.forward_in_chunks(
+                lambda part: (sequence_scores(self.model, part.batch["input_ids"], part.batch["attention_mask"],
+                                              part.batch["position_ids"], packed=rm.model.use_remove_padding),),
+                inputs, rm.micro_batch_size_per_gpu,
+                rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else 0,
+                "reward_model.forward_max_token_len_per_gpu")
+        return DataProto.from_dict({"rm_scores": scores_to_tokens(scores, response_mask)})
