@@ -283,22 +283,26 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     every response's reward is the reward model's score of its re-templated chat, as an
     independent Hugging Face computation on the stored responses gives it; the scoring
     stage has its own snapshot and replays exactly."""
+    import shutil
+
     from transformers import AutoTokenizer
 
     from rlhf_core.cli import main
     from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.lineage import chain, format_lineage
     from rlhf_core.record.run_layout import RunRef
     from rlhf_core.testing.model_folders import write_verl_parquet
-    from rlhf_core.trainer.replay import replay
+    from rlhf_core.trainer.replay import ReplayError, replay
 
     for key in NOT_YET:
         value = next(item for item in QWEN2_7B_RM if item.startswith(key + "=")).split("=", 1)[1]
         with pytest.raises(ValueError, match=key):
             apply_overrides(RunConfig(), [f"{key}={value}"])
+    reward_folder = shutil.copytree(folders["other"], tmp_path / "rm")
     scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=8)),
               "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=2)),
               "data.train_batch_size": "4", "data.max_prompt_length": "64", "data.max_response_length": "6",
-              "actor_rollout_ref.model.path": str(folders["policy"]), "reward_model.model.path": str(folders["other"]),
+              "actor_rollout_ref.model.path": str(folders["policy"]), "reward_model.model.path": str(reward_folder),
               "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
               "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
@@ -327,3 +331,27 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
             assert int((rm_scores[i] != 0).sum()) <= 1
     results = replay(f"{store}/rm", stages=["rm_score", "reward"], iteration=1, log=lambda line: None)
     assert [(r.stage, r.ok) for r in results] == [("rm_score", True), ("reward", True)]
+
+    # the manifests and the lineage name what scored the responses, by content
+    digest = rm.content_sha256(str(reward_folder))
+    assert [istore.read_manifest(n)["reward_model"] for n in (0, 1)] == [{"path": str(reward_folder),
+                                                                          "sha256": digest}] * 2
+    table = format_lineage(chain(f"{store}/rm"))
+    assert table.splitlines()[-1] == f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0,1"
+    # a reward model whose content changed is refused for the stages it computes
+    (reward_folder / "README.md").write_text("retrained")
+    with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 1 was "
+                                          rf"scored by \({reward_folder}, sha256 {digest[:16]}\.\.\.\); found "):
+        replay(f"{store}/rm", stages=["rm_score"], iteration=1, log=lambda line: None)
+
+
+def test_a_manifests_reward_model_record_is_checked_when_read():
+    import json
+
+    from rlhf_core.record.manifest_schema import ManifestError, parse_manifest
+
+    good = {"reward_model": {"path": "/m", "sha256": "a" * 64}}
+    assert parse_manifest(json.dumps(good).encode(), "m")["reward_model"]["path"] == "/m"
+    for bad, found in (({"path": "/m"}, "nothing"), ({"path": "/m", "sha256": "abc"}, '"abc"')):
+        with pytest.raises(ManifestError, match=rf"^m: reward_model.sha256: expected a sha256 hex string; found {found}"):
+            parse_manifest(json.dumps({"reward_model": bad}).encode(), "m")

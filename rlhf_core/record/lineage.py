@@ -58,7 +58,8 @@ def chain(uri: str) -> list[dict]:
                     "redo": list(m["weights"]["redo"]), "wrote_checkpoint": m["checkpoint"],
                     "global_step": m["global_step"], "kl_coef": m["kl_coef"],
                     "reward": m["metrics"].get("critic/score/mean"), "metrics": m["metrics"],
-                    "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n)})
+                    "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n),
+                    "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None})
         parent = m["parent_iteration"]
         if parent is not None and (not isinstance(parent, int) or parent >= n):
             raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
@@ -82,6 +83,11 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
                          f"  {it} -> {ck} [label=\"weights from, redo {','.join(map(str, r['redo']))}\"];")
             if r["parent_iteration"] is not None:
                 lines.append(f"  {it} -> it{r['parent_iteration']} [label=parent];")
+            if r.get("reward_model"):
+                rm = "rm" + r["reward_model"]["sha256"][:12]
+                lines.append(f'  {rm} [label="reward model\\n{r["reward_model"]["path"]}\\n'
+                             f'sha256 {r["reward_model"]["sha256"][:12]}", shape=component];')
+                lines.append(f"  {it} -> {rm} [label=\"scored by\"];")
         lines.append("}")
         return "\n".join(lines)
     header = f"{'iter':>5} {'parent':>6} {'config':<13} {'code':<13} {'cursor':<14} {'reward':>7}  checkpoint"
@@ -95,4 +101,11 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
                      f"{r['reward'] if r['reward'] is not None else float('nan'):>7.3f}  {r['checkpoint']}"
                      + (f" + redo {','.join(map(str, r['redo']))}" if r["redo"] else "")
                      + (f"  (git {git[:10]})" if git else ""))
+    scorers = {(r["reward_model"]["path"], r["reward_model"]["sha256"]): [] for r in rows if r.get("reward_model")}
+    for r in rows:
+        if r.get("reward_model"):
+            scorers[r["reward_model"]["path"], r["reward_model"]["sha256"]].append(r["iteration"])
+    for (path, digest), iterations in scorers.items():
+        lines.append(f"scored by reward model {path} (sha256 {digest[:16]}...): iterations "
+                     f"{','.join(map(str, sorted(iterations)))}")
     return "\n".join(lines)

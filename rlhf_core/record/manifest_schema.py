@@ -58,8 +58,12 @@ _TYPES = {
     "computed_ahead": (lambda v: isinstance(v, list), "a list"),
     "weights": (lambda v: isinstance(v, dict), "an object"),
     "lease": (lambda v: isinstance(v, dict), "an object"),
+    # what scored the responses, when a reward model did: its configured path, its content hash
+    "reward_model": (lambda v: isinstance(v, dict), "an object"),
 }
-_REQUIRED_IN = {"weights": {"checkpoint": (lambda v: isinstance(v, str), "a string (a checkpoint URI)"),
+_REQUIRED_IN = {"reward_model": {"path": (lambda v: isinstance(v, str), "a string"),
+                                 "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex string")},
+                "weights": {"checkpoint": (lambda v: isinstance(v, str), "a string (a checkpoint URI)"),
                             "checkpoint_step": (_whole, "a whole number >= 0"),
                             "redo": (_whole_list, "a list of whole numbers >= 0")}}
 

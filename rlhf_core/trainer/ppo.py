@@ -83,6 +83,7 @@ class PPOTrainer:
         self.current_stage = ""
         self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
         self._val_loader = None
+        self._reward_model_identity: dict | None = None
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -268,6 +269,19 @@ class PPOTrainer:
                 variables[key[len("reward_extra/"):]] = values
         return self._stage_metrics(batch, validation_metrics(nt["data_source"].tolist(), nt["uid"].tolist(),
                                                              variables))
+
+    def reward_model_identity(self) -> dict | None:
+        """The reward model's path and content hash (one answer for every rank: they
+        loaded the same folder), or None without one; asked once."""
+        if self.reward_model is None:
+            return None
+        if self._reward_model_identity is None:
+            answers = self.reward_model.identity()
+            if len({a["sha256"] for a in answers}) != 1:
+                raise RuntimeError(f"reward_model.model.path: the ranks loaded different contents "
+                                   f"({sorted({a['sha256'][:16] for a in answers})})")
+            self._reward_model_identity = dict(answers[0])
+        return self._reward_model_identity
 
     def compute_rm_score(self, batch: DataProto) -> DataProto:
         """The reward model's score of each response (``rm_scores``, at its last token)."""

@@ -211,6 +211,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     workers = WorkerSet.build(cfg)
     try:
         trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState(cursor=dict(state.cursor))), state)
+        _check_reward_model(manifest, trainer, n, list(overrides), wanted)
         plan = [stage.name for stage in trainer.stages()]
         results = []
         # stateless stages first (one restore serves them all), then each update stage
@@ -236,6 +237,22 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         return results
     finally:
         workers.kill()
+
+
+def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:
+    """A stage the reward model computes replays only with the reward model that scored the
+    iteration (its content hash as the manifest records it), unless an override names
+    another on purpose (a what-if, saved apart)."""
+    recorded = manifest.get("reward_model")
+    if recorded is None or not {"rm_score", "validate"} & set(wanted) or \
+            any(o.startswith("reward_model.") for o in overrides):
+        return
+    now = trainer.reward_model_identity()
+    if now is None or now["sha256"] != recorded["sha256"]:
+        found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+        raise ReplayError(f"reward_model.model.path: expected the reward model iteration {n} was scored by "
+                          f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found} (the folder's "
+                          f"content changed: restore it, or replay against another with --override)")
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:

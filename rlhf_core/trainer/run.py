@@ -196,6 +196,8 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
                                   snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg, iteration)},
                                   computed_ahead=trainer.adopted)
     manifest["weights"] = weights
+    if cfg.reward_model.enable:
+        manifest["reward_model"] = trainer.reward_model_identity()
     if keeper is not None:
         manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
     check()

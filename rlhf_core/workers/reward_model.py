@@ -56,6 +56,24 @@ def load_reward_model(path: str, dtype: str = "float32"):
     return model.eval().requires_grad_(False)
 
 
+def content_sha256(folder: str) -> str:
+    """One sha256 over a model folder's files (their relative paths and bytes, in path
+    order; hidden files such as the fetch cache's record left out): the identity that a
+    manifest records and a replay checks."""
+    import hashlib
+    from pathlib import Path
+
+    root, digest = Path(folder), hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts)):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def same_tokenization(a, b) -> bool:
     """Whether two tokenizers turn the same chat into the same tokens: same vocabulary,
     special tokens and chat template."""
@@ -194,7 +212,14 @@ class RewardModelWorker(Worker):
             packing.enable_packing(model)
         spec = sharding.ShardingSpec.from_config(cfg, param_offload=rm.model.fsdp_config.param_offload)
         self.model = modeling.init_distributed_model(self, model, spec, trainable=False, resources=cfg.resources)
+        self.content_sha256 = content_sha256(self.model_path)
         return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def identity(self) -> dict:
+        """What scored this run's responses: ``reward_model.model.path`` as configured and the
+        content hash of the folder this rank loaded (``content_sha256``)."""
+        return {"path": self.config.reward_model.model.path, "sha256": self.content_sha256}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
