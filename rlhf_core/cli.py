@@ -435,6 +435,21 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_reward_model_train(args: argparse.Namespace) -> int:
+    from rlhf_core.data.preferences import PreferenceDataError
+    from rlhf_core.trainer.preference import RewardModelTraining, RewardModelTrainingError, train_reward_model
+    from rlhf_core.workers.modeling import ModelPathError
+
+    spec = RewardModelTraining(data=args.data, base=args.base, out=args.out, epochs=args.epochs, lr=args.lr,
+                               batch_size=args.batch_size, max_length=args.max_length, eval_share=args.eval_share,
+                               seed=args.seed, skip_bad_rows=args.skip_bad_rows)
+    try:
+        train_reward_model(spec)
+    except (PreferenceDataError, RewardModelTrainingError, ModelPathError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
+    return 0
+
+
 def _cmd_gc(args: argparse.Namespace) -> int:
     from rlhf_core.record import retention, run_layout
     from rlhf_core.config import ConfigError, apply_overrides, config_from_dict
@@ -570,6 +585,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
     export.add_argument("--out", required=True, help="a new or empty folder")
     export.set_defaults(func=_cmd_export)
+
+    rm = sub.add_parser("reward-model", help="train a reward model from preference pairs")
+    rm_sub = rm.add_subparsers(dest="action", required=True)
+    train = rm_sub.add_parser("train", help="Bradley-Terry training of a one-label sequence classifier; writes a "
+                                            "folder reward_model.model.path takes, with its data's URI and sha256")
+    train.add_argument("--data", required=True, help="preference pairs: .parquet or .jsonl with prompt, chosen, "
+                                                     "rejected (text or chat messages; TRL's and OpenRLHF's layouts)")
+    train.add_argument("--base", required=True, help="a causal LM folder (a new score head is added) or a one-label "
+                                                     "classifier; a path, an s3:// / gs:// folder, or builtin:digits")
+    train.add_argument("--out", required=True, help="the reward model folder to write")
+    train.add_argument("--epochs", type=int, default=1)
+    train.add_argument("--lr", type=float, default=1e-5)
+    train.add_argument("--batch-size", type=int, default=8, help="pairs per optimizer step")
+    train.add_argument("--max-length", type=int, default=512, help="tokens per side (a longer one keeps its end)")
+    train.add_argument("--eval-share", type=float, default=0.1, help="share of the pairs held out for accuracy")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--skip-bad-rows", action="store_true",
+                       help="count and skip pairs with a missing, empty or identical side instead of refusing")
+    train.set_defaults(func=_cmd_reward_model_train)
 
     from rlhf_core.record.retention import MIN_GRACE_S
 

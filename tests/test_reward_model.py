@@ -2,6 +2,8 @@
 against an independent Hugging Face computation of the same reward model; the reward
 composition of the naive reward manager; the refusals."""
 
+import hashlib
+
 import numpy as np
 import pytest
 import torch
@@ -283,8 +285,6 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     every response's reward is the reward model's score of its re-templated chat, as an
     independent Hugging Face computation on the stored responses gives it; the scoring
     stage has its own snapshot and replays exactly."""
-    import shutil
-
     from transformers import AutoTokenizer
 
     from rlhf_core.cli import main
@@ -298,7 +298,14 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
         value = next(item for item in QWEN2_7B_RM if item.startswith(key + "=")).split("=", 1)[1]
         with pytest.raises(ValueError, match=key):
             apply_overrides(RunConfig(), [f"{key}={value}"])
-    reward_folder = shutil.copytree(folders["other"], tmp_path / "rm")
+    from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
+    from tests.test_reward_model_training import apple_pairs, write_jsonl
+
+    # the reward model: trained here from preferences, on a classifier with a chat template of its own
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(12))
+    reward_folder = tmp_path / "rm"
+    train_reward_model(RewardModelTraining(data=str(pairs), base=str(folders["other"]), out=str(reward_folder),
+                                           lr=1e-3, batch_size=4), log=lambda line: None)
     scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=8)),
               "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=2)),
               "data.train_batch_size": "4", "data.max_prompt_length": "64", "data.max_response_length": "6",
@@ -327,17 +334,21 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
             chat = list(scored.non_tensor_batch["raw_chat"][i]) + [
                 {"role": "assistant", "content": response.replace(policy_tok.eos_token, "")}]
             ids = rm_tok(rm_tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
-            assert rm_scores[i, valid - 1].item() == pytest.approx(hf_score(folders["other"], ids), abs=1e-5)
+            assert rm_scores[i, valid - 1].item() == pytest.approx(hf_score(reward_folder, ids), abs=1e-5)
             assert int((rm_scores[i] != 0).sum()) <= 1
     results = replay(f"{store}/rm", stages=["rm_score", "reward"], iteration=1, log=lambda line: None)
     assert [(r.stage, r.ok) for r in results] == [("rm_score", True), ("reward", True)]
 
     # the manifests and the lineage name what scored the responses, by content
     digest = rm.content_sha256(str(reward_folder))
-    assert [istore.read_manifest(n)["reward_model"] for n in (0, 1)] == [{"path": str(reward_folder),
-                                                                          "sha256": digest}] * 2
-    table = format_lineage(chain(f"{store}/rm"))
-    assert table.splitlines()[-1] == f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0,1"
+    assert [istore.read_manifest(n)["reward_model"] for n in (0, 1)] == [{
+        "path": str(reward_folder), "sha256": digest,
+        "trained_from": {"data": str(pairs), "data_sha256": hashlib.sha256(pairs.read_bytes()).hexdigest(),
+                         "base": str(folders["other"])}}] * 2
+    table = format_lineage(chain(f"{store}/rm")).splitlines()
+    assert table[-2:] == [f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0,1",
+                          f"  trained from preferences {pairs} (sha256 "
+                          f"{hashlib.sha256(pairs.read_bytes()).hexdigest()[:16]}...) on {folders['other']}"]
     # a reward model whose content changed is refused for the stages it computes
     (reward_folder / "README.md").write_text("retrained")
     with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 1 was "

@@ -2,7 +2,7 @@
 
 from rlhf_core.algorithms.core import (  # noqa: F401  (the package's public API)
     ADV_ESTIMATOR_SPECS, ADV_ESTIMATORS, KL_ESTIMATORS, AdvEstimatorSpec, POLICY_LOSSES, AdaptiveKLController, FixedKLController,
-    agg_loss, apply_kl_penalty, compute_gae_advantage_return, compute_grpo_outcome_advantage,
+    agg_loss, apply_kl_penalty, bradley_terry_loss, compute_gae_advantage_return, compute_grpo_outcome_advantage,
     compute_policy_loss, compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage, compute_rloo_outcome_advantage, compute_value_loss,
     entropy_from_logits, get_adv_estimator_fn, get_adv_estimator_spec, get_kl_estimator_fn, get_policy_loss_fn, kl_penalty,

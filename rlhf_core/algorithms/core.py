@@ -310,6 +310,15 @@ def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torc
     return vf_loss, vf_clipfrac
 
 
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor,
+                       margin: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of -log sigmoid(r_chosen - r_rejected - margin) over pairs: the negative
+    log-likelihood of the preferences under the Bradley-Terry model (Ouyang et al. 2022;
+    ``margin``, Llama 2's, asks for a larger gap where the annotator was surer)."""
+    gap = chosen - rejected if margin is None else chosen - rejected - margin
+    return -torch.nn.functional.logsigmoid(gap).mean()
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of the categorical distribution given by ``logits``."""
     logp = torch.log_softmax(logits.float(), dim=-1)

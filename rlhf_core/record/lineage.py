@@ -105,7 +105,13 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
     for r in rows:
         if r.get("reward_model"):
             scorers[r["reward_model"]["path"], r["reward_model"]["sha256"]].append(r["iteration"])
+    origins = {(r["reward_model"]["path"], r["reward_model"]["sha256"]): r["reward_model"].get("trained_from")
+               for r in rows if r.get("reward_model")}
     for (path, digest), iterations in scorers.items():
         lines.append(f"scored by reward model {path} (sha256 {digest[:16]}...): iterations "
                      f"{','.join(map(str, sorted(iterations)))}")
+        origin = origins[path, digest]
+        if origin:
+            lines.append(f"  trained from preferences {origin['data']} (sha256 {origin['data_sha256'][:16]}...) "
+                         f"on {origin['base']}")
     return "\n".join(lines)

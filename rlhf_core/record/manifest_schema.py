@@ -60,6 +60,8 @@ _TYPES = {
     "lease": (lambda v: isinstance(v, dict), "an object"),
     # what scored the responses, when a reward model did: its configured path, its content hash
     "reward_model": (lambda v: isinstance(v, dict), "an object"),
+    "reward_model.trained_from": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                                  "an object of strings"),
 }
 _REQUIRED_IN = {"reward_model": {"path": (lambda v: isinstance(v, str), "a string"),
                                  "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex string")},

@@ -28,6 +28,9 @@ from rlhf_core.protocol import DataProto
 from rlhf_core.workers import devices, modeling
 
 FIELD = "reward_model.model.path"
+#: The record ``rlhf reward-model train`` leaves in the folder it writes: the preference
+#: data (URI, sha256), the base model, the settings and the held-out curve.
+PROVENANCE = "rlhf_reward_model.json"
 
 
 class RewardModelError(ValueError):
@@ -72,6 +75,27 @@ def content_sha256(folder: str) -> str:
                 digest.update(block)
         digest.update(b"\0")
     return digest.hexdigest()
+
+
+def trained_from(folder: str) -> dict | None:
+    """Where a reward model trained here came from (its ``PROVENANCE`` record): the
+    preference data's URI and sha256 and the base model; None for a folder without one,
+    or whose record is not what ``rlhf reward-model train`` writes (it is data: read as
+    JSON, its fields checked, nothing else)."""
+    import json
+    import os
+
+    path = os.path.join(folder, PROVENANCE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+        data = record["data"]
+        out = {"data": data["uri"], "data_sha256": data["sha256"], "base": record["base"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return out if all(isinstance(v, str) for v in out.values()) else None
 
 
 def same_tokenization(a, b) -> bool:
@@ -217,9 +241,12 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def identity(self) -> dict:
-        """What scored this run's responses: ``reward_model.model.path`` as configured and the
-        content hash of the folder this rank loaded (``content_sha256``)."""
-        return {"path": self.config.reward_model.model.path, "sha256": self.content_sha256}
+        """What scored this run's responses: ``reward_model.model.path`` as configured, the
+        content hash of the folder this rank loaded (``content_sha256``) and, for a model
+        trained here, the preferences it was trained on (``trained_from``)."""
+        identity = {"path": self.config.reward_model.model.path, "sha256": self.content_sha256}
+        origin = trained_from(self.model_path)
+        return identity if origin is None else {**identity, "trained_from": origin}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:

@@ -1,0 +1,133 @@
+"""Training a reward model from preference pairs (``rlhf reward-model train``): the
+Bradley-Terry loss, the pair layouts TRL and OpenRLHF read, bad rows, a model that
+learns the preference, and a folder the reward-model worker loads with its origin."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from rlhf_core.algorithms import bradley_terry_loss
+from rlhf_core.data.preferences import PreferenceDataError, load_pairs, side_text
+from rlhf_core.testing.model_folders import build_model_folder, question
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def apple_pairs(count: int, chat: bool = True) -> list[dict]:
+    """A preference an annotator could hold: the response that explains its count over a
+    bare wrong number (what a tiny model learns in seconds)."""
+    rows = []
+    for i in range(count):
+        text, answer = question(i)
+        wrong = str(int(answer) + 1 + i % 3)
+        prompt = [{"role": "user", "content": text}] if chat else text
+        rows.append({"prompt": prompt, "chosen": f"He has {answer} apples. #### {answer}",
+                     "rejected": f"#### {wrong}"})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return build_model_folder(tmp_path_factory.mktemp("base"))
+
+
+def test_the_bradley_terry_loss_is_the_negative_log_likelihood_of_the_preferences():
+    chosen, rejected = torch.tensor([1.0, 0.0, 2.0], requires_grad=True), torch.tensor([0.0, 0.0, -1.0])
+    loss = bradley_terry_loss(chosen, rejected)
+    expected = -torch.log(torch.sigmoid(torch.tensor([1.0, 0.0, 3.0]))).mean()
+    assert loss.item() == pytest.approx(expected.item())
+    loss.backward()
+    assert (chosen.grad < 0).all()  # descending the loss raises the chosen side's score
+    assert float(bradley_terry_loss(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1.0]))) == \
+        pytest.approx(float(torch.log(torch.tensor(2.0))))  # a margin as large as the gap: no better than even
+
+
+def test_the_layouts_trl_and_openrlhf_read_give_the_same_pairs(tmp_path):
+    text = [{"prompt": "Q?", "chosen": "good", "rejected": "bad"}]
+    chat = [{"prompt": [{"role": "user", "content": "Q?"}], "chosen": [{"role": "assistant", "content": "good"}],
+             "rejected": [{"role": "assistant", "content": "bad"}], "margin": 2}]
+    implicit = [{"chosen": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "good"}],
+                 "rejected": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "bad"}]}]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(chat * 2), tmp_path / "chat.parquet")
+    got = {name: load_pairs(str(path))[0][0] for name, path in (
+        ("text", write_jsonl(tmp_path / "text.jsonl", text * 2)), ("chat", tmp_path / "chat.parquet"),
+        ("implicit", write_jsonl(tmp_path / "implicit.jsonl", implicit * 2)))}
+    assert got["text"].prompt == "Q?" and got["chat"].prompt == got["implicit"].prompt == [{"role": "user",
+                                                                                            "content": "Q?"}]
+    assert {(p.chosen, p.rejected) for p in got.values()} == {("good", "bad")}
+    assert got["chat"].margin == 2.0 and got["text"].margin is None
+    pairs, record = load_pairs(str(tmp_path / "text.jsonl"))
+    assert record["sha256"] == hashlib.sha256((tmp_path / "text.jsonl").read_bytes()).hexdigest()
+    assert record["rows"] == 2 and record["skipped"] == {}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "Q", "chosen": "a"}, "row 1: rejected is missing or empty"),
+    ({"prompt": "Q", "chosen": "", "rejected": "b"}, "row 1: chosen is missing or empty"),
+    ({"prompt": "Q", "chosen": "  ", "rejected": "b"}, "row 1: chosen is missing or empty"),
+    ({"prompt": "Q", "chosen": "same", "rejected": "same"}, "row 1: chosen and rejected are identical"),
+    ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 1: margin: expected a number"),
+    ({"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "assistant", "content": "y"}]},
+     "row 1: chosen: expected one assistant message after the prompt"),
+])
+def test_a_bad_row_is_refused_naming_it_or_counted_and_skipped(tmp_path, row, message):
+    good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [good, row, good])
+    with pytest.raises(PreferenceDataError) as refused:
+        load_pairs(str(path))
+    assert str(refused.value).startswith(f"{path}: {message}") and "--skip-bad-rows" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    pairs, record = load_pairs(str(path), skip_bad_rows=True)
+    assert [p.row for p in pairs] == [0, 2] and sum(record["skipped"].values()) == 1
+
+
+def test_a_side_is_written_as_the_policy_would_have_produced_it(base):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    chat = [{"role": "user", "content": "How many?"}]
+    assert side_text(tok, chat, "#### 3") == tok.apply_chat_template(chat, add_generation_prompt=True,
+                                                                     tokenize=False) + "#### 3" + tok.eos_token
+    assert side_text(tok, "How many?", "#### 3") == side_text(tok, chat, "#### 3")  # text is one user message
+
+
+def test_a_reward_model_learns_the_preference_and_its_folder_says_where_it_came_from(base, tmp_path, monkeypatch):
+    from rlhf_core.cli import main
+    from rlhf_core.workers import reward_model as rm
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(80))
+    out = tmp_path / "rm"
+    assert main(["reward-model", "train", "--data", str(data), "--base", str(base), "--out", str(out),
+                 "--epochs", "3", "--lr", "1e-3", "--batch-size", "8", "--eval-share", "0.2"]) == 0
+    record = json.loads((out / rm.PROVENANCE).read_text())
+    curve = record["curve"]
+    assert [row["epoch"] for row in curve] == [0, 1, 2, 3] and record["held_out_pairs"] == 16
+    assert curve[-1]["accuracy"] >= 0.9 > curve[0]["accuracy"], curve
+    assert curve[-1]["loss"] < curve[0]["loss"]
+    assert record["data"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    model = rm.load_reward_model(str(out))  # what reward_model.model.path takes
+    assert model.config.num_labels == 1
+    assert rm.trained_from(str(out)) == {"data": str(data), "data_sha256": record["data"]["sha256"],
+                                         "base": str(base)}
+
+
+def test_training_refuses_bad_settings_and_data_in_one_line(base, tmp_path, capsys):
+    from rlhf_core.cli import main
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(4) + [{"prompt": "Q", "chosen": "a", "rejected": "a"}])
+    for argv, message in (([], "rlhf: " + str(data) + ": row 4: chosen and rejected are identical"),
+                          (["--epochs", "0"], "rlhf: --epochs: expected at least 1; found 0"),
+                          (["--eval-share", "0.9", "--skip-bad-rows"], "rlhf: --eval-share: expected to leave pairs")):
+        with pytest.raises(SystemExit) as refused:
+            main(["reward-model", "train", "--data", str(data), "--base", str(base), "--out", str(tmp_path / "o"),
+                  *argv])
+        assert str(refused.value.code).startswith(message), refused.value.code
+    assert not (tmp_path / "o").exists(), "nothing is written for a refused training"
