@@ -442,7 +442,8 @@ def _cmd_reward_model_train(args: argparse.Namespace) -> int:
 
     spec = RewardModelTraining(data=args.data, base=args.base, out=args.out, epochs=args.epochs, lr=args.lr,
                                batch_size=args.batch_size, max_length=args.max_length, eval_share=args.eval_share,
-                               seed=args.seed, skip_bad_rows=args.skip_bad_rows)
+                               seed=args.seed, skip_bad_rows=args.skip_bad_rows,
+                               remove_padding=not args.no_remove_padding)
     try:
         train_reward_model(spec)
     except (PreferenceDataError, RewardModelTrainingError, ModelPathError) as exc:
@@ -603,6 +604,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--skip-bad-rows", action="store_true",
                        help="count and skip pairs with a missing, empty or identical side instead of refusing")
+    train.add_argument("--no-remove-padding", action="store_true",
+                       help="padded forwards (by default each batch's sides are packed without padding)")
     train.set_defaults(func=_cmd_reward_model_train)
 
     from rlhf_core.record.retention import MIN_GRACE_S

@@ -76,7 +76,7 @@ def build_reward_model_folder(path: Path, policy_folder: Path, shape: dict | Non
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     torch.manual_seed(seed)
-    config = Qwen2Config(**{**TINY, **(shape or {})}, vocab_size=len(tokenizer), num_labels=1,
+    config = Qwen2Config(**{"vocab_size": len(tokenizer), **TINY, **(shape or {})}, num_labels=1,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                          architectures=["Qwen2ForSequenceClassification"])
     model = Qwen2ForSequenceClassification(config)

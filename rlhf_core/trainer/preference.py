@@ -46,6 +46,7 @@ class RewardModelTraining:
     eval_share: float = 0.1     # the pairs held out (at least one when > 0)
     seed: int = 0
     skip_bad_rows: bool = False  # count and skip malformed pairs instead of refusing the file
+    remove_padding: bool = True  # each batch's sides packed without padding (exact up to float rounding)
 
     def check(self) -> None:
         for name, ok, expected in (("epochs", self.epochs >= 1, "at least 1"), ("lr", self.lr > 0, "above 0"),
@@ -92,25 +93,26 @@ def _encode(tokenizer, texts: list[str], max_length: int) -> tuple[torch.Tensor,
     return ids, mask, cut
 
 
-def _score_pairs(model, tokenizer, pairs, max_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _score_pairs(model, tokenizer, pairs, max_length: int, packed: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     from rlhf_core.data.preferences import side_text
     from rlhf_core.workers.reward_model import sequence_scores
 
     texts = [side_text(tokenizer, p.prompt, p.chosen) for p in pairs] + \
         [side_text(tokenizer, p.prompt, p.rejected) for p in pairs]
     ids, mask, cut = _encode(tokenizer, texts, max_length)
-    scores = sequence_scores(model, ids, mask, (mask.cumsum(1) - 1).clamp(min=0))
+    scores = sequence_scores(model, ids, mask, (mask.cumsum(1) - 1).clamp(min=0), packed=packed)
     return scores[:len(pairs)], scores[len(pairs):], cut
 
 
-def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int) -> dict:
+def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int, packed: bool = False) -> dict:
     """Held-out accuracy (chosen outscores rejected), mean margin and loss."""
     from rlhf_core.algorithms import bradley_terry_loss
 
     chosen, rejected = [], []
     with torch.no_grad():
         for start in range(0, len(pairs), batch_size):
-            c, r, _ = _score_pairs(model, tokenizer, pairs[start:start + batch_size], max_length)
+            c, r, _ = _score_pairs(model, tokenizer, pairs[start:start + batch_size], max_length, packed)
             chosen.append(c)
             rejected.append(r)
     c, r = torch.cat(chosen), torch.cat(rejected)
@@ -141,10 +143,15 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     torch.manual_seed(spec.seed)  # the new score head's initial weights
     model = load_base(base)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if spec.remove_padding:
+        from rlhf_core.workers import packing
+
+        packing.enable_packing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     curve = []
     if held_out:
-        curve.append({"epoch": 0, **evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size)})
+        curve.append({"epoch": 0, **evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
+                                                  spec.remove_padding)})
         log(f"[rm] before training: held-out accuracy {curve[-1]['accuracy']:.3f} margin {curve[-1]['margin']:.3f} "
             f"({held} pairs)")
     rng, cut, t0 = random.Random(spec.seed + 1), 0, time.perf_counter()
@@ -154,7 +161,7 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
         losses = []
         for start in range(0, len(train), spec.batch_size):
             batch = train[start:start + spec.batch_size]
-            chosen, rejected, batch_cut = _score_pairs(model, tokenizer, batch, spec.max_length)
+            chosen, rejected, batch_cut = _score_pairs(model, tokenizer, batch, spec.max_length, spec.remove_padding)
             cut += batch_cut if epoch == 1 else 0
             margins = [p.margin for p in batch]
             margin = torch.tensor(margins) if all(m is not None for m in margins) else None
@@ -165,7 +172,8 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
             losses.append(loss.item())
         row = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
         if held_out:
-            row.update(evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size))
+            row.update(evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
+                                spec.remove_padding))
         curve.append(row)
         log(f"[rm] epoch {epoch}/{spec.epochs} train loss {row['train_loss']:.4f}"
             + (f" | held-out accuracy {row['accuracy']:.3f} margin {row['margin']:.3f} ({held} pairs)"

@@ -51,7 +51,7 @@ def load_reward_model(path: str, dtype: str = "float32"):
     if config.num_labels != 1:
         raise RewardModelError(f"{FIELD}: expected a reward model with one label (num_labels=1); found "
                                f"num_labels={config.num_labels} in {path}")
-    model = AutoModelForSequenceClassification.from_pretrained(path, torch_dtype=getattr(torch, dtype))
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise RewardModelError(f"{FIELD}: expected a score head (a Linear named 'score'); found "
                                f"{type(getattr(model, 'score', None)).__name__} in {path}")
