@@ -96,7 +96,8 @@ def test_a_side_is_written_as_the_policy_would_have_produced_it(base):
     chat = [{"role": "user", "content": "How many?"}]
     assert side_text(tok, chat, "#### 3") == tok.apply_chat_template(chat, add_generation_prompt=True,
                                                                      tokenize=False) + "#### 3" + tok.eos_token
-    assert side_text(tok, "How many?", "#### 3") == side_text(tok, chat, "#### 3")  # text is one user message
+    # text as the prompt loader lays it out: as it is, after the BOS token when there is one
+    assert side_text(tok, "How many?", "#### 3") == (tok.bos_token or "") + "How many?#### 3" + tok.eos_token
 
 
 def test_a_reward_model_learns_the_preference_and_its_folder_says_where_it_came_from(base, tmp_path, monkeypatch):

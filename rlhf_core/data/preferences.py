@@ -10,10 +10,10 @@ into the cache and checked), in the layouts TRL's ``RewardTrainer`` and OpenRLHF
   ``rejected`` whole conversations that share their leading messages;
 - an optional ``margin`` (a number: how much surer the annotator was, Llama 2's).
 
-Each side becomes the text the policy would have produced: the prompt through the
-tokenizer's chat template with the generation prompt, then the response and the EOS
-token. That is what a reward model sharing the policy's tokenizer scores during PPO (the
-sampled tokens as they are), so it is trained on exactly that representation.
+Each side becomes the text the policy would have produced (``side_text``): the prompt as
+the prompt loader lays it out, then the response and the EOS token. That is what a
+reward model sharing the policy's tokenizer scores during PPO (the sampled tokens as they
+are), so it is trained on exactly that representation.
 """
 
 from __future__ import annotations
@@ -134,10 +134,15 @@ def _pair(row: int, data) -> PreferencePair:
 
 
 def side_text(tokenizer, prompt: list[dict] | str, response: str) -> str:
-    """One side of a pair as the policy would have produced it (see the module's text)."""
-    chat = prompt if isinstance(prompt, list) else ([{"role": "user", "content": prompt}] if prompt else [])
-    if tokenizer.chat_template and chat:
-        head = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    """One side of a pair as the policy would have produced it under ``tokenizer`` (the
+    prompt loader's layout: chat messages through the chat template with the generation
+    prompt; text as it is, after the BOS token when the tokenizer has one), then the
+    response and the EOS token."""
+    if isinstance(prompt, list):
+        if not tokenizer.chat_template:
+            raise PreferenceDataError("--base: expected a tokenizer with a chat template for chat-message prompts; "
+                                      "found none")
+        head = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False) if prompt else ""
     else:
-        head = prompt if isinstance(prompt, str) else "".join(m["content"] for m in chat)
+        head = (tokenizer.bos_token or "") + prompt
     return head + response + (tokenizer.eos_token or "")
