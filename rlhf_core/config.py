@@ -258,7 +258,12 @@ class RewardModelConfig:
                          "default), left (keep its end), middle (its start and end), error (refuse the batch)",
                          choices=("right", "left", "middle", "error"))
     reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers): naive = the "
-                             "reward model's score, or the reward function's per response", choices=("naive",))
+                             "reward model's score, or the reward function's per response (dapo, batch, prime: "
+                             "not here yet)", choices=("naive",))
+    log_function_score: bool = _f(False, "also score every response with reward.function and log it "
+                                  "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "
+                                  "beside the learned reward, which stays the reward (over-optimization shows as the "
+                                  "two parting)", hashed=False)
 
 
 @dataclass
@@ -442,8 +447,6 @@ class RunConfig:
         """sha256 of the canonical JSON of every field that can change what is trained
         (part of lineage; display-only fields such as progress bars are left out)."""
         data = self.to_dict()
-        if not self.reward_model.enable:
-            data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
         for path in fields_where(lambda meta: not meta["hashed"]):
             *parents, key = path.split(".")
             chain = [data]
@@ -453,6 +456,8 @@ class RunConfig:
             for parent, part in zip(reversed(chain[:-1]), reversed(parents)):
                 if not parent[part]:  # a section left empty only said how or where the run goes
                     parent.pop(part)
+        if not self.reward_model.enable:
+            data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":

@@ -366,3 +366,22 @@ def test_a_manifests_reward_model_record_is_checked_when_read():
     for bad, found in (({"path": "/m"}, "nothing"), ({"path": "/m", "sha256": "abc"}, '"abc"')):
         with pytest.raises(ManifestError, match=rf"^m: reward_model.sha256: expected a sha256 hex string; found {found}"):
             parse_manifest(json.dumps({"reward_model": bad}).encode(), "m")
+
+
+def test_the_reward_functions_score_can_be_logged_beside_the_models_and_is_never_the_reward(folders, tmp_path,
+                                                                                           monkeypatch):
+    (tmp_path / "rm_count_score.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(ground_truth in solution_str), 'length': len(solution_str)}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _scored_batch(folders)
+    out = _reward_worker(folders, ["reward.function=rm_count_score:score", "reward_model.log_function_score=true"]
+                         ).compute_reward(data)
+    assert torch.equal(out.batch["token_level_scores"], data.batch["rm_scores"])
+    texts = out.non_tensor_batch["response_text"]
+    assert list(out.non_tensor_batch["reward_extra/function_score"]) == [float(t in x) for t, x in
+                                                                        zip(["14", "5", "15"], texts)]
+    assert list(out.non_tensor_batch["reward_extra/length"]) == [len(x) for x in texts]
+    assert apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/m",
+                                         "reward_model.log_function_score=true"]).config_hash() == \
+        apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/m"]).config_hash()

@@ -53,9 +53,13 @@ def curve_png(rows: list[dict], size: tuple[float, float] = (6, 3.2), dpi: int =
     ax.plot(it, [r.get("critic/score/mean", 0.0) for r in rows], marker=".", label="mean reward (critic/score/mean)")
     if rows and "critic/reward_extra/exact/mean" in rows[0]:
         ax.plot(it, [r.get("critic/reward_extra/exact/mean", 0) for r in rows], label="exact match", alpha=0.7)
+    if rows and "critic/reward_extra/function_score/mean" in rows[0]:  # a reward model's run, the task's own score
+        ax.plot(it, [r.get("critic/reward_extra/function_score/mean", 0) for r in rows],
+                label="reward function's score (not trained on)", alpha=0.8)
     ax.set_xlabel("iteration")
     ax.set_ylabel("reward")
-    ax.set_ylim(0, 1.05)
+    low, high = _reward_range(rows)
+    ax.set_ylim(low, high + 0.05)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -67,7 +71,8 @@ def curve_png(rows: list[dict], size: tuple[float, float] = (6, 3.2), dpi: int =
 
 #: The per-run report's curve: (metric, label, RGB). Validation scores are drawn as dots.
 _SERIES = (("critic/score/mean", "mean reward", (31, 119, 180)),
-           ("critic/reward_extra/exact/mean", "exact match", (255, 127, 14)))
+           ("critic/reward_extra/exact/mean", "exact match", (255, 127, 14)),
+           ("critic/reward_extra/function_score/mean", "reward function's score", (148, 103, 189)))
 _VALIDATION_RGB = (44, 160, 44)
 
 

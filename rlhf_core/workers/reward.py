@@ -140,6 +140,11 @@ class RewardWorker(Worker):
         if "rm_scores" in data.batch.keys():
             rm_scores = data.batch["rm_scores"].float()
             if not self.config.custom_reward_function.path:
+                if self.config.reward_model.log_function_score:  # a metric beside the reward, never the reward
+                    scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
+                                                extra_infos, nt["uid"])
+                    columns["reward_extra/function_score"] = object_column(scores)
+                    columns.update((f"reward_extra/{key}", object_column(values)) for key, values in extras.items())
                 return DataProto.from_dict({"token_level_scores": rm_scores.clone()}, columns)
             extra_infos = [{**(extra or {}), "rm_score": score}
                            for extra, score in zip(extra_infos, rm_scores.sum(dim=-1).tolist())]
