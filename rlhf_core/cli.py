@@ -496,6 +496,42 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
+    """Preferences from a simulated annotator -> a reward model trained on them -> PPO
+    scored by it (the same iterations as ``rlhf run``), the task's own score logged beside
+    the model's. Each phase's output is kept in ``--out`` and reused when it is there."""
+    import json
+    from pathlib import Path
+
+    from rlhf_core.demo import simulated_preferences
+    from rlhf_core.models.builtin import builtin_model_path
+    from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
+    from rlhf_core.workers.reward_model import PROVENANCE
+
+    out = Path(args.out or f"runs/rlhf-demo-seed{args.seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    policy = builtin_model_path(seed=args.seed, progress=True)
+    pairs = out / "preferences.jsonl"
+    if not pairs.exists():
+        rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise)
+        pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"[rlhf-demo] {counts['pairs']} preference pairs from the simulated annotator ({counts['flipped']} "
+              f"labels flipped, {counts['ties_skipped']} ties and {counts['empty_skipped']} empty responses passed "
+              f"on): {pairs}")
+    reward_model = out / "reward-model"
+    if not (reward_model / PROVENANCE).exists():
+        train_reward_model(RewardModelTraining(data=str(pairs), base=policy, out=str(reward_model),
+                                               epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
+                                               eval_share=0.05, max_length=16, seed=args.seed))
+    run = build_parser().parse_args(
+        ["run", *(["--direct"] if args.direct else []), *(["--iterations", str(args.iterations)]
+                                                            if args.iterations else []),
+         *(["--run-id", args.run_id] if args.run_id else []), *(["--store", args.store] if args.store else []),
+         f"trainer.seed={args.seed}", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
+         "reward_model.log_function_score=true", *args.overrides])
+    return _cmd_run(run)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlhf_core.demo import run_dataproto_demo
 
@@ -627,6 +663,22 @@ def build_parser() -> argparse.ArgumentParser:
                              "`config_hash` parameters")
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
+
+    rd = sub.add_parser("rlhf-demo", help="the built-in task with a learned reward: simulated preferences, a "
+                                          "reward model trained on them, PPO scored by it")
+    rd.add_argument("--seed", type=int, default=0)
+    rd.add_argument("--prompts", type=int, default=8000, help="prompts the annotator sees (two responses each)")
+    rd.add_argument("--noise", type=float, default=0.1, help="the share of labels the annotator gets wrong")
+    rd.add_argument("--rm-epochs", type=int, default=4)
+    rd.add_argument("--rm-lr", type=float, default=1e-3)
+    rd.add_argument("--out", default=None, help="where the preferences and the reward model go (default "
+                                                "runs/rlhf-demo-seed<seed>; reused when there)")
+    rd.add_argument("--iterations", type=int, default=None)
+    rd.add_argument("--direct", action="store_true", help="as rlhf run --direct")
+    rd.add_argument("--run-id", default=None)
+    rd.add_argument("--store", default=None)
+    rd.add_argument("overrides", nargs="*", help="config overrides for the PPO run")
+    rd.set_defaults(func=_cmd_rlhf_demo)
 
     demo = sub.add_parser("demo", help="DataProto walk-through on a local Ray")
     demo.add_argument("--prompts", type=int, default=6)

@@ -94,3 +94,65 @@ def run_dataproto_demo(prompts: int = 6, n: int = 4, workers: int = 2) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+# ---------------------------------------------------------------- the RLHF demo's annotator
+
+
+def simulated_preferences(policy_path: str, count: int, seed: int, noise: float = 0.1,
+                          temperature: float = 1.0, other_models: float = 0.5) -> tuple[list[dict], dict]:
+    """Preference pairs on the built-in task from a simulated annotator: for each of
+    ``count`` prompts (their own draw, apart from the RL and warm-start prompts) two
+    responses, each the policy's sample or, with probability ``other_models``, another
+    model's (the right answer with 0-4 digits wrong, a third of them cut short or run on:
+    as a preference set collected over
+    several model versions has responses better than today's policy); the annotator
+    prefers the one closer to the right answer (the task's score, which the reward model
+    never sees), flips its choice with probability ``noise``, and passes on ties and empty
+    responses. Returns the rows (``prompt``, ``chosen``, ``rejected``) and counts."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.builtin import DATA_SOURCE, NUM_DIGITS, VOCAB, make_rows, reward_score
+
+    model = AutoModelForCausalLM.from_pretrained(policy_path).eval()
+    words = {v: k for k, v in VOCAB.items()}
+    rows = make_rows(count, seed=seed + 500)
+    generator = torch.Generator().manual_seed(seed + 500)
+    ids = torch.tensor([[VOCAB["<bos>"]] + [VOCAB[c] for c in r["prompt"]] for r in rows for _ in range(2)])
+    with torch.no_grad():
+        for _ in range(NUM_DIGITS + 1):
+            logits = model(ids).logits[:, -1] / temperature
+            ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)], dim=1)
+    prompt_length = NUM_DIGITS + 2
+    texts = []
+    for out in ids[:, prompt_length:].tolist():
+        out = out[:out.index(VOCAB["<eos>"])] if VOCAB["<eos>"] in out else out
+        texts.append("".join(words[t] for t in out if t >= VOCAB["="]))
+    rng = random.Random(seed + 501)
+    for i, row in enumerate(rows):  # some responses come from other models
+        for side in (2 * i, 2 * i + 1):
+            if rng.random() < other_models:
+                answer = list(row["ground_truth"])
+                for position in rng.sample(range(NUM_DIGITS), rng.randint(0, NUM_DIGITS)):
+                    answer[position] = rng.choice("0123456789")
+                if rng.random() < 1 / 3:  # and some of the wrong length, too short or too long
+                    answer = answer[:rng.randint(1, NUM_DIGITS - 1)] if rng.random() < 0.5 else \
+                        answer + [rng.choice("0123456789") for _ in range(rng.randint(1, NUM_DIGITS))]
+                texts[side] = "".join(answer)
+    pairs, ties, empty, flipped = [], 0, 0, 0
+    for i, row in enumerate(rows):
+        a, b = texts[2 * i], texts[2 * i + 1]
+        if not a or not b:  # an empty response is no text to compare (the pair format refuses it)
+            empty += 1
+            continue
+        score_a, score_b = (reward_score(DATA_SOURCE, t, row["ground_truth"])["score"] for t in (a, b))
+        if score_a == score_b or a == b:
+            ties += 1
+            continue
+        chosen, rejected = (a, b) if score_a > score_b else (b, a)
+        if rng.random() < noise:
+            chosen, rejected, flipped = rejected, chosen, flipped + 1
+        pairs.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected})
+    return pairs, {"pairs": len(pairs), "ties_skipped": ties, "empty_skipped": empty, "flipped": flipped}
