@@ -667,10 +667,10 @@ def build_parser() -> argparse.ArgumentParser:
     rd = sub.add_parser("rlhf-demo", help="the built-in task with a learned reward: simulated preferences, a "
                                           "reward model trained on them, PPO scored by it")
     rd.add_argument("--seed", type=int, default=0)
-    rd.add_argument("--prompts", type=int, default=8000, help="prompts the annotator sees (two responses each)")
+    rd.add_argument("--prompts", type=int, default=20000, help="prompts the annotator sees (two responses each)")
     rd.add_argument("--noise", type=float, default=0.1, help="the share of labels the annotator gets wrong")
-    rd.add_argument("--rm-epochs", type=int, default=4)
-    rd.add_argument("--rm-lr", type=float, default=1e-3)
+    rd.add_argument("--rm-epochs", type=int, default=6)
+    rd.add_argument("--rm-lr", type=float, default=3e-4)
     rd.add_argument("--out", default=None, help="where the preferences and the reward model go (default "
                                                 "runs/rlhf-demo-seed<seed>; reused when there)")
     rd.add_argument("--iterations", type=int, default=None)
