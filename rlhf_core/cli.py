@@ -675,8 +675,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "runs/rlhf-demo-seed<seed>; reused when there)")
     rd.add_argument("--iterations", type=int, default=None)
     rd.add_argument("--direct", action="store_true", help="as rlhf run --direct")
-    rd.add_argument("--run-id", default=None)
-    rd.add_argument("--store", default=None)
+    from rlhf_core.cli_args import run_id as run_id_type
+
+    rd.add_argument("--run-id", default=None, type=run_id_type)
+    rd.add_argument("--store", default=None, type=store_uri)
     rd.add_argument("overrides", nargs="*", help="config overrides for the PPO run")
     rd.set_defaults(func=_cmd_rlhf_demo)
 
