@@ -508,7 +508,10 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
     from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
     from rlhf_core.workers.reward_model import PROVENANCE
 
-    out = Path(args.out or f"runs/rlhf-demo-seed{args.seed}")
+    from rlhf_core.data.preferences import PreferenceDataError
+    from rlhf_core.trainer.preference import RewardModelTrainingError
+
+    out = Path(args.out or f"runs/rlhf-demo-seed{args.seed}").resolve()  # manifests record the model's path
     out.mkdir(parents=True, exist_ok=True)
     policy = builtin_model_path(seed=args.seed, progress=True)
     pairs = out / "preferences.jsonl"
@@ -520,9 +523,12 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
               f"on): {pairs}")
     reward_model = out / "reward-model"
     if not (reward_model / PROVENANCE).exists():
-        train_reward_model(RewardModelTraining(data=str(pairs), base=policy, out=str(reward_model),
-                                               epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
-                                               eval_share=0.05, max_length=16, seed=args.seed))
+        try:
+            train_reward_model(RewardModelTraining(data=str(pairs), base=policy, out=str(reward_model),
+                                                   epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
+                                                   eval_share=0.05, max_length=16, seed=args.seed))
+        except (PreferenceDataError, RewardModelTrainingError) as exc:
+            raise SystemExit(f"rlhf: {exc}") from None
     run = build_parser().parse_args(
         ["run", *(["--direct"] if args.direct else []), *(["--iterations", str(args.iterations)]
                                                             if args.iterations else []),

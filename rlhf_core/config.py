@@ -593,8 +593,13 @@ class ModelShape:
     num_hidden_layers: int
 
     @classmethod
-    def from_hf_config(cls, config) -> "ModelShape":
-        return cls(*(int(getattr(config, name)) for name in _SHAPE_KEYS))
+    def from_hf_config(cls, config) -> "ModelShape | None":
+        """The shape of a loaded model's config; None for one without the four sizes (GPT-2's
+        and OPT's name them otherwise): no estimate then."""
+        values = [getattr(config, name, None) for name in _SHAPE_KEYS]
+        if not all(type(v) is int and v > 0 for v in values):
+            return None
+        return cls(*values)
 
     @classmethod
     def from_folder(cls, path: str) -> "ModelShape | None":

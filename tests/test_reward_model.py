@@ -385,3 +385,43 @@ def test_the_reward_functions_score_can_be_logged_beside_the_models_and_is_never
     assert apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/m",
                                          "reward_model.log_function_score=true"]).config_hash() == \
         apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/m"]).config_hash()
+
+
+def test_a_reward_model_to_re_template_for_needs_a_chat_template(folders, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    bare = shutil.copytree(folders["other"], tmp_path / "bare")
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (bare / name).unlink(missing_ok=True)
+    with pytest.raises(rm.RewardModelError, match=r"^reward_model.model.path: expected a chat template in the "
+                                                  r"reward model's tokenizer .*; found none in "):
+        make_worker({**folders, "bare": bare}, "bare", monkeypatch=monkeypatch)
+
+
+def test_a_reward_function_cannot_change_what_its_sibling_rows_see(folders, tmp_path, monkeypatch):
+    (tmp_path / "rm_mutating.py").write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    seen = len(extra_info.setdefault('seen', []))\n"
+        "    extra_info['seen'].append(1)\n"
+        "    return float(seen)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _scored_batch(folders)
+    shared = {"seen": []}
+    data.non_tensor_batch["extra_info"] = object_column([shared] * 3)  # as repeat() leaves them: one dict
+    data.batch.pop("rm_scores")
+    out = _reward_worker(folders, ["reward.function=rm_mutating:score"]).compute_reward(data)
+    assert out.batch["token_level_scores"].sum(1).tolist() == [0.0, 0.0, 0.0] and shared == {"seen": []}
+
+
+def test_the_memory_estimate_skips_models_that_do_not_name_its_sizes():
+    from types import SimpleNamespace
+
+    from rlhf_core.config import ModelShape
+
+    assert ModelShape.from_hf_config(SimpleNamespace(vocab_size=50257, hidden_size=768, num_hidden_layers=12)) is None
+    assert ModelShape.from_hf_config(SimpleNamespace(vocab_size=10, hidden_size=8, intermediate_size=None,
+                                                     num_hidden_layers=1)) is None

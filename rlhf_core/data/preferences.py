@@ -121,6 +121,8 @@ def _pair(row: int, data) -> PreferencePair:
         raise PreferenceDataError(f"row {row}: chosen and rejected: expected text or chat messages")
     if prompt is None:
         prompt = ""
+    if isinstance(prompt, list) and prompt:
+        prompt = _messages(prompt, "prompt", row)
     if not isinstance(prompt, (str, list)):
         raise PreferenceDataError(f"row {row}: prompt: expected text or chat messages; found {type(prompt).__name__}")
     if not chosen.strip() or not rejected.strip():

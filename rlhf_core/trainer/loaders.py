@@ -17,7 +17,7 @@ def make_val_loader(cfg: RunConfig):
                                             weights=False)
     rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files")
     return PromptLoader(rows, PromptTokenizer(model_path), len(rows), cfg.data.max_prompt_length, cfg.trainer.seed,
-                        shuffle=False, truncation=cfg.data.truncation)
+                        shuffle=False, truncation=cfg.data.truncation, keep_chat=cfg.reward_model.enable)
 
 
 def total_iterations(cfg: RunConfig) -> int:

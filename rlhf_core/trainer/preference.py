@@ -67,7 +67,8 @@ def load_base(path: str):
     if any(a.endswith("ForSequenceClassification") for a in (config.architectures or [])) and config.num_labels != 1:
         raise RewardModelTrainingError(f"--base: expected a causal LM or a one-label classifier; found a classifier "
                                        f"with num_labels={config.num_labels} in {path}")
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    # fp32 master weights whatever the checkpoint's dtype (AdamW's small steps vanish in bf16)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     model.config.architectures = [type(model).__name__]
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise RewardModelTrainingError(f"--base: expected a model whose classifier head is a Linear named 'score' "
@@ -142,11 +143,11 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(spec.seed)  # the new score head's initial weights
     model = load_base(base)
-    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if spec.remove_padding:
         from rlhf_core.workers import packing
 
-        packing.enable_packing(model)
+        packing.enable_packing(model, on_gpu=False)  # this loop runs on the CPU
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     curve = []
     if held_out:
@@ -163,8 +164,8 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
             batch = train[start:start + spec.batch_size]
             chosen, rejected, batch_cut = _score_pairs(model, tokenizer, batch, spec.max_length, spec.remove_padding)
             cut += batch_cut if epoch == 1 else 0
-            margins = [p.margin for p in batch]
-            margin = torch.tensor(margins) if all(m is not None for m in margins) else None
+            margins = [p.margin for p in batch]  # a pair without one asks for no margin (0)
+            margin = torch.tensor([m or 0.0 for m in margins]) if any(m is not None for m in margins) else None
             loss = bradley_terry_loss(chosen, rejected, margin)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -91,7 +91,9 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None)
         if not torch.cuda.is_available():
             return  # a GPU pool's rank without one: placing the model refuses it, in its own words
         device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    check(cfg, ModelShape.from_hf_config(getattr(model_config, "text_config", model_config)), device_bytes)
+    shape = ModelShape.from_hf_config(getattr(model_config, "text_config", model_config))
+    if shape is not None:
+        check(cfg, shape, device_bytes)
 
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

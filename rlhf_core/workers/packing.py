@@ -173,8 +173,10 @@ def packed_attention_implementation(on_gpu: bool) -> str:
     return PACKED_SDPA
 
 
-def enable_packing(model) -> str:
-    """Switch ``model``'s attention to one that takes packed sequences; returns its name."""
-    name = packed_attention_implementation(torch.cuda.is_available())
+def enable_packing(model, on_gpu: bool | None = None) -> str:
+    """Switch ``model``'s attention to one that takes packed sequences; returns its name.
+    ``on_gpu``: where it will run (default: wherever CUDA is; a model trained on the CPU of
+    a GPU machine says False)."""
+    name = packed_attention_implementation(torch.cuda.is_available() if on_gpu is None else on_gpu)
     model.set_attn_implementation(name)
     return name

@@ -12,6 +12,7 @@ whether this machine vouches for it without being told (docs/security.md, "Trust
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import numbers
@@ -94,8 +95,8 @@ def score_rows(fn, name: str, data_sources, solutions, ground_truths, extra_info
     """Call the reward function per row; returns (scores, extra columns)."""
     scores, extras = [], {}
     for i, (src, sol, gt, extra, uid) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos, uids)):
-        try:
-            result = fn(src, sol, gt, extra)
+        try:  # a copy: the n responses of a prompt share one extra_info, and a function may change it
+            result = fn(src, sol, gt, copy.deepcopy(extra))
         except Exception as exc:
             raise RewardFunctionError(f"reward function {name} raised on uid {uid!r} (row {i}): "
                                       f"{type(exc).__name__}: {exc}") from exc

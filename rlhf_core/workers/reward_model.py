@@ -229,6 +229,10 @@ class RewardModelWorker(Worker):
         policy_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, weights=False)
         self.policy_tokenizer = modeling.load_tokenizer(policy_path)
         self.retemplates = not same_tokenization(self.policy_tokenizer, self.tokenizer)
+        if self.retemplates and not self.tokenizer.chat_template:
+            raise RewardModelError(f"{FIELD}: expected a chat template in the reward model's tokenizer (its "
+                                   f"tokenizer differs from the policy's, so responses are re-templated for it); "
+                                   f"found none in {self.model_path}")
         model = load_reward_model(self.model_path, cfg.model.dtype)
         if model.config.pad_token_id is None:  # HF's pooling (unused here) refuses batches without one
             model.config.pad_token_id = self.tokenizer.pad_token_id or 0
