@@ -85,13 +85,9 @@ def _encode(tokenizer, texts: list[str], max_length: int) -> tuple[torch.Tensor,
         if len(ids) > max_length:
             ids, cut = ids[-max_length:], cut + 1
         rows.append(ids)
-    width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-    return ids, mask, cut
+    from rlhf_core.workers.reward_model import right_padded
+
+    return (*right_padded(rows, tokenizer.pad_token_id), cut)
 
 
 def _score_pairs(model, tokenizer, pairs, max_length: int, packed: bool = False

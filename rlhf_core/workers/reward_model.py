@@ -190,14 +190,19 @@ def retemplate(data: DataProto, policy_tokenizer, tokenizer, max_length: int, tr
         if not encoded:
             raise RewardModelError(f"reward_model: row {i} re-templated to no tokens")
         rows.append(truncate(encoded, max_length, truncation, i))
+    input_ids, attention_mask = right_padded(rows, tokenizer.pad_token_id)
+    return input_ids, attention_mask, (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def right_padded(rows: list[list[int]], pad: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists as right-padded ids and attention mask (pad id 0 when there is none)."""
     width = max(len(r) for r in rows)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    input_ids = torch.full((len(rows), width), pad if pad is not None else 0, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
         input_ids[i, :len(r)] = torch.tensor(r)
         attention_mask[i, :len(r)] = 1
-    return input_ids, attention_mask, (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return input_ids, attention_mask
 
 
 def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
