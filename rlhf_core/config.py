@@ -171,6 +171,8 @@ class RolloutConfig:
                     choices=("auto", "float32", "bfloat16", "float16"))
     free_cache_engine: bool = _f(True, "free vLLM's KV cache and weights while the actor trains (sleep / "
                                  "wake up around training; no-op on CPU)")
+    enforce_eager: bool | None = _f(None, "vLLM without CUDA graphs (None: CUDA graphs on GPU, where they "
+                                    "make decoding several times faster; eager on CPU)", hashed=False)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 

@@ -143,6 +143,7 @@ TABLE: dict[str, Rule] = {
     R + "gpu_memory_utilization": _m("rollout.gpu_memory_utilization"),
     R + "dtype": _m("rollout.dtype", convert=lambda raw: {"bf16": "bfloat16", "fp16": "float16"}.get(raw, raw)),
     R + "free_cache_engine": _m("rollout.free_cache_engine"),
+    R + "enforce_eager": _m("rollout.enforce_eager"),
     "algorithm.kl_penalty": _m("algorithm.kl_penalty", note="verl's kl is k1 here", convert=_kl_name),
     R + "mode": _note("no effect: generation is synchronous per rank here"),
     R + "top_k": Rule(note="-1 / 0: no top-k, as here", refuse="no top-k sampling here (rollout.top_p only)",

@@ -101,6 +101,8 @@ def test_field_classes_are_field_metadata():
         for part in path.split("."):  # sections nest (rollout.val_kwargs.n)
             value = getattr(value, part)
         changed = not value if isinstance(value, bool) else (value + 1 if isinstance(value, (int, float)) else "x")
+        if value is None:  # an optional switch (rollout.enforce_eager: None means "the device's default")
+            changed = True
         assert apply_overrides(RunConfig(), [f"{path}={changed}"]).config_hash() == base, path
     assert "resources" not in {p.split(".")[0] for p in fields_where(lambda meta: meta["hashed"])}
     assert set(CHECKPOINT_FIELDS) == {"model.path", "model.dtype", "actor.world_size", "critic.enable",

@@ -75,8 +75,8 @@ def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
 
 
 @pytest.mark.parametrize("item, message", [
-    ("actor_rollout_ref.rollout.enforce_eager=True", "verl key 'actor_rollout_ref.rollout.enforce_eager': no "
-                                                     "counterpart here (`rlhf config --verl` lists"),
+    ("actor_rollout_ref.rollout.max_num_batched_tokens=8192", "verl key "
+     "'actor_rollout_ref.rollout.max_num_batched_tokens': no counterpart here (`rlhf config --verl` lists"),
     ("actor_rollout_ref.rollout.top_k=50", "verl key 'actor_rollout_ref.rollout.top_k'=50: no top-k sampling here"),
     ("reward_model.enable_resource_pool=True", "verl key 'reward_model.enable_resource_pool'=True: no "
      "reward-model pool of its own here yet"),
@@ -88,6 +88,11 @@ def test_a_refused_verl_key_is_one_line_naming_it(item, message):
         apply_overrides(RunConfig(), [item], notes=[])
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
     assert "verl" in str(refused.value)
+
+
+def test_verls_enforce_eager_sets_the_engines():
+    cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.rollout.enforce_eager=True"], notes=[])
+    assert cfg.rollout.enforce_eager is True and RunConfig().rollout.enforce_eager is None
 
 
 def test_verl_fields_hash_only_what_they_train():

@@ -201,3 +201,67 @@ def test_without_sleep_mode_weights_load_in_place_and_the_prefix_cache_is_reset(
     assert log == [("init", False), ("collective_rpc", "reload_weights", ["embed.weight", "head.weight"]),
                    ("empty_cache",), ("reset_prefix_cache",), ("generate", 2)]
     assert not rollout.needs_weights
+
+
+def _engine_kwargs(monkeypatch, on_gpu: bool = True, **config) -> tuple[dict, VLLMRollout]:
+    """The keyword arguments the rollout builds its engine with, each checked against the
+    pinned vLLM's ``EngineArgs`` (where ``LLM(**kwargs)`` sends them)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    seen = {}
+
+    class Capture(RecordingLLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            seen.update(kwargs)
+
+    monkeypatch.setattr(RecordingLLM, "log", [])
+    monkeypatch.setattr(vllm, "LLM", Capture)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: on_gpu)
+    monkeypatch.setattr(rollout_module, "free_cached_memory", lambda: None, raising=False)
+    rollout = VLLMRollout("/models/m", RolloutConfig(response_length=4, **config), seed=0, max_model_len=64,
+                          dtype="bfloat16")
+    unknown = set(seen) - set(inspect.signature(EngineArgs).parameters)
+    assert not unknown, unknown
+    return seen, rollout
+
+
+def test_a_tensor_parallel_engine_over_ray_narrowed_gpus_uses_nccl_all_reduce(monkeypatch):
+    # Ray gives each rank one visible GPU: vLLM's custom all-reduce would index a second one
+    kwargs, _ = _engine_kwargs(monkeypatch, tensor_model_parallel_size=2)
+    assert kwargs["distributed_executor_backend"] == "external_launcher"
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["disable_custom_all_reduce"] is True
+
+
+def test_a_gpu_engine_starts_without_the_checkpoint_with_cuda_graphs_and_prefix_caching(monkeypatch):
+    kwargs, rollout = _engine_kwargs(monkeypatch)
+    assert kwargs["load_format"] == "dummy"          # the policy's weights come with the first sync
+    assert rollout.needs_weights                      # so the actor pushes them before generating
+    assert kwargs["enforce_eager"] is False           # CUDA graphs by default on GPU
+    assert kwargs["enable_prefix_caching"] is True    # n samples of one prompt: one prefill
+    assert "disable_custom_all_reduce" not in kwargs  # one GPU per engine: nothing to all-reduce
+    rollout.update_weights(weights())
+    assert not rollout.needs_weights
+
+
+def test_a_gpu_engine_without_sleep_mode_holds_the_synced_weights(monkeypatch):
+    _, rollout = _engine_kwargs(monkeypatch, free_cache_engine=False)
+    assert rollout.needs_weights
+    rollout.update_weights(weights())
+    assert not rollout.needs_weights
+    rollout.generate(prompts())
+    assert not rollout.needs_weights  # no sleep discarded them
+
+
+@pytest.mark.parametrize("on_gpu, setting, expected", [(True, True, True), (False, False, False),
+                                                       (False, None, True)])
+def test_enforce_eager_is_the_configs_where_set(monkeypatch, on_gpu, setting, expected):
+    kwargs, _ = _engine_kwargs(monkeypatch, on_gpu=on_gpu, enforce_eager=setting)
+    assert kwargs["enforce_eager"] is expected
+
+
+def test_a_cpu_engine_loads_the_checkpoint_without_prefix_caching(monkeypatch):
+    kwargs, rollout = _engine_kwargs(monkeypatch, on_gpu=False, tensor_model_parallel_size=2)
+    assert "load_format" not in kwargs and kwargs["enable_prefix_caching"] is False
+    assert "tensor_parallel_size" not in kwargs  # CPU engines serve each rank alone
+    assert not rollout.needs_weights

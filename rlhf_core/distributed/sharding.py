@@ -86,16 +86,24 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
 
 def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> torch.nn.Module:
     """``model`` prepared for this process group under ``spec`` (the process group must
-    be initialised). ``trainable=False`` (the reference model) shards without gradients."""
+    be initialised). ``trainable=False`` (the reference model) shards without gradients.
+
+    FSDP wraps at every world size on a GPU, one rank included: its mixed precision (bf16
+    compute, fp32 reduction) and CPU offload are FSDP's, so a one-GPU run trains as a
+    many-GPU one does, not in fp32 (verl and torchtitan shard one rank too). On a CPU
+    machine one rank trains the plain module unless bf16 is asked for."""
     import torch.distributed as dist
 
     if spec.activation_checkpointing and trainable:
         _enable_activation_checkpointing(model)
     ranks = world_size()
     on_gpu = torch.cuda.is_available()
-    if ranks == 1 or (spec.strategy == "ddp" and not trainable):
+    bf16 = spec.mixed_precision == "bf16" or (spec.mixed_precision == "auto" and on_gpu)
+    if spec.strategy == "ddp" and (ranks == 1 or not trainable):
         # one rank: nothing to share; a frozen model under DDP is a plain replica
         return model.to(device()) if on_gpu else model
+    if spec.strategy == "fsdp" and ranks == 1 and not on_gpu and not bf16:
+        return model  # fp32 on one CPU rank: FSDP would only add its hooks
     if spec.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -108,13 +116,12 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh("cuda" if on_gpu else "cpu", (dist.get_world_size(),))
-    bf16 = spec.mixed_precision == "bf16" or (spec.mixed_precision == "auto" and on_gpu)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
     # on a CPU machine the parameters are already in host memory: offloading is a no-op
     offload = CPUOffloadPolicy() if spec.param_offload and on_gpu else OffloadPolicy()
-    if on_gpu and not spec.param_offload:
-        model = model.to(device())
+    # no model.to(device()) first: fully_shard moves each layer's parameters to the mesh's
+    # device as it shards them, so the whole model is never on one GPU at once
     options = dict(mesh=mesh, mp_policy=policy, offload_policy=offload,
                    reshard_after_forward=spec.reshard_after_forward)
     layers = decoder_layers(model)
@@ -205,20 +212,27 @@ class GatherMeter:
         self.live -= size
 
 
-def stream_full_parameters(model: torch.nn.Module, meter: GatherMeter | None = None
-                           ) -> Iterator[tuple[str, torch.Tensor]]:
+def stream_full_parameters(model: torch.nn.Module, meter: GatherMeter | None = None,
+                           dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter and buffer, one at a time: a sharded
     tensor is all-gathered when its turn comes and dropped by the consumer before the
     next, so the extra memory is one tensor, not a model copy. Under FSDP every rank must
-    consume the whole stream in the same order (each gather is a collective)."""
+    consume the whole stream in the same order (each gather is a collective).
+
+    ``dtype``: floating-point tensors are cast to it before they are gathered (bf16 for an
+    engine that serves bf16 moves half the bytes of the fp32 master weights)."""
     for name, tensor in unwrap(model).state_dict().items():
         tensor = tensor.detach()
         if hasattr(tensor, "full_tensor"):
             if torch.cuda.is_available() and tensor.device.type == "cpu":  # offloaded shard: gather on GPU
                 tensor = tensor.to(device())
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)  # this rank's shard: the gather then moves the smaller dtype
             tensor = tensor.full_tensor()
             if meter is not None:
                 meter.track(tensor)
+        elif dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
         yield name, tensor
 
 

@@ -58,12 +58,14 @@ class ActorRolloutRefWorker(TrainableWorker):
         tp = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
         max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
+        self.sync_dtype = None  # HF generation runs on the policy itself: nothing is synced
         if cfg.rollout.name == "vllm":
             dtype = cfg.rollout.dtype
             if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
                 dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
                                        max_model_len=max(64, max_len), dtype=dtype)
+            self.sync_dtype = getattr(torch, dtype)  # what the engine keeps: gather no more bytes
         else:
             self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
                                      synced=sharding.is_sharded(self.policy))
@@ -150,7 +152,8 @@ class ActorRolloutRefWorker(TrainableWorker):
         time; returns seconds taken and the peak bytes of gathered tensors alive at once."""
         t0 = time.perf_counter()
         meter = sharding.GatherMeter()
-        self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter))
+        self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter,
+                                                                    self.sync_dtype))
         return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count}
 
     # ---------------------------------------------------------------- checkpoints

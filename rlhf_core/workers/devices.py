@@ -11,18 +11,24 @@ and the process-group backend its sharding needs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
 
+if TYPE_CHECKING:  # the bare GPU smoke imports this module where tensordict is not installed
+    from rlhf_core.protocol import DataProto
 
-def to_device(data: DataProto) -> DataProto:
+
+def to_device(data: "DataProto") -> "DataProto":
     """``data`` with its tensors on this worker's device (``sharding.device()``): a new
     DataProto sharing the object columns and meta_info; ``data`` itself on a CPU worker."""
     device = sharding.device()
     if device.type == "cpu" or data.batch is None:
         return data
+    from rlhf_core.protocol import DataProto
+
     tensors = {key: value.to(device, non_blocking=True) for key, value in data.batch.items()}
     return DataProto.from_dict(tensors, data.non_tensor_batch, data.meta_info)
 
@@ -43,11 +49,12 @@ def require_cuda(gpus_per_node: int, accelerator_resource: str, cuda_available: 
                            f"resources.gpus_per_node=0 to train on CPU")
 
 
-def process_group_backend(on_gpu: bool, param_offload: bool) -> str:
-    """The ``init_process_group`` backend: gloo on CPU, NCCL on GPU, and both when FSDP
-    offloads parameters: their gradients then stay on the CPU, and the gradient-norm
-    all-reduce (and whole-state gathers) run on CPU tensors, which NCCL cannot carry
-    (torchtitan adds ``cpu:gloo`` for CPU offload the same way)."""
+def process_group_backend(on_gpu: bool) -> str:
+    """The ``init_process_group`` backend: gloo on CPU; on GPU NCCL for CUDA tensors and
+    gloo for CPU ones, at every world size (torchtitan's way). CPU tensors meet a
+    collective more often than it seems: the background checkpoint writer
+    (``dcp.async_save`` refuses a group without a CPU backend, even at one rank), and with
+    ``param_offload`` the gradients, whose norm is all-reduced on the CPU."""
     if not on_gpu:
         return "gloo"
-    return "cuda:nccl,cpu:gloo" if param_offload else "nccl"
+    return "cuda:nccl,cpu:gloo"

@@ -226,8 +226,7 @@ def response_values(model, input_ids, attention_mask, position_ids, response_len
 
 def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool = True,
                            resources=None) -> torch.nn.Module:
-    """Join the worker group's process group (gloo on CPU, NCCL on GPU, both when FSDP
-    offloads parameters) and prepare ``model`` for it under ``spec``
+    """Join the worker group's process group (gloo on CPU, NCCL and gloo on GPU) and prepare ``model`` for it under ``spec``
     (``sharding.ShardingSpec``: FSDP2 or DDP). With ``resources`` (the run's config
     section), a pool that reserved GPUs refuses a worker that finds no CUDA."""
     import socket
@@ -239,7 +238,7 @@ def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool
     on_gpu = torch.cuda.is_available()
     if resources is not None:
         devices.require_cuda(resources.gpus_per_node, resources.accelerator_resource, on_gpu, socket.gethostname())
-    worker.init_process_group(devices.process_group_backend(on_gpu, spec.param_offload))
+    worker.init_process_group(devices.process_group_backend(on_gpu))
     return sharding.wrap(model, spec, trainable=trainable)
 
 

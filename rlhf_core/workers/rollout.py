@@ -79,21 +79,31 @@ class VLLMRollout:
         # Sleep mode frees the engine's weights and KV cache while the actor trains; CPU
         # engines have no sleep mode (and nothing to gain: training uses the same RAM).
         self.sleeps = on_gpu and config.free_cache_engine
-        engine = {"gpu_memory_utilization": config.gpu_memory_utilization, "enable_sleep_mode": self.sleeps}
+        engine = {"gpu_memory_utilization": config.gpu_memory_utilization, "enable_sleep_mode": self.sleeps,
+                  # the engine's first weights are the policy's, pushed before its first
+                  # generate: reading the checkpoint here would only be thrown away
+                  "load_format": "dummy",
+                  # the n samples of a prompt are n requests sharing its tokens: one prefill
+                  "enable_prefix_caching": True}
         if tp > 1:
             # the training ranks are the engine's ranks: vLLM joins the torch.distributed
-            # world they already formed (consecutive ranks share one engine)
-            engine.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher")
+            # world they already formed (consecutive ranks share one engine). Ray narrows each
+            # rank's CUDA_VISIBLE_DEVICES to its own GPU, so vLLM's custom all-reduce (a
+            # peer-to-peer check over the engine's logical devices) cannot work: NCCL's does.
+            engine.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
+                          disable_custom_all_reduce=True)
         if not on_gpu:
             # On CPU, no chunked prefill: a prompt split across engine steps makes vLLM rewind
             # that request's seeded generator, which CPU generators cannot do ("CPU Generator
             # does not use offset"), so batches of more prompt tokens than one step takes
             # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
-            engine = {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False}
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=True,
-                       seed=seed, max_num_seqs=1024, enable_prefix_caching=False, **engine)
-        # what the engine holds on the device (both until its first sleep)
-        self.has_weights, self.kv_cache_awake = True, True
+            # The checkpoint is loaded (no sleep mode: the weights stay until replaced).
+            engine = {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False, "enable_prefix_caching": False}
+        enforce_eager = (not on_gpu) if config.enforce_eager is None else config.enforce_eager
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
+                       seed=seed, max_num_seqs=1024, **engine)
+        # what the engine holds on the device (a dummy load holds no policy weights yet)
+        self.has_weights, self.kv_cache_awake = engine.get("load_format") != "dummy", True
         tokenizer = self.llm.get_tokenizer()
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self.eos_id = tokenizer.eos_token_id
@@ -165,6 +175,7 @@ class VLLMRollout:
         ``generate`` (training stages may run in between: a resume's redone updates)."""
         self._wake_weights()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
+        self.has_weights = True
         free_cached_memory()  # the gathered tensors' blocks
         if not self.sleeps:  # a sleep already cleared it
             self.llm.reset_prefix_cache()
