@@ -23,7 +23,6 @@ each named with its reason. The full Ray + vLLM smoke for a GPU image is ``gpu_s
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import tempfile
@@ -123,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
     from rlhf_core.distributed import sharding
     from rlhf_core.models.qwen2 import qwen2_from_config
+    from rlhf_core.runtime.gpus import local_device_index
     from rlhf_core.workers import devices, packing
     from rlhf_core.workers.modeling import response_log_probs
 
@@ -151,20 +151,23 @@ def main(argv: list[str] | None = None) -> int:
         steps.skip("nccl all-reduce", "no CUDA: the CPU group is gloo alone")
 
     def device_index():
-        # Ray narrows CUDA_VISIBLE_DEVICES to a worker's own GPU(s): LOCAL_RANK counts ranks
-        # on the node, the device index counts the GPUs this process sees
-        count = torch.cuda.device_count()
+        # the worker's rule (Worker binds LOCAL_RANK with it): the GPU Ray assigned, as this
+        # process numbers its devices; each one visible here, then one as Ray narrows it
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [v.strip() for v in visible.split(",")] if visible else [str(i) for i in range(torch.cuda.device_count())]
         seen = {}
         old = os.environ.get("LOCAL_RANK")
         try:
-            for local_rank in range(4):
-                os.environ["LOCAL_RANK"] = str(local_rank)
-                seen[local_rank] = sharding.device()
-                if seen[local_rank] != torch.device("cuda", local_rank % count):
-                    raise AssertionError(f"LOCAL_RANK={local_rank} with {count} visible GPU(s) gave {seen[local_rank]}")
+            for gpu in ids:
+                os.environ["LOCAL_RANK"] = str(local_device_index([gpu], visible))
+                seen[gpu] = sharding.device()
+                torch.ones(1, device=seen[gpu])  # a valid ordinal
         finally:
             os.environ.pop("LOCAL_RANK", None) if old is None else os.environ.__setitem__("LOCAL_RANK", old)
-        return f"{count} visible GPU(s): " + ", ".join(f"LOCAL_RANK {k} -> {v}" for k, v in seen.items())
+        narrowed = local_device_index([ids[-1]], ids[-1])
+        if narrowed != 0:
+            raise AssertionError(f"a worker Ray narrowed to GPU {ids[-1]} got device {narrowed}, expected 0")
+        return ", ".join(f"Ray GPU {k} -> {v}" for k, v in seen.items()) + "; narrowed to one GPU -> cuda:0"
 
     if on_gpu:
         steps.run("device-index rule", device_index)
@@ -175,9 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     def build():
         model = qwen2_from_config(seed=0, vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=32768,
                                   **SHAPES[shape])
-        state["config"] = model.config
         state["implementation"] = packing.enable_packing(model, on_gpu=on_gpu)
-        state["reference"] = copy.deepcopy(model).eval().requires_grad_(False)
+        state["weights"] = sharding.FullWeights.of(model)  # what rank 0 broadcasts to the others
+        # the reference as the actor builds it: on the meta device, in the dtype it computes
+        # in, filled from the policy's weights when it is sharded (the other ranks' path)
+        with torch.device("meta"):
+            reference = qwen2_from_config(vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=32768,
+                                          **SHAPES[shape])
+        for p in reference.parameters():
+            p.data = p.data.to(torch.bfloat16)
+        packing.enable_packing(reference, on_gpu=on_gpu)
+        state["reference"] = reference.eval().requires_grad_(False)
         state["model"] = model
         return f"{sum(p.numel() for p in model.parameters()) / 1e9:.3f}B parameters, vocabulary {VOCAB}"
 
@@ -188,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = sharding.ShardingSpec(mixed_precision="auto" if on_gpu else "bf16", activation_checkpointing=True)
         policy = sharding.wrap(state.pop("model"), spec)
         reference = sharding.wrap(state.pop("reference"), sharding.ShardingSpec(
-            mixed_precision=spec.mixed_precision, param_offload=True), trainable=False)
+            mixed_precision=spec.mixed_precision, param_offload=True), trainable=False, source=state.pop("weights"))
         if not (sharding.is_sharded(policy) and sharding.is_sharded(reference)):
             raise AssertionError("one rank was not wrapped in FSDP")
         seen = []
@@ -198,14 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         hook.remove()
         if seen != [torch.bfloat16]:
             raise AssertionError(f"expected bf16 compute, found {seen}")
-        ref_device = next(iter(reference.parameters())).to_local().device
+        ref_param = next(iter(reference.parameters())).to_local()
+        ref_device = ref_param.device
         if on_gpu and ref_device.type != "cpu":
             raise AssertionError(f"the reference's parameters are on {ref_device}, expected the host")
+        if ref_param.dtype != torch.bfloat16:
+            raise AssertionError(f"the reference's shards are {ref_param.dtype}, expected bf16")
         state.update(policy=policy, reference=reference,
                      optimizer=torch.optim.AdamW(policy.parameters(), lr=1e-6))
         state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(state["optimizer"], lambda step: 1.0)
         return (f"one-rank mesh, bf16 compute, fp32 master weights, activation checkpointing; reference "
-                f"parameters on {ref_device.type}")
+                f"built on the meta device, filled from the policy's weights, bf16 shards on {ref_device.type}")
 
     steps.run("FSDP2 with the production options", wrap)
     if not on_gpu:
@@ -243,10 +257,16 @@ def main(argv: list[str] | None = None) -> int:
                 batch["ref_log_prob"], _ = response_log_probs(state["reference"], *args, packed=True)
             if on_gpu:
                 torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
             if not torch.isfinite(batch["old_log_prob"]).all():
                 raise AssertionError("non-finite log-probs")
-            return (f"policy + offloaded reference, {real} real tokens in {time.perf_counter() - t0:.2f}s, "
-                    f"{_peak(on_gpu)}")
+            detail = ""
+            if "updated" not in state:  # before any update the reference is the policy
+                gap = (batch["old_log_prob"] - batch["ref_log_prob"])[batch["response_mask"].bool()].abs().max()
+                if gap > 1e-3:
+                    raise AssertionError(f"the reference's log-probs differ from the policy's by {float(gap)}")
+                detail = f"; |policy - reference| {float(gap):.2g} before any update"
+            return f"policy + offloaded reference, {real} real tokens in {seconds:.2f}s, {_peak(on_gpu)}{detail}"
 
         def ppo_step(args=args, batch=batch, real=real):
             policy, optimizer = state["policy"], state["optimizer"]
@@ -263,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             state["scheduler"].step()
             optimizer.zero_grad(set_to_none=True)
+            state["updated"] = True
             policy.eval()
             if on_gpu:
                 torch.cuda.synchronize()

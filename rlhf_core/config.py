@@ -97,6 +97,10 @@ class FSDPConfig:
                                      "for backward (ZeRO-2: faster, more memory)")
     mixed_precision: str = _f("auto", "auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU) "
                               "| bf16 | fp32", choices=("auto", "bf16", "fp32"))
+    fsdp_size: int = _f(0, "ranks that share one sharded copy of the model (verl's fsdp_size): -1 all "
+                        "of a role's ranks; 0 (auto): all of them on one node, each node's ranks on a GPU pool of "
+                        "several nodes (parameter gathers stay inside a node); k: groups of k ranks, replicated "
+                        "across groups (HSDP: one gradient all-reduce between groups)", ge=-1, hashed=False)
 
 
 @dataclass
@@ -520,6 +524,10 @@ class RunConfig:
         if self.actor.world_size % tp:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected a divisor of actor.world_size="
                               f"{self.actor.world_size}; found {tp}")
+        fsdp_size = self.actor.fsdp_config.fsdp_size
+        if fsdp_size > 0 and self.actor.world_size % fsdp_size:
+            raise ConfigError(f"actor.fsdp_config.fsdp_size: expected a divisor of actor.world_size="
+                              f"{self.actor.world_size} (or -1: all ranks, 0: each node's); found {fsdp_size}")
         if res.gpus_per_node and tp > res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected at most resources.gpus_per_node="
                               f"{res.gpus_per_node} (a tensor-parallel group stays on one node); found {tp}")

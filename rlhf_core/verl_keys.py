@@ -127,6 +127,8 @@ TABLE: dict[str, Rule] = {
     A + "fsdp_config.param_offload": _m("actor.fsdp_config.param_offload"),
     A + "fsdp_config.optimizer_offload": _m("actor.fsdp_config.optimizer_offload"),
     A + "fsdp_config.reshard_after_forward": _m("actor.fsdp_config.reshard_after_forward"),
+    A + "fsdp_config.fsdp_size": _m("actor.fsdp_config.fsdp_size", note="-1 as in verl; here 0 (the default) "
+                                    "shards within each node of a multi-node GPU pool"),
     "actor_rollout_ref.ref.fsdp_config.param_offload": _m("actor.fsdp_config.ref_param_offload"),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": _m(
         "actor.log_prob_micro_batch_size_per_gpu", note="one setting here for old and reference log-probs"),

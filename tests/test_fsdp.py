@@ -44,7 +44,10 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
 
     worker = Worker()
-    model = modeling.init_distributed_model(worker, _model(), sharding.ShardingSpec(strategy=strategy))
+    # "hsdp": FSDP over a (replicas, shards) mesh of one-rank shard groups
+    spec = sharding.ShardingSpec(strategy="fsdp", fsdp_size=1) if strategy == "hsdp" else \
+        sharding.ShardingSpec(strategy=strategy)
+    model = modeling.init_distributed_model(worker, _model(), spec)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     if load:
@@ -52,10 +55,14 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     share = ROWS // world
     for step in steps:
         ids = _data(step)[rank * share:(rank + 1) * share]
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # HSDP accumulates two micro-batches, all-reducing across replicas on the last only
+        parts = ids.chunk(2) if strategy == "hsdp" else (ids,)
+        for i, part in enumerate(parts):
+            sharding.all_reduce_across_replicas(model, now=i == len(parts) - 1)
+            logits = model(input_ids=part).logits[:, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), part[:, 1:].reshape(-1))
+            (loss / len(parts)).backward()
         sharding.grad_norm_and_clip(model, 0.5)
         optimizer.step()
         if save_at == step:  # the workers' own path: written in the background, on a group of its own
@@ -105,18 +112,22 @@ def test_two_fsdp_ranks_train_what_one_rank_and_two_ddp_ranks_train(tmp_path):
     one = train(tmp_path, 1, "fsdp", range(3))
     fsdp = train(tmp_path, 2, "fsdp", range(3))
     ddp = train(tmp_path, 2, "ddp", range(3))
+    hsdp = train(tmp_path, 2, "hsdp", range(3))  # two replicas of one-rank shard groups
     start = _model().state_dict()
     assert _max_diff(one["state"], start) > 1e-3, "the steps must move the weights"
     assert _max_diff(fsdp["state"], one["state"]) < 1e-5
     assert _max_diff(fsdp["state"], ddp["state"]) < 1e-5
-    # each FSDP rank holds about half the parameters; each DDP rank all of them
+    # HSDP's run accumulates two micro-batches: the same gradient summed in another order,
+    # through three Adam steps at lr 1e-2 (a step that skipped the all-reduce would be off by far more)
+    assert _max_diff(hsdp["state"], fsdp["state"]) < 1e-4
+    # each FSDP rank holds about half the parameters; each DDP and HSDP-replica rank all of them
     total = sum(t.numel() for t in start.values())
-    assert ddp["local_per_rank"] == [total, total]
+    assert ddp["local_per_rank"] == [total, total] and hsdp["local_per_rank"] == [total, total]
     assert sum(fsdp["local_per_rank"]) == total and max(fsdp["local_per_rank"]) <= 0.55 * total
 
 
 @pytest.mark.parametrize("saved_world,resume_world,resume_strategy",
-                         [(2, 2, "fsdp"), (2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp")])
+                         [(2, 2, "fsdp"), (2, 1, "fsdp"), (1, 2, "fsdp"), (2, 2, "ddp"), (2, 2, "hsdp")])
 def test_sharded_checkpoint_resumes_bit_identical_and_reshards(tmp_path, tmp_path_factory, saved_world,
                                                                resume_world, resume_strategy):
     """Save after step 0 with the workers' background save (every rank writes its shards),
@@ -304,3 +315,60 @@ def test_sliced_log_probs_train_under_fsdp_and_ddp_what_one_full_pass_trains(tmp
     assert _max_diff(run(2, "ddp", 5), one) < 2e-4
     # padding-free: the packed sequences' attention set up before FSDP2 wraps the model
     assert _max_diff(run(2, "fsdp", 5, packed=True), one) < 2e-4
+
+
+def _meta_main(rank: int, world: int, rdzv: str, out: str) -> None:
+    """Rank 0 builds the model with its weights, the others on the meta device; after
+    ``wrap`` every rank computes the same logits as the unsharded model, and a bf16
+    reference filled from rank 0's weights holds bf16 shards."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    from rlhf_core.controller.worker import Worker
+    from rlhf_core.distributed import sharding
+    from rlhf_core.models.qwen2 import qwen2_from_config
+    from rlhf_core.workers import modeling
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=True)
+    ids = _data(0)
+    reads = sharding.reads_checkpoint("fsdp", rank, world)
+    if reads:
+        model = qwen2_from_config(0, **shape)
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+    else:
+        with torch.device("meta"):
+            model = qwen2_from_config(None, **shape)
+    weights = sharding.FullWeights.of(model) if reads else None
+    policy = modeling.init_distributed_model(Worker(), model, sharding.ShardingSpec(strategy="fsdp"), source=weights)
+    with torch.device("meta"):
+        reference = qwen2_from_config(None, **shape)
+    for p in reference.parameters():  # parameters only, as a model built in bf16: rotary stays fp32
+        p.data = p.data.to(torch.bfloat16)
+    reference = sharding.wrap(reference, sharding.ShardingSpec(mixed_precision="bf16"), trainable=False,
+                              source=weights)
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits
+        ref_logits = reference(input_ids=ids).logits.float()
+    torch.save({"logits": logits, "ref_logits": ref_logits, "expected": expected if reads else None,
+                "ref_dtypes": {str(p.dtype) for p in reference.parameters()},
+                "on_meta": any(p.is_meta for p in [*policy.parameters(), *reference.parameters()]),
+                "inv_freq": policy.model.rotary_emb.inv_freq.clone(),
+                "tied": [m.lm_head.weight is m.model.embed_tokens.weight for m in (policy, reference)]},
+               f"{out}.rank{rank}")
+
+
+def test_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):
+    out = str(tmp_path / "meta")
+    mp.start_processes(_meta_main, args=(2, uuid.uuid4().hex[:8], out), nprocs=2, start_method="spawn")
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    expected = ranks[0]["expected"]
+    for seen in ranks:
+        assert not seen["on_meta"]
+        assert torch.allclose(seen["logits"], expected, atol=1e-5)        # rank 1 read nothing itself
+        assert seen["ref_dtypes"] == {"torch.bfloat16"}                    # cast as it was filled
+        assert (seen["ref_logits"] - expected).abs().max() < 0.05          # bf16 rounding only
+        assert torch.equal(seen["inv_freq"], ranks[0]["inv_freq"])          # buffers too (in no state dict)
+        assert seen["tied"] == [True, True]                                 # one embedding, as loaded
+    assert torch.equal(ranks[1]["ref_logits"], ranks[0]["ref_logits"])

@@ -24,10 +24,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from rlhf_core.config import RunConfig, apply_overrides
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides
 from rlhf_core.controller import Worker
 from rlhf_core.controller import worker as worker_module
-from rlhf_core.controller.worker import local_device_index
+from rlhf_core.runtime.gpus import local_device_index
 from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
 from rlhf_core.workers import devices, modeling
@@ -69,6 +69,26 @@ def test_the_device_index_is_the_gpu_rays_ids_name_among_the_visible_ones(gpu_id
     assert local_device_index(gpu_ids, visible) == expected
 
 
+@pytest.mark.parametrize("fsdp_size, world, on_node, on_gpu, expected", [
+    (-1, 16, 8, True, 16),   # verl's -1: one sharded copy over every rank
+    (0, 16, 8, True, 8),     # auto, two GPU nodes: shard within each, replicate across (HSDP)
+    (0, 8, 8, True, 8),      # auto, one node: plain FSDP
+    (0, 16, 8, False, 16),   # auto on simulated CPU nodes: one group, as before
+    (4, 16, 8, True, 4),
+    (2, 2, 2, False, 2),
+])
+def test_the_shard_group_is_the_node_on_multi_node_gpu_pools(fsdp_size, world, on_node, on_gpu, expected):
+    assert sharding.shard_group_size(fsdp_size, world, on_node, on_gpu) == expected
+
+
+def test_a_shard_group_that_does_not_divide_the_ranks_is_one_line():
+    with pytest.raises(ValueError, match=r"^actor.fsdp_config.fsdp_size: expected a divisor of the role's 8 ranks "
+                                         r"\(or -1 / 0\); found 3$"):
+        sharding.shard_group_size(3, 8, 8, True)
+    with pytest.raises(ConfigError, match="actor.fsdp_config.fsdp_size: expected a divisor of actor.world_size=2"):
+        apply_overrides(RunConfig(), ["actor.world_size=2", "actor.fsdp_config.fsdp_size=3"]).validate()
+
+
 def test_a_gpu_id_missing_from_the_visible_devices_is_one_line_naming_both():
     with pytest.raises(RuntimeError, match=r"^CUDA_VISIBLE_DEVICES: expected Ray's GPU ids \['5'\] among the "
                                            r"visible devices; found '0,1'$"):
@@ -89,7 +109,7 @@ def test_a_worker_binds_local_rank_and_the_current_device_to_its_ray_gpu(monkeyp
 
 class Env(Worker):
     def env(self) -> dict:
-        return {k: os.environ.get(k) for k in ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")}
+        return {k: os.environ.get(k) for k in ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE")}
 
 
 def test_every_rank_of_a_gpu_pool_binds_device_zero_of_its_own_gpu(ray_local):
@@ -105,6 +125,7 @@ def test_every_rank_of_a_gpu_pool_binds_device_zero_of_its_own_gpu(ray_local):
         group.kill()
         pool.release()
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "0"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["2", "2"]  # ranks on the node, as torchrun sets it
     assert len({e["CUDA_VISIBLE_DEVICES"] for e in envs}) == 2  # two different GPUs
 
 
@@ -144,7 +165,7 @@ def test_a_worker_joins_with_nccl_and_gloo_on_a_gpu(monkeypatch, offload):
     joined = []
     monkeypatch.setattr(Worker, "init_process_group", lambda self, backend=None: joined.append(backend))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sharding, "wrap", lambda model, spec, trainable=True: model)
+    monkeypatch.setattr(sharding, "wrap", lambda model, spec, trainable=True, source=None: model)
     modeling.init_distributed_model(Worker(), torch.nn.Linear(2, 2), sharding.ShardingSpec(param_offload=offload))
     assert joined == ["cuda:nccl,cpu:gloo"]
 

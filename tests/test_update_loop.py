@@ -97,3 +97,23 @@ def test_actor_and_critic_update_through_the_shared_loop():
         source = inspect.getsource(inspect.unwrap(method))
         assert "self._ppo_update(" in source and "optimizer.step" not in source, method
     assert CriticWorker.seed_offset != ActorRolloutRefWorker.seed_offset
+
+
+def test_replicas_all_reduce_gradients_on_the_last_micro_batch_of_each_step_only(monkeypatch):
+    """HSDP's cross-replica all-reduce runs once per optimizer step (the sum is the same):
+    the loop turns it off for every micro-batch but a step's last."""
+    from rlhf_core.distributed import sharding
+
+    cfg = apply_overrides(config(), ["actor.ppo_micro_batch_size_per_gpu=1"])  # 2 micro-batches a step
+    worker = ToyWorker(cfg)
+    switched = []
+    monkeypatch.setattr(sharding, "is_sharded", lambda model: True)
+    worker.model.set_requires_all_reduce = switched.append
+    seen = []
+    real_loss = worker.loss
+    worker.loss = lambda micro: (seen.append(switched[-1]), real_loss(micro))[1]
+    data = batch(None)
+    data.batch["response_mask"] = torch.ones(ROWS, 2)  # micro-batches of a token-mean loss weigh by tokens
+    worker._ppo_update(data, cfg.actor, worker.loss, "actor")
+    steps = ROWS // cfg.actor.ppo_mini_batch_size
+    assert seen == [False, True] * steps  # each micro-batch's backward ran with the switch as set

@@ -12,6 +12,8 @@ import datetime
 import os
 import tempfile
 
+from rlhf_core.runtime.gpus import local_device_index
+
 
 # Environment a WorkerGroup sets on each actor (torch.distributed's env:// contract).
 ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -22,28 +24,6 @@ RENDEZVOUS_ENV = "RLHF_RDZV_ID"
 
 def _is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
-
-
-def local_device_index(gpu_ids: list[str], visible_devices: str | None) -> int | None:
-    """The CUDA device index of this worker's GPU, as this process numbers its devices.
-
-    ``gpu_ids`` are the GPU ids Ray assigned the worker (its runtime context's accelerator
-    ids); ``visible_devices`` is the process's ``CUDA_VISIBLE_DEVICES``. Ray narrows that
-    variable to the assigned ids, so a one-GPU worker's device is 0 whatever its
-    placement-group bundle; with ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`` it is left
-    as the node's list (or unset), and the device is the id's place in it (or the id
-    itself). None when Ray assigned no GPU (CPU pools, custom accelerator resources).
-    """
-    if not gpu_ids:
-        return None
-    if not visible_devices:
-        return min(int(i) for i in gpu_ids)  # no mask: Ray's ids are the devices' own indices
-    visible = [v.strip() for v in visible_devices.split(",")]
-    missing = [i for i in gpu_ids if i not in visible]
-    if missing:
-        raise RuntimeError(f"CUDA_VISIBLE_DEVICES: expected Ray's GPU ids {sorted(gpu_ids)} among the visible "
-                           f"devices; found {visible_devices!r}")
-    return min(visible.index(i) for i in gpu_ids)
 
 
 def _ray_gpu_ids() -> list[str]:

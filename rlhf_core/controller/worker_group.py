@@ -154,12 +154,13 @@ class RayWorkerGroup:
         pgs = pool.get_placement_groups()
         world_size = pool.world_size
         remote_cls = ray.remote(self.ray_cls_with_init.cls)
-        slots = [(pg, b) for pg, count in zip(pgs, pool.process_on_nodes) for b in range(count)]
+        slots = [(pg, b, count) for pg, count in zip(pgs, pool.process_on_nodes) for b in range(count)]
         master_addr = master_port = None
         rendezvous = uuid.uuid4().hex
-        for rank, (pg, bundle) in enumerate(slots):
+        for rank, (pg, bundle, on_node) in enumerate(slots):
+            # LOCAL_WORLD_SIZE as torchrun sets it: this node's ranks (FSDP shards within them)
             env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), RENDEZVOUS_ENV: rendezvous,
-                   "RAY_LOCAL_WORLD_SIZE": str(len(slots))}
+                   "LOCAL_WORLD_SIZE": str(on_node)}
             if not (pool.use_gpu and pool.accelerator_resource == "GPU"):
                 # a GPU worker sets LOCAL_RANK itself, from the GPU Ray gave it (Worker._bind_gpu):
                 # the bundle index is no device index once Ray narrows CUDA_VISIBLE_DEVICES

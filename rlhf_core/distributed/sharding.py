@@ -31,6 +31,7 @@ class ShardingSpec:
     reshard_after_forward: bool = True  # FSDP: free gathered layers after forward (ZeRO-3) or keep (ZeRO-2)
     mixed_precision: str = "auto"      # auto: bf16 compute + fp32 reduction on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    fsdp_size: int = -1                 # FSDP: ranks per sharded copy (-1 all, 0 each node's); see shard_group_size
 
     @classmethod
     def from_config(cls, cfg, param_offload: bool | None = None) -> "ShardingSpec":
@@ -38,7 +39,23 @@ class ShardingSpec:
         return cls(strategy=cfg.actor.strategy,
                    param_offload=fsdp.param_offload if param_offload is None else param_offload,
                    reshard_after_forward=fsdp.reshard_after_forward, mixed_precision=fsdp.mixed_precision,
-                   activation_checkpointing=cfg.model.enable_gradient_checkpointing)
+                   activation_checkpointing=cfg.model.enable_gradient_checkpointing, fsdp_size=fsdp.fsdp_size)
+
+
+def shard_group_size(fsdp_size: int, world: int, ranks_on_node: int, on_gpu: bool) -> int:
+    """How many ranks one sharded copy of the model spans (the rest of the world replicates
+    it: HSDP). ``fsdp_size`` -1: all; 0 (auto): all, except on a GPU pool over several nodes,
+    where each node's ranks (FSDP gathers every layer each forward and backward: within a
+    node that runs over NVLink; across nodes, over the network, and only the gradient
+    all-reduce between replicas crosses it then); k: k. Simulated CPU pools keep one group.
+    """
+    if fsdp_size == -1 or (fsdp_size == 0 and not (on_gpu and 0 < ranks_on_node < world)):
+        return world
+    size = ranks_on_node if fsdp_size == 0 else fsdp_size
+    if size > world or world % size:
+        raise ValueError(f"actor.fsdp_config.fsdp_size: expected a divisor of the role's {world} ranks (or -1 / "
+                         f"0); found {size}")
+    return size
 
 
 def device() -> torch.device:
@@ -84,9 +101,76 @@ def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
                      f"to checkpoint")
 
 
-def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> torch.nn.Module:
+@dataclass(frozen=True)
+class FullWeights:
+    """Rank 0's whole model, taken before it is sharded, to fill every rank's shards from:
+    its state dict, and its buffers (non-persistent ones, such as rotary frequencies, are in
+    no state dict)."""
+
+    state: dict
+    buffers: dict
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "FullWeights":
+        # detached tensors keep the loaded storage: sharding gives the module new tensors
+        return cls({k: v.detach() for k, v in model.state_dict().items()},
+                   {k: v.detach() for k, v in model.named_buffers()})
+
+
+def loads_from_rank0(strategy: str, world: int) -> bool:
+    """Under FSDP over several ranks rank 0 alone reads a model's weights; the others build
+    the model on the meta device and ``wrap`` broadcasts rank 0's weights into every rank's
+    shards (verl's full-state-dict load: the checkpoint is read, and the whole model held
+    in host memory, once per node's rank 0 instead of once per rank)."""
+    return strategy == "fsdp" and world > 1
+
+
+def reads_checkpoint(strategy: str, rank: int, world: int) -> bool:
+    """Whether this rank reads a model's weights from its checkpoint (``loads_from_rank0``)."""
+    return rank == 0 or not loads_from_rank0(strategy, world)
+
+
+def computes_in_bf16(spec: ShardingSpec) -> bool:
+    """Whether the model's forward runs in bf16 under ``spec`` (FSDP's mixed precision)."""
+    return spec.strategy == "fsdp" and (spec.mixed_precision == "bf16" or
+                                        (spec.mixed_precision == "auto" and torch.cuda.is_available()))
+
+
+def _on_meta(model: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in model.parameters())
+
+
+def _fill_from_rank0(model: torch.nn.Module, source: FullWeights | None, where: torch.device) -> None:
+    """Every rank's shards from rank 0's ``source`` (a collective: all ranks call it). Each
+    tensor is broadcast whole and sliced into the shards; the copy casts to the shard's
+    dtype (a bf16 reference filled from fp32 weights)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if rank() == 0 and source is None:
+        raise ValueError("rank 0 shards a model built on the meta device: pass its weights (FullWeights.of)")
+    if _on_meta(model):
+        # allocated where the shards live (the host when offloaded), in the module's dtypes:
+        # the broadcast then copies into them rather than assigning rank 0's dtypes
+        model.to_empty(device=where)
+    # a copy of the dict: set_model_state_dict puts the shards it made into the one it gets
+    set_model_state_dict(model, dict(source.state) if rank() == 0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if rank() == 0:
+            buffer.copy_(source.buffers[name])
+        if dist.is_initialized() and world_size() > 1:
+            dist.broadcast(buffer, src=0)
+
+
+def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True,
+         source: FullWeights | None = None) -> torch.nn.Module:
     """``model`` prepared for this process group under ``spec`` (the process group must
     be initialised). ``trainable=False`` (the reference model) shards without gradients.
+    ``source``: rank 0's whole weights, taken before sharding, where ``model`` was built on
+    the meta device (the other ranks under FSDP, see ``reads_checkpoint``; or any model
+    that is a copy of another, such as the reference): every rank's shards are filled
+    from it after sharding.
 
     FSDP wraps at every world size on a GPU, one rank included: its mixed precision (bf16
     compute, fp32 reduction) and CPU offload are FSDP's, so a one-GPU run trains as a
@@ -98,11 +182,22 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
         _enable_activation_checkpointing(model)
     ranks = world_size()
     on_gpu = torch.cuda.is_available()
-    bf16 = spec.mixed_precision == "bf16" or (spec.mixed_precision == "auto" and on_gpu)
+    bf16 = computes_in_bf16(spec)
+    sharded = spec.strategy == "fsdp" and (ranks > 1 or on_gpu or bf16)
+    if not sharded and _on_meta(model):  # a copy filled in this process: every rank has the weights
+        if source is None:
+            raise ValueError(f"a model built on the meta device under actor.strategy={spec.strategy} at "
+                             f"{ranks} rank(s): pass its weights (FullWeights.of)")
+        model.to_empty(device=torch.device("cpu"))
+        if hasattr(model, "tie_weights"):  # to_empty gives tied parameters one tensor each
+            model.tie_weights()
+        model.load_state_dict(source.state)
+        for name, buffer in model.named_buffers():
+            buffer.copy_(source.buffers[name])
     if spec.strategy == "ddp" and (ranks == 1 or not trainable):
         # one rank: nothing to share; a frozen model under DDP is a plain replica
         return model.to(device()) if on_gpu else model
-    if spec.strategy == "fsdp" and ranks == 1 and not on_gpu and not bf16:
+    if spec.strategy == "fsdp" and not sharded:
         return model  # fp32 on one CPU rank: FSDP would only add its hooks
     if spec.strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -115,7 +210,10 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh("cuda" if on_gpu else "cpu", (dist.get_world_size(),))
+    # a (replicas, shards) mesh gives HSDP: shards within a group, gradients all-reduced across
+    shards = shard_group_size(spec.fsdp_size, ranks, int(os.environ.get("LOCAL_WORLD_SIZE", ranks)), on_gpu)
+    mesh = init_device_mesh("cuda" if on_gpu else "cpu", (ranks // shards, shards) if shards < ranks else (ranks,),
+                            mesh_dim_names=("replicate", "shard") if shards < ranks else ("shard",))
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16
               else MixedPrecisionPolicy())
     # on a CPU machine the parameters are already in host memory: offloading is a no-op
@@ -131,7 +229,19 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True) -> 
     for layer in layers:
         fully_shard(layer, **options)
     fully_shard(model, **options)
+    if source is not None or _on_meta(model):
+        _fill_from_rank0(model, source, device() if on_gpu and not spec.param_offload else torch.device("cpu"))
     return model
+
+
+def all_reduce_across_replicas(model: torch.nn.Module, now: bool) -> None:
+    """HSDP (``fsdp_size`` below the world): every micro-batch's gradients are
+    reduce-scattered within the shard group (each rank then accumulates its own shard),
+    but all-reduced across the replica groups only when ``now``: on the last micro-batch of
+    an optimizer step, so the traffic between nodes is once a step, not once a micro-batch.
+    The sum is the same. A no-op for other models."""
+    if is_sharded(model):
+        model.set_requires_all_reduce(now)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -8,7 +8,6 @@ after every update, one gathered tensor at a time.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
@@ -38,17 +37,25 @@ class ActorRolloutRefWorker(TrainableWorker):
         self._seed_init()
         self.model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
         self.tokenizer = modeling.load_tokenizer(self.model_path)
-        policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype)
+        spec = sharding.ShardingSpec.from_config(cfg)
+        # under FSDP over several ranks rank 0 alone reads the weights (sharding.loads_from_rank0)
+        reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)
+        policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads)
         modeling.check_micro_batch_memory(cfg, policy.config)
-        if cfg.model.use_remove_padding:  # before the reference copy: both forwards are packed
-            packing.enable_packing(policy)
-        reference = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.use_reference else None
-        self.policy = modeling.init_distributed_model(self, policy, sharding.ShardingSpec.from_config(cfg),
-                                                      resources=cfg.resources)
+        weights = sharding.FullWeights.of(policy) if reads else None  # the reference's too
+        self.policy = modeling.init_distributed_model(
+            self, self._packed(policy), spec, resources=cfg.resources,
+            source=weights if sharding.loads_from_rank0(spec.strategy, self.world_size) else None)
         self.reference = None
-        if reference is not None:
+        if cfg.use_reference:
             ref_spec = sharding.ShardingSpec.from_config(cfg, param_offload=cfg.actor.fsdp_config.ref_param_offload)
-            self.reference = sharding.wrap(reference, ref_spec, trainable=False)
+            # the policy's weights in the dtype its forward computes in: bf16 under mixed
+            # precision gives the same log-probs from half the bytes (on the GPU, or moved
+            # to it per layer when offloaded)
+            dtype = "bfloat16" if sharding.computes_in_bf16(ref_spec) else cfg.model.dtype
+            reference = modeling.load_causal_lm(self.model_path, dtype, empty=True).eval().requires_grad_(False)
+            self.reference = sharding.wrap(self._packed(reference), ref_spec, trainable=False, source=weights)
+        del weights
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         warmup = max(1, cfg.actor.lr_warmup_steps)
@@ -72,6 +79,11 @@ class ActorRolloutRefWorker(TrainableWorker):
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
         return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
                 "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
+
+    def _packed(self, model):
+        if self.config.model.use_remove_padding:  # padding-free forwards (packing)
+            packing.enable_packing(model)
+        return model
 
     # ---------------------------------------------------------------- stages
 

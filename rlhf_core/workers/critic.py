@@ -21,10 +21,13 @@ class CriticWorker(TrainableWorker):
         cfg = self.config
         self._seed_init()
         path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
-        value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding)
+        spec = sharding.ShardingSpec.from_config(cfg)
+        reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)  # rank 0 alone under FSDP
+        value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding, empty=not reads)
         modeling.check_micro_batch_memory(cfg, value_model.backbone.config)
-        self.critic = modeling.init_distributed_model(self, value_model, sharding.ShardingSpec.from_config(cfg),
-                                                      resources=cfg.resources)
+        source = sharding.FullWeights.of(value_model) if reads and sharding.loads_from_rank0(
+            spec.strategy, self.world_size) else None
+        self.critic = modeling.init_distributed_model(self, value_model, spec, resources=cfg.resources, source=source)
         self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}

@@ -43,10 +43,16 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
     return local
 
 
-def load_causal_lm(path: str, dtype: str = "float32"):
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(path: str, dtype: str = "float32", empty: bool = False):
+    """The causal LM in ``path``; ``empty``: built from its config on the meta device (no
+    weights read, no memory), for a rank whose shards are filled by ``sharding.wrap``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=getattr(torch, dtype))
+    if empty:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.config.use_cache = False
     return model
 
@@ -187,17 +193,18 @@ def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, te
 class ValueModel(torch.nn.Module):
     """A causal LM backbone with a scalar value head (initialised from the policy)."""
 
-    def __init__(self, path: str, dtype: str = "float32", packed: bool = False) -> None:
+    def __init__(self, path: str, dtype: str = "float32", packed: bool = False, empty: bool = False) -> None:
         super().__init__()
-        lm = load_causal_lm(path, dtype)
+        lm = load_causal_lm(path, dtype, empty=empty)
         if packed:
             from rlhf_core.workers import packing
 
             packing.enable_packing(lm)
         self.backbone = lm.model
-        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device="meta" if empty else None)
+        if not empty:
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids, keep: torch.Tensor | None = None, **attention):
         """Values at every position, or at the positions ``keep`` (packed forwards)."""
@@ -225,10 +232,11 @@ def response_values(model, input_ids, attention_mask, position_ids, response_len
 
 
 def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool = True,
-                           resources=None) -> torch.nn.Module:
+                           resources=None, source=None) -> torch.nn.Module:
     """Join the worker group's process group (gloo on CPU, NCCL and gloo on GPU) and prepare ``model`` for it under ``spec``
     (``sharding.ShardingSpec``: FSDP2 or DDP). With ``resources`` (the run's config
-    section), a pool that reserved GPUs refuses a worker that finds no CUDA."""
+    section), a pool that reserved GPUs refuses a worker that finds no CUDA. ``source``:
+    rank 0's weights when the other ranks built ``model`` empty (``sharding.wrap``)."""
     import socket
 
     from rlhf_core.distributed import sharding
@@ -239,7 +247,7 @@ def init_distributed_model(worker, model: torch.nn.Module, spec, trainable: bool
     if resources is not None:
         devices.require_cuda(resources.gpus_per_node, resources.accelerator_resource, on_gpu, socket.gethostname())
     worker.init_process_group(devices.process_group_backend(on_gpu))
-    return sharding.wrap(model, spec, trainable=trainable)
+    return sharding.wrap(model, spec, trainable=trainable, source=source)
 
 
 def mini_batch_rows(ppo_mini_batch_size: int, n: int, world_size: int, rows: int) -> int:

@@ -16,6 +16,19 @@ from rlhf_core.distributed import sharding
 from rlhf_core.workers import devices, modeling
 
 
+def _marking_the_last(items):
+    """(item, is_last) for each of ``items``, reading one ahead."""
+    items = iter(items)
+    try:
+        current = next(items)
+    except StopIteration:
+        return
+    for following in items:
+        yield current, False
+        current = following
+    yield current, True
+
+
 class TrainableWorker(Worker):
     """Holds ``self.optimizer`` / ``self.scheduler`` for the model ``_trained_model()``
     returns and trains it with one PPO update loop (``_ppo_update``); checkpoints go under
@@ -78,10 +91,12 @@ class TrainableWorker(Worker):
                                         dataloader_kwargs={"shuffle": True}):
             self.optimizer.zero_grad(set_to_none=True)
             step: dict[str, torch.Tensor] = {}  # summed on the device: read once per optimizer step
-            for micro, weight in modeling.micro_batches(
-                    batch, role_cfg.ppo_micro_batch_size_per_gpu, role_cfg.loss_agg_mode,
-                    role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else 0,
-                    f"{prefix}.ppo_max_token_len_per_gpu"):
+            micros = modeling.micro_batches(
+                batch, role_cfg.ppo_micro_batch_size_per_gpu, role_cfg.loss_agg_mode,
+                role_cfg.ppo_max_token_len_per_gpu if role_cfg.use_dynamic_bsz else 0,
+                f"{prefix}.ppo_max_token_len_per_gpu")
+            for (micro, weight), last in _marking_the_last(micros):
+                sharding.all_reduce_across_replicas(model, now=last)
                 loss, parts = loss_fn(micro)
                 (loss * weight).backward()
                 for key, value in parts.items():  # in float64, as Python floats were summed
