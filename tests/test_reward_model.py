@@ -306,7 +306,8 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     reward_folder = tmp_path / "rm"
     train_reward_model(RewardModelTraining(data=str(pairs), base=str(folders["other"]), out=str(reward_folder),
                                            lr=1e-3, batch_size=4), log=lambda line: None)
-    scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=8)),
+    # one iteration (4 prompts): what the test checks is per response, and the suite's time counts
+    scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=4)),
               "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=2)),
               "data.train_batch_size": "4", "data.max_prompt_length": "64", "data.max_response_length": "6",
               "actor_rollout_ref.model.path": str(folders["policy"]), "reward_model.model.path": str(reward_folder),
@@ -323,8 +324,8 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
 
     policy_tok, rm_tok = (AutoTokenizer.from_pretrained(folders[k]) for k in ("policy", "other"))
     istore = IterationStore(RunRef(store, "rm"))
-    assert istore.committed_iterations() == [0, 1]
-    for n in (0, 1):
+    assert istore.committed_iterations() == [0]
+    for n in (0,):
         scored, rewarded = istore.load(n, "rm_score"), istore.load(n, "reward")
         rm_scores = scored.batch["rm_scores"]
         assert torch.equal(rewarded.batch["token_level_scores"], rm_scores)
@@ -336,24 +337,24 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
             ids = rm_tok(rm_tok.apply_chat_template(chat, tokenize=False), add_special_tokens=False)["input_ids"]
             assert rm_scores[i, valid - 1].item() == pytest.approx(hf_score(reward_folder, ids), abs=1e-5)
             assert int((rm_scores[i] != 0).sum()) <= 1
-    results = replay(f"{store}/rm", stages=["rm_score", "reward"], iteration=1, log=lambda line: None)
+    results = replay(f"{store}/rm", stages=["rm_score", "reward"], iteration=0, log=lambda line: None)
     assert [(r.stage, r.ok) for r in results] == [("rm_score", True), ("reward", True)]
 
     # the manifests and the lineage name what scored the responses, by content
     digest = rm.content_sha256(str(reward_folder))
-    assert [istore.read_manifest(n)["reward_model"] for n in (0, 1)] == [{
+    assert [istore.read_manifest(n)["reward_model"] for n in (0,)] == [{
         "path": str(reward_folder), "sha256": digest,
         "trained_from": {"data": str(pairs), "data_sha256": hashlib.sha256(pairs.read_bytes()).hexdigest(),
-                         "base": str(folders["other"])}}] * 2
+                         "base": str(folders["other"])}}]
     table = format_lineage(chain(f"{store}/rm")).splitlines()
-    assert table[-2:] == [f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0,1",
+    assert table[-2:] == [f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0",
                           f"  trained from preferences {pairs} (sha256 "
                           f"{hashlib.sha256(pairs.read_bytes()).hexdigest()[:16]}...) on {folders['other']}"]
     # a reward model whose content changed is refused for the stages it computes
     (reward_folder / "README.md").write_text("retrained")
-    with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 1 was "
+    with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 0 was "
                                           rf"scored by \({reward_folder}, sha256 {digest[:16]}\.\.\.\); found "):
-        replay(f"{store}/rm", stages=["rm_score"], iteration=1, log=lambda line: None)
+        replay(f"{store}/rm", stages=["rm_score"], iteration=0, log=lambda line: None)
 
 
 def test_a_manifests_reward_model_record_is_checked_when_read():
