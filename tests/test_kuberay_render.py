@@ -399,3 +399,21 @@ def test_every_example_reaches_its_model_and_data(path):
     claims = {v["claim"] for v in spec.volumes}
     example = yaml.safe_load((ROOT / "manifests/base/pvc-models.example.yaml").read_text())
     assert claims <= {example["metadata"]["name"]}, "every claim an example mounts has an example PVC"
+
+
+def test_the_heads_object_store_is_its_shm_and_fits_its_memory():
+    """The controller's batches pass through the head's object store: Ray's store size and
+    the /dev/shm it lives in are one setting, and the pod's memory must hold it."""
+    from components.kuberay.render import cluster_spec
+    from components.kuberay.spec import DeploySpecError, KubeSpec, load_deployment
+
+    cfg, spec = load_deployment(ROOT / "manifests" / "configs" / "qwen2.5-7b-2x8.yaml")
+    head = cluster_spec(cfg, spec, "q")["headGroupSpec"]
+    assert head["rayStartParams"]["object-store-memory"] == str(8 * 2 ** 30)
+    (shm,) = [v for v in head["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8192Mi"}
+    with pytest.raises(DeploySpecError, match=r"^kubernetes.head_memory_gib: expected at least "
+                                              r"head_object_store_gib \+ 6 .*found 8 with head_object_store_gib 4$"):
+        KubeSpec(head_memory_gib=8, head_object_store_gib=4).validate()
+    with pytest.raises(DeploySpecError, match=r"^kubernetes.head_object_store_gib: expected a number > 0, found 0$"):
+        KubeSpec(head_object_store_gib=0).validate()

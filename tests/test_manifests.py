@@ -330,9 +330,9 @@ def test_the_quota_check_counts_what_a_cluster_asks():
 
     cfg, spec = load_deployment(ROOT / "manifests" / "configs" / "qwen2.5-7b-2x8.yaml")
     totals = pod_totals(render_rayjob(cfg, spec, "q", "s3://b/runs"))
-    # 2 x (96 CPUs, 1500 GiB, 8 GPUs) workers + head (2, 8 GiB) + autoscaler (0.5, 0.5 GiB) + submitter (0.5, 1 GiB)
-    assert totals["requests.cpu"] == 2 * 96 + 2 + 0.5 + 0.5
-    assert totals["requests.memory"] == (2 * 1500 + 8 + 0.5 + 1) * 2 ** 30
+    # 2 x (96 CPUs, 1500 GiB, 8 GPUs) workers + head (8, 24 GiB) + autoscaler (0.5, 0.5 GiB) + submitter (0.5, 1 GiB)
+    assert totals["requests.cpu"] == 2 * 96 + 8 + 0.5 + 0.5
+    assert totals["requests.memory"] == (2 * 1500 + 24 + 0.5 + 1) * 2 ** 30
     assert totals["requests.nvidia.com/gpu"] == 16 and totals["pods"] == 4
 
 

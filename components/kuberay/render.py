@@ -183,8 +183,10 @@ def cluster_spec(cfg, spec: KubeSpec, run_id: str) -> dict:
                                                   "seccompProfile": {"type": "RuntimeDefault"}}},
         "headGroupSpec": {
             # no training on the head: num-cpus 0 keeps worker actors off it
-            "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0"},
-            "template": _head_token(_pod_template(head, spec, labels, 1.0, workers=False), name),
+            "rayStartParams": {"num-cpus": "0", "dashboard-host": "0.0.0.0",
+                               "object-store-memory": str(int(spec.head_object_store_gib * GIB))},
+            "template": _head_token(_pod_template(head, spec, labels, spec.head_object_store_gib, workers=False),
+                                    name),
         },
         "workerGroupSpecs": groups,
     }

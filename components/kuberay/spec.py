@@ -32,6 +32,11 @@ class DeploySpecError(ValueError):
     """A bad deployment setting; the message names the field, the expectation and the value."""
 
 
+#: Memory the head pod needs beside its object store: GCS, dashboard, the Ray Client server
+#: and the session driver (the controller), which holds an iteration's batch while it works.
+HEAD_PROCESSES_GIB = 6.0
+
+
 @dataclass
 class KubeSpec:
     image: str = DEFAULT_IMAGE              # one image for components and Ray nodes (Dockerfile)
@@ -46,6 +51,9 @@ class KubeSpec:
     priority_class: str = ""                # for the worker pods (manifests/overlays/gpu defines one)
     head_cpus: float = 2.0                  # the head runs the session driver, not training
     head_memory_gib: float = 8.0
+    # the head's Ray object store, in its /dev/shm: every batch the controller sends to the
+    # workers or gets back passes through it (docs/kubernetes.md sizes it for the examples)
+    head_object_store_gib: float = 2.0
     ray_version: str = "2.60.0"
     session_max_lifetime_s: int = 7 * 24 * 3600   # RayJob activeDeadlineSeconds
     ttl_after_finished_s: int = 600               # RayJob: keep the finished cluster for its logs
@@ -69,6 +77,15 @@ class KubeSpec:
         for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s", "worker_idle_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
+        for name in ("head_cpus", "head_memory_gib", "head_object_store_gib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise DeploySpecError(f"kubernetes.{name}: expected a number > 0, found {value!r}")
+        if self.head_memory_gib < self.head_object_store_gib + HEAD_PROCESSES_GIB:
+            raise DeploySpecError(f"kubernetes.head_memory_gib: expected at least head_object_store_gib + "
+                                  f"{HEAD_PROCESSES_GIB:g} (the store lives in the pod's memory, beside Ray's head "
+                                  f"processes and the session driver), found {self.head_memory_gib!r} with "
+                                  f"head_object_store_gib {self.head_object_store_gib!r}")
         if not isinstance(self.volumes, list):
             raise DeploySpecError(f"kubernetes.volumes: expected a list of {{name, claim, mount_path, read_only}}, "
                                   f"found {self.volumes!r}")
