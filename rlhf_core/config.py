@@ -165,6 +165,11 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     response_length: int = _f(8, "max new tokens per response", **POSITIVE)
     seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset", **NON_NEGATIVE)
+    seed_scope: str = _f("auto", "what one vLLM seed covers: request (each response its own: its sample does "
+                         "not depend on its batch, chunking or restarts, but vLLM's sampler loops over rows every "
+                         "decoding step), call (one per generate call, its first row's: batched sampling, the same "
+                         "samples for the same batch on the same hardware), auto (call on GPU, request on CPU)",
+                         choices=("auto", "call", "request"))
     tensor_model_parallel_size: int = _f(1, "vLLM tensor parallel size: ranks that serve one engine "
                                          "together (GPU only; divides actor.world_size, at most "
                                          "resources.gpus_per_node)", **POSITIVE)

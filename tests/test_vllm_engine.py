@@ -265,3 +265,33 @@ def test_a_cpu_engine_loads_the_checkpoint_without_prefix_caching(monkeypatch):
     assert "load_format" not in kwargs and kwargs["enable_prefix_caching"] is False
     assert "tensor_parallel_size" not in kwargs  # CPU engines serve each rank alone
     assert not rollout.needs_weights
+
+
+@pytest.mark.slow
+def test_a_seed_per_call_gives_the_same_samples_for_the_same_seed_and_batch(tmp_path):
+    """rollout.seed_scope=call (auto on GPU) on the real CPU engine: one SamplingParams for
+    the whole batch, the engine's generators seeded from the batch's first row; the same
+    batch and seed sample the same responses, another seed others."""
+    from rlhf_core.testing.model_folders import build_model_folder
+
+    folder = build_model_folder(tmp_path / "tiny")
+    rollout = VLLMRollout(str(folder), RolloutConfig(response_length=12, temperature=1.0, seed_scope="call"),
+                          seed=0, max_model_len=64)
+    assert rollout.seeds_per_call
+
+    def batch(first_seed: int) -> DataProto:
+        ids = torch.tensor([[0, 0, 7, 8, 9], [0, 5, 6, 7, 8], [3, 4, 5, 6, 7], [0, 0, 7, 8, 9]])
+        return DataProto.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                                    "sample_seed": first_seed + torch.arange(4)})
+
+    first, again, other = (rollout.generate(batch(s)).batch["responses"] for s in (11, 11, 12))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert not torch.equal(first[0], first[3])  # one seed for the call, not one per row: rows differ
+
+
+@pytest.mark.parametrize("on_gpu, scope, per_call", [(True, "auto", True), (False, "auto", False),
+                                                     (True, "request", False), (False, "call", True)])
+def test_the_seed_scope_is_per_call_on_gpus_unless_set(monkeypatch, on_gpu, scope, per_call):
+    _, rollout = _engine_kwargs(monkeypatch, on_gpu=on_gpu, seed_scope=scope)
+    assert rollout.seeds_per_call is per_call

@@ -3,7 +3,9 @@
 ``generate(prompts)`` takes a DataProto of left-padded prompts (one row per response to
 sample, with a ``sample_seed`` per row) and returns the responses, their mask, the
 sampled tokens' log-probs, and the full sequences. Per-row seeds make a row's sample
-independent of batch composition, chunking and restarts (exact resume and replay).
+independent of batch composition, chunking and restarts (exact resume and replay); vLLM
+on a GPU seeds each call instead (``rollout.seed_scope``): a seed per request puts its
+sampler in a loop over rows at every decoding step.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class VLLMRollout:
 
         self.config = config
         on_gpu = torch.cuda.is_available()
+        self.seeds_per_call = config.seed_scope == "call" or (config.seed_scope == "auto" and on_gpu)
         tp = config.tensor_model_parallel_size
         # Sleep mode frees the engine's weights and KV cache while the actor trains; CPU
         # engines have no sleep mode (and nothing to gain: training uses the same RAM).
@@ -149,9 +152,14 @@ class VLLMRollout:
         sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p,
                     **prompts.meta_info.get("sampling", {})}  # validation's val_kwargs
         temperature = sampling["temperature"] if prompts.meta_info.get("do_sample", True) else 0.0
-        params = [SamplingParams(n=1, temperature=temperature, top_p=sampling["top_p"],
-                                 max_tokens=self.config.response_length, seed=int(s), logprobs=0,
-                                 detokenize=False) for s in seeds]
+        common = dict(n=1, temperature=temperature, top_p=sampling["top_p"], max_tokens=self.config.response_length,
+                      logprobs=0, detokenize=False)
+        if self.seeds_per_call:
+            # the engine runs in this process: unseeded requests draw from torch's generators
+            torch.manual_seed(int(seeds[0]) if seeds else 0)
+            params = SamplingParams(**common)  # one for every request: sampled as one batch
+        else:
+            params = [SamplingParams(**common, seed=int(s)) for s in seeds]
         requests = [{"prompt_token_ids": ids} for ids in _prompt_token_lists(prompts)]
         if self.needs_weights:
             raise RuntimeError("VLLMRollout.generate: the engine holds no weights (its sleep discarded them); "
