@@ -97,6 +97,11 @@ class FSDPConfig:
                                      "for backward (ZeRO-2: faster, more memory)")
     mixed_precision: str = _f("auto", "auto (bf16 compute, fp32 gradient reduction on GPU; fp32 on CPU) "
                               "| bf16 | fp32", choices=("auto", "bf16", "fp32"))
+    keep_gathered_between_micro_batches: bool = _f(
+        False, "FSDP: keep each layer's parameters gathered from one micro-batch's backward to the next's "
+        "forward within an optimizer step (the forward then skips its all-gather; with reshard_after_forward "
+        "false, every gather after the step's first): fewer collectives for the whole model's bf16 weights "
+        "held on every GPU during the step", hashed=False)
     fsdp_size: int = _f(0, "ranks that share one sharded copy of the model (verl's fsdp_size): -1 all "
                         "of a role's ranks; 0 (auto): all of them on one node, each node's ranks on a GPU pool of "
                         "several nodes (parameter gathers stay inside a node); k: groups of k ranks, replicated "

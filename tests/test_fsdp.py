@@ -56,10 +56,12 @@ def _rank_main(rank: int, world: int, rdzv: str, strategy: str, steps: range, lo
     for step in steps:
         ids = _data(step)[rank * share:(rank + 1) * share]
         optimizer.zero_grad(set_to_none=True)
-        # HSDP accumulates two micro-batches, all-reducing across replicas on the last only
+        # HSDP accumulates two micro-batches, all-reducing across replicas on the last only,
+        # its layers kept gathered between them
         parts = ids.chunk(2) if strategy == "hsdp" else (ids,)
         for i, part in enumerate(parts):
             sharding.all_reduce_across_replicas(model, now=i == len(parts) - 1)
+            sharding.keep_gathered_after_backward(model, keep=i < len(parts) - 1)
             logits = model(input_ids=part).logits[:, :-1]
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), part[:, 1:].reshape(-1))
             (loss / len(parts)).backward()

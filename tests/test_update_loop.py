@@ -117,3 +117,22 @@ def test_replicas_all_reduce_gradients_on_the_last_micro_batch_of_each_step_only
     worker._ppo_update(data, cfg.actor, worker.loss, "actor")
     steps = ROWS // cfg.actor.ppo_mini_batch_size
     assert seen == [False, True] * steps  # each micro-batch's backward ran with the switch as set
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_layers_stay_gathered_between_the_micro_batches_of_a_step_when_asked(monkeypatch, keep):
+    from rlhf_core.distributed import sharding
+
+    cfg = apply_overrides(config(), ["actor.ppo_micro_batch_size_per_gpu=1",
+                                     f"actor.fsdp_config.keep_gathered_between_micro_batches={keep}"])
+    worker = ToyWorker(cfg)
+    reshard = []
+    monkeypatch.setattr(sharding, "is_sharded", lambda model: True)
+    worker.model.set_requires_all_reduce = lambda now: None
+    worker.model.set_reshard_after_backward = reshard.append
+    data = batch(None)
+    data.batch["response_mask"] = torch.ones(ROWS, 2)
+    worker._ppo_update(data, cfg.actor, worker.loss, "actor")
+    steps = ROWS // cfg.actor.ppo_mini_batch_size
+    # kept after the first micro-batch's backward, resharded after the step's last
+    assert reshard == ([False, True] * steps if keep else [])

@@ -234,6 +234,14 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True,
     return model
 
 
+def keep_gathered_after_backward(model: torch.nn.Module, keep: bool) -> None:
+    """FSDP2's ``reshard_after_backward`` off (``keep``) for a micro-batch that another of
+    the same optimizer step follows: its layers stay gathered into the next forward, which
+    then needs no all-gather; the step's last micro-batch reshards. A no-op for other models."""
+    if is_sharded(model):
+        model.set_reshard_after_backward(not keep)
+
+
 def all_reduce_across_replicas(model: torch.nn.Module, now: bool) -> None:
     """HSDP (``fsdp_size`` below the world): every micro-batch's gradients are
     reduce-scattered within the shard group (each rank then accumulates its own shard),

@@ -83,6 +83,7 @@ class TrainableWorker(Worker):
         skipped = 0
         self._seed_update(step_no)
         offload = self.config.actor.fsdp_config.optimizer_offload
+        keep_gathered = self.config.actor.fsdp_config.keep_gathered_between_micro_batches
         if offload:
             sharding.move_optimizer_state(self.optimizer, sharding.device())
         model.train()
@@ -97,6 +98,8 @@ class TrainableWorker(Worker):
                 f"{prefix}.ppo_max_token_len_per_gpu")
             for (micro, weight), last in _marking_the_last(micros):
                 sharding.all_reduce_across_replicas(model, now=last)
+                if keep_gathered:
+                    sharding.keep_gathered_after_backward(model, keep=not last)
                 loss, parts = loss_fn(micro)
                 (loss * weight).backward()
                 for key, value in parts.items():  # in float64, as Python floats were summed
