@@ -340,3 +340,44 @@ def test_the_example_volume_claim_validates():
     pvc = yaml.safe_load((ROOT / "manifests" / "base" / "pvc-models.example.yaml").read_text())
     kubernetes_validate.validate(pvc, K8S_VERSION, strict=True)
     assert "ReadOnlyMany" in pvc["spec"]["accessModes"]
+
+
+def test_the_rdma_overlay_lets_training_pods_pin_memory_and_ask_for_rdma_devices():
+    """manifests/overlays/gpu-rdma: Pod Security enforces privileged (IPC_LOCK, which RDMA
+    needs, is refused by restricted and baseline) and still warns at restricted; its policy
+    admits a run asking for RDMA devices, which the gpu overlay's refuses; the rendered
+    training pods ask for the devices and add IPC_LOCK, the head neither."""
+    from components.kuberay.policy import DeploymentPolicy
+    from components.kuberay.render import cluster_spec
+    from components.kuberay.spec import DeploySpecError, load_deployment
+
+    objects = kustomize_lite.build(ROOT / "manifests" / "overlays" / "gpu-rdma")
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    labels = next(o for o in objects if o["kind"] == "Namespace")["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+    cfg, spec = load_deployment(ROOT / "manifests" / "configs" / "qwen2.5-7b-2x8.yaml")
+    spec.rdma_resources = {"rdma/rdma_shared_device_a": 1}
+    spec.validate()
+
+    def policy(overlay):
+        objs = kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay)
+        text = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == POLICY)["data"]
+        return DeploymentPolicy.from_yaml(text["policy.yaml"], namespace=spec.namespace)
+
+    policy("gpu-rdma").check(spec)
+    with pytest.raises(DeploySpecError, match=r"^kubernetes.rdma_resources: expected one of the deployment's "
+                                              r"allowed RDMA resources \[\]; found 'rdma/rdma_shared_device_a'$"):
+        policy("gpu").check(spec)
+    rendered = cluster_spec(cfg, spec, "q")
+    (worker,) = rendered["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    assert worker["resources"]["limits"]["rdma/rdma_shared_device_a"] == "1"
+    assert worker["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert {"name": "NCCL_DEBUG", "value": "WARN"} in worker["env"]
+    head = rendered["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert head["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not any(k.startswith("rdma/") for k in head["resources"]["limits"])
+    with pytest.raises(DeploySpecError, match=r"^kubernetes.rdma_resources: expected a map of extended resource"):
+        spec.rdma_resources = {"rdma": 1}
+        spec.validate()

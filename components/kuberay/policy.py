@@ -39,6 +39,7 @@ class DeploymentPolicy:
     tolerations: tuple = field(default=())
     volume_claims: tuple = ()            # PVCs a run may mount read-only (kubernetes.volumes)
     writable_volume_claims: tuple = ()   # PVCs a run may also mount writable
+    rdma_resources: tuple = ()           # extended resources a run may ask for RDMA (kubernetes.rdma_resources)
 
     @classmethod
     def from_yaml(cls, text: str, namespace: str, source: str = POLICY_KEY) -> "DeploymentPolicy":
@@ -93,6 +94,9 @@ class DeploymentPolicy:
             if not volume["read_only"] and volume["claim"] not in self.writable_volume_claims:
                 refuse("volumes", "writable claims (read_only: false)", self.writable_volume_claims,
                        volume["claim"])
+        for resource in spec.rdma_resources:
+            if resource not in self.rdma_resources:
+                refuse("rdma_resources", "RDMA resources", self.rdma_resources, resource)
         return spec
 
 

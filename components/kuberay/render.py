@@ -67,9 +67,15 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
     limits = {"cpu": str(cpus), "memory": _quantity_gib(memory_gib)}
     if gpus:
         limits[spec.gpu_resource] = str(gpus)
+        limits.update({resource: str(count) for resource, count in spec.rdma_resources.items()})
     env = [{"name": key, "valueFrom": {"secretKeyRef": {"name": spec.object_store_secret, "key": key,
                                                           "optional": key not in REQUIRED_SECRET_KEYS}}}
            for key in OBJECT_STORE_KEYS]
+    if gpus:
+        env.append({"name": "NCCL_DEBUG", "value": spec.nccl_debug})
+    capabilities = {"drop": ["ALL"]}
+    if gpus and spec.rdma_resources:
+        capabilities["add"] = ["IPC_LOCK"]  # RDMA registers (pins) memory: needs the gpu-rdma overlay's namespace
     return {
         "name": name, "image": spec.image, "imagePullPolicy": "IfNotPresent",
         "env": env + [{"name": "RLHF_CACHE", "value": f"{CACHE_DIR}/rlhf-core"}],
@@ -77,7 +83,7 @@ def _container(name: str, spec: KubeSpec, cpus: float, memory_gib: float, gpus: 
         # restricted Pod Security: nothing but the process itself; the root filesystem is
         # read-only and Ray writes to emptyDirs (its temp dir under /tmp, caches, /dev/shm)
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "allowPrivilegeEscalation": False,
-                            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True,
+                            "capabilities": capabilities, "readOnlyRootFilesystem": True,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"},
                          {"name": "cache", "mountPath": CACHE_DIR}],

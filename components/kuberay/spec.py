@@ -32,6 +32,8 @@ class DeploySpecError(ValueError):
     """A bad deployment setting; the message names the field, the expectation and the value."""
 
 
+#: NCCL's log levels (NCCL_DEBUG).
+NCCL_DEBUG_LEVELS = ("VERSION", "WARN", "INFO", "TRACE")
 #: Memory the head pod needs beside its object store: GCS, dashboard, the Ray Client server
 #: and the session driver (the controller), which holds an iteration's batch while it works.
 HEAD_PROCESSES_GIB = 6.0
@@ -58,6 +60,12 @@ class KubeSpec:
     session_max_lifetime_s: int = 7 * 24 * 3600   # RayJob activeDeadlineSeconds
     ttl_after_finished_s: int = 600               # RayJob: keep the finished cluster for its logs
     worker_idle_timeout_s: int = 300              # GPU worker pods idle this long (no session) are scaled to zero
+    # RDMA for NCCL between nodes (InfiniBand, RoCE, EFA): the device plugin's extended
+    # resources each training pod asks for, e.g. {"rdma/rdma_shared_device_a": 1} or
+    # {"vpc.amazonaws.com/efa": 32}; with any, the training containers add the IPC_LOCK
+    # capability (RDMA pins memory), which needs the namespace of manifests/overlays/gpu-rdma
+    rdma_resources: dict = field(default_factory=dict)
+    nccl_debug: str = "WARN"                # NCCL_DEBUG on GPU pods; INFO on a first run shows the transport
     # PersistentVolumeClaims mounted into the head and worker pods, for models and data kept
     # on shared volumes: [{name, claim, mount_path, read_only (default true)}]; the
     # deployment policy names the claims a run may mount (policy.py)
@@ -77,6 +85,14 @@ class KubeSpec:
         for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s", "worker_idle_timeout_s"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
+        if not isinstance(self.rdma_resources, dict) or not all(
+                isinstance(k, str) and "/" in k and isinstance(v, int) and not isinstance(v, bool) and v > 0
+                for k, v in self.rdma_resources.items()):
+            raise DeploySpecError(f"kubernetes.rdma_resources: expected a map of extended resource names "
+                                  f"(domain/name) to counts > 0, found {self.rdma_resources!r}")
+        if self.nccl_debug not in NCCL_DEBUG_LEVELS:
+            raise DeploySpecError(f"kubernetes.nccl_debug: expected one of {list(NCCL_DEBUG_LEVELS)}, "
+                                  f"found {self.nccl_debug!r}")
         for name in ("head_cpus", "head_memory_gib", "head_object_store_gib"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
