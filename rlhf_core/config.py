@@ -535,9 +535,11 @@ class RunConfig:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected a divisor of actor.world_size="
                               f"{self.actor.world_size}; found {tp}")
         fsdp_size = self.actor.fsdp_config.fsdp_size
-        if fsdp_size > 0 and self.actor.world_size % fsdp_size:
-            raise ConfigError(f"actor.fsdp_config.fsdp_size: expected a divisor of actor.world_size="
-                              f"{self.actor.world_size} (or -1: all ranks, 0: each node's); found {fsdp_size}")
+        for role, world in (("actor", self.actor.world_size),
+                            ("critic", self.critic.world_size if self.use_critic else 0)):
+            if fsdp_size > 0 and world and world % fsdp_size:  # shared by every FSDP role
+                raise ConfigError(f"actor.fsdp_config.fsdp_size: expected a divisor of {role}.world_size="
+                                  f"{world} (or -1: all ranks, 0: each node's); found {fsdp_size}")
         if res.gpus_per_node and tp > res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected at most resources.gpus_per_node="
                               f"{res.gpus_per_node} (a tensor-parallel group stays on one node); found {tp}")

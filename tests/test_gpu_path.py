@@ -456,3 +456,25 @@ def test_an_update_reads_its_metrics_from_the_device_once_per_optimizer_step(act
     split, split_trims = reads_per_step(1)   # ... in two
     assert split_trims == 2 * whole_trims
     assert split == whole, (whole, split)
+
+
+def test_a_rank_that_builds_on_the_meta_device_samples_with_the_checkpoints_generation_config(tmp_path):
+    """Ranks other than 0 build from the config alone (FSDP over several ranks): they read
+    generation_config.json as from_pretrained does, or HF generation would differ by rank."""
+    from transformers import GenerationConfig
+
+    from rlhf_core.testing.model_folders import build_model_folder
+
+    folder = build_model_folder(tmp_path / "tiny")
+    GenerationConfig(do_sample=True, top_k=7, repetition_penalty=1.3).save_pretrained(folder)
+    loaded, empty = modeling.load_causal_lm(str(folder)), modeling.load_causal_lm(str(folder), empty=True)
+    assert next(empty.parameters()).is_meta
+    assert (empty.generation_config.top_k, empty.generation_config.repetition_penalty) == (7, 1.3)
+    assert empty.generation_config.to_diff_dict() == loaded.generation_config.to_diff_dict()
+
+
+def test_fsdp_size_must_divide_the_critics_own_pool_too():
+    with pytest.raises(ConfigError, match=r"^actor.fsdp_config.fsdp_size: expected a divisor of critic.world_size=3"):
+        apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=2", "critic.world_size=3",
+                                      "resources.critic_nnodes=1", "resources.cpus_per_node=8",
+                                      "actor.fsdp_config.fsdp_size=2"]).validate()

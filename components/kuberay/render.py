@@ -59,6 +59,10 @@ def _labels(run_id: str, name: str) -> dict:
             "rlhf.io/run-id": label_value(run_id), "rlhf.io/cluster": name}
 
 
+#: /dev/shm beyond a node's object store (NCCL's and torch's shared-memory segments use it too).
+SHM_MARGIN_GIB = 1.0
+
+
 def _quantity_gib(gib: float) -> str:
     return f"{int(round(gib * 1024))}Mi"
 
@@ -98,7 +102,9 @@ def _pod_template(container: dict, spec: KubeSpec, labels: dict, shm_gib: float,
            "containers": [container],
            "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                "seccompProfile": {"type": "RuntimeDefault"}},
-           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _quantity_gib(shm_gib)}},
+           # Ray puts its store in /dev/shm only if that much is free there: a margin for other users
+           "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": _quantity_gib(shm_gib + SHM_MARGIN_GIB)}},
                        {"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]}
     if ray_node:  # the deployment's shared volumes (models, data): on every Ray node, head included
         pod["volumes"] += [{"name": v["name"], "persistentVolumeClaim": {"claimName": v["claim"],

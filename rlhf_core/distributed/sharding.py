@@ -150,8 +150,8 @@ def _fill_from_rank0(model: torch.nn.Module, source: FullWeights | None, where: 
     if rank() == 0 and source is None:
         raise ValueError("rank 0 shards a model built on the meta device: pass its weights (FullWeights.of)")
     if _on_meta(model):
-        # allocated where the shards live (the host when offloaded), in the module's dtypes:
-        # the broadcast then copies into them rather than assigning rank 0's dtypes
+        # allocated in the module's dtypes: the broadcast then copies into them rather than
+        # assigning rank 0's dtypes; buffers land where rank 0's are (one backend per broadcast)
         model.to_empty(device=where)
     # a copy of the dict: set_model_state_dict puts the shards it made into the one it gets
     set_model_state_dict(model, dict(source.state) if rank() == 0 else {},
@@ -230,7 +230,9 @@ def wrap(model: torch.nn.Module, spec: ShardingSpec, trainable: bool = True,
         fully_shard(layer, **options)
     fully_shard(model, **options)
     if source is not None or _on_meta(model):
-        _fill_from_rank0(model, source, device() if on_gpu and not spec.param_offload else torch.device("cpu"))
+        # on the GPU even when offloaded: FSDP keeps buffers there (rank 0's are already), and
+        # offloaded shards go back to pinned host memory as to_empty re-registers them
+        _fill_from_rank0(model, source, device())
     return model
 
 

@@ -49,8 +49,14 @@ def load_causal_lm(path: str, dtype: str = "float32", empty: bool = False):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if empty:
+        from transformers import GenerationConfig
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+        try:  # what from_pretrained reads too: every rank samples with the checkpoint's settings
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # the folder has none: from_config's defaults, as from_pretrained's
+            pass
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     model.config.use_cache = False
