@@ -34,8 +34,8 @@ COPY --chown=rlhf:rlhf rlhf_core ./rlhf_core
 COPY --chown=rlhf:rlhf components ./components
 COPY --chown=rlhf:rlhf pipelines ./pipelines
 COPY --chown=rlhf:rlhf scripts ./scripts
-# the GPU smoke check runs in the image it checks: bash benchmarks/gpu_smoke.sh
-COPY --chown=rlhf:rlhf benchmarks/gpu_smoke.sh benchmarks/gpu_smoke.py ./benchmarks/
+# the GPU smoke checks run in the image they check: bash benchmarks/gpu_smoke_bare.sh, then gpu_smoke.sh
+COPY --chown=rlhf:rlhf benchmarks/gpu_smoke.sh benchmarks/gpu_smoke.py benchmarks/gpu_smoke_bare.sh benchmarks/gpu_smoke_bare.py ./benchmarks/
 
 USER 1000
 # Same install order as scripts/venv.sh (CPU torch first, CUDA extras removed on CPU),

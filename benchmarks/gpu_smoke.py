@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, wherever this runs from
+from gpu_smoke_bare import Steps  # noqa: E402  (one PASS/FAIL line per step, shared)
 
 
 def smoke_config(model: str, data: str, gpus: int):
@@ -37,27 +38,6 @@ def smoke_config(model: str, data: str, gpus: int):
         "actor.entropy_coeff=0.001", "actor.strategy=fsdp", f"actor.world_size={gpus}",
         f"resources.gpus_per_node={gpus}", "reward.function=gsm8k", "model.enable_gradient_checkpointing=true",
         "trainer.progress=false"]).validate()
-
-
-class Steps:
-    """One PASS/FAIL line per step; the first failure ends the check."""
-
-    def __init__(self) -> None:
-        self.failed = False
-
-    def run(self, name: str, step):
-        if self.failed:
-            return None
-        t0 = time.time()
-        try:
-            out = step()
-        except Exception as exc:  # noqa: BLE001 - the check reports every failure the same way
-            self.failed = True
-            traceback.print_exc()
-            print(f"FAIL {name} ({time.time() - t0:.1f}s): {type(exc).__name__}: {exc}", flush=True)
-            return None
-        print(f"PASS {name} ({time.time() - t0:.1f}s)", flush=True)
-        return out
 
 
 def main() -> int:

@@ -48,7 +48,9 @@ BATCHES = {"qwen2-0.5b": [(4, 1536), (40, 1536)], "tiny": [(2, 96), (4, 96)]}
 
 
 class Steps:
-    """One line per step; a failed step ends the check (later steps need its result)."""
+    """One line per step; a failed step ends the check (later steps need its result). A
+    step's result comes back from ``run``; a text result is printed on its line too.
+    (``gpu_smoke.py`` reports its steps with this class as well.)"""
 
     def __init__(self) -> None:
         self.failed = False
@@ -59,14 +61,15 @@ class Steps:
             return None
         t0 = time.perf_counter()
         try:
-            detail = step()
+            out = step()
         except Exception as exc:  # noqa: BLE001 - every failure is reported the same way
             self.failed = True
             traceback.print_exc()
-            self._line("FAIL", name, f"{time.perf_counter() - t0:.1f}s: {type(exc).__name__}: {exc}")
+            self.results.append(("FAIL", name))  # the error last on its line, where a log's tail shows it
+            print(f"FAIL {name} ({time.perf_counter() - t0:.1f}s): {type(exc).__name__}: {exc}", flush=True)
             return None
-        self._line("PASS", name, f"{time.perf_counter() - t0:.1f}s" + (f": {detail}" if detail else ""))
-        return detail
+        self._line("PASS", name, f"{time.perf_counter() - t0:.1f}s" + (f": {out}" if isinstance(out, str) else ""))
+        return out
 
     def skip(self, name: str, why: str) -> None:
         if not self.failed:

@@ -206,9 +206,11 @@ def test_the_image_compiles_kernels_sees_cuda_and_writes_only_where_pods_can():
     for var in ("TRITON_CACHE_DIR", "TRITON_HOME", "VLLM_CONFIG_ROOT", "VLLM_CACHE_ROOT", "HF_HOME",
                 "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "RLHF_CACHE"):
         assert any(env[var] == m or env[var].startswith(m + "/") for m in writable), (var, env.get(var), writable)
-    assert re.search(r"^COPY .*benchmarks/gpu_smoke.sh benchmarks/gpu_smoke.py \./benchmarks/$", text, re.M)
+    assert re.search(r"^COPY .*benchmarks/gpu_smoke.sh benchmarks/gpu_smoke.py benchmarks/gpu_smoke_bare.sh "
+                     r"benchmarks/gpu_smoke_bare.py \./benchmarks/$", text, re.M)
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {"!benchmarks/gpu_smoke.sh", "!benchmarks/gpu_smoke.py"} <= set(ignored), "the build context has them"
+    assert {"!benchmarks/gpu_smoke.sh", "!benchmarks/gpu_smoke.py", "!benchmarks/gpu_smoke_bare.sh",
+            "!benchmarks/gpu_smoke_bare.py"} <= set(ignored), "the build context has them"
     smoke = (ROOT / "benchmarks" / "gpu_smoke.sh").read_text()
     assert "PYTHON=${PYTHON:-python}" in smoke  # the image has no .venv: its venv is on PATH
 
