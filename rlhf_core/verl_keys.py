@@ -164,7 +164,8 @@ TABLE: dict[str, Rule] = {
     # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
     # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, model.use_remove_padding,
     # model.fsdp_config.param_offload); the rest:
-    "reward_model.strategy": Rule(note="the reward model is sharded with FSDP2 here", refuse="only FSDP here",
+    "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
+                                       "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),
     "reward_model.use_reward_loop": _note("the reward model is scored by reward-model workers in the training "
                                           "pool here (verl's reward loop serves it with vLLM): the same score, "

@@ -52,10 +52,14 @@ KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_
              "test_pipeline.py::test_a_failed_pipeline_run_ends_rlhf_run")
 
 
-#: The longest modules, longest first (``--durations`` on a 2-core machine): with two
-#: worker processes they start first, so no long module is left to run alone at the end.
-LONGEST_FIRST = ("test_session", "test_pipeline", "test_multinode", "test_finetune_driver", "test_resume",
-                 "test_fsdp", "test_controller", "test_trainer_smoke", "test_replay", "test_real_model")
+#: The longest modules, longest first (per-module totals of ``--durations=0`` on a 2-core
+#: machine): with two worker processes they start first, so no long module is left to run
+#: alone at the end. pytest's addopts say ``--no-loadscope-reorder``: xdist would otherwise
+#: reorder files by their number of tests and undo this order.
+LONGEST_FIRST = ("test_pipeline", "test_session", "test_finetune_driver", "test_multinode", "test_fsdp",
+                 "test_resume", "test_controller", "test_trainer_smoke", "test_replay", "test_hardening",
+                 "test_real_model", "test_log_probs", "test_reward_model", "test_cli_inputs", "test_store_trust",
+                 "test_validation")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -149,6 +149,14 @@ def test_micro_batches_and_padding_removal_give_the_same_scores(folders, monkeyp
     assert torch.allclose(whole, split, atol=1e-5, rtol=0) and torch.equal(whole != 0, split != 0)
 
 
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_an_empty_batch_scores_to_an_empty_tensor(folders, monkeypatch, which):
+    worker = make_worker(folders, which, monkeypatch=monkeypatch)
+    empty = rollout_batch(folders["policy"]).select_idxs(torch.tensor([], dtype=torch.long))
+    scores = worker.compute_rm_score(empty).batch["rm_scores"]
+    assert scores.shape == (0, RESPONSE) and scores.dtype == torch.float32
+
+
 def test_a_row_without_a_response_token_scores_nothing():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     out = rm.scores_to_tokens(torch.tensor([2.5, 7.0]), mask)
@@ -355,6 +363,20 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 0 was "
                                           rf"scored by \({reward_folder}, sha256 {digest[:16]}\.\.\.\); found "):
         replay(f"{store}/rm", stages=["rm_score"], iteration=0, log=lambda line: None)
+    # and a run continued with it is refused before its workers do anything (the identity
+    # is what the reward-model workers report: the path and the folder's content hash)
+    from types import SimpleNamespace
+
+    from rlhf_core.trainer.restore import check_reward_model_unchanged
+
+    now = {"path": str(reward_folder), "sha256": rm.content_sha256(str(reward_folder))}
+    with pytest.raises(ConfigError, match=r"^reward_model.model.path: expected the reward model run rm was scored by "
+                                          rf"\({reward_folder}, sha256 {digest[:16]}\.\.\.\); found {reward_folder} "
+                                          rf"with sha256 {now['sha256'][:16]}\.\.\. \(the folder's content changed"):
+        check_reward_model_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: now))
+    (reward_folder / "README.md").unlink()
+    assert rm.content_sha256(str(reward_folder)) == digest
+    check_reward_model_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: {**now, "sha256": digest}))
 
 
 def test_a_manifests_reward_model_record_is_checked_when_read():

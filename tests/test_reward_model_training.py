@@ -74,7 +74,7 @@ def test_the_layouts_trl_and_openrlhf_read_give_the_same_pairs(tmp_path):
     ({"prompt": "Q", "chosen": "", "rejected": "b"}, "row 1: chosen is missing or empty"),
     ({"prompt": "Q", "chosen": "  ", "rejected": "b"}, "row 1: chosen is missing or empty"),
     ({"prompt": "Q", "chosen": "same", "rejected": "same"}, "row 1: chosen and rejected are identical"),
-    ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 1: margin: expected a number"),
+    ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 1: margin: expected a finite number"),
     ({"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "assistant", "content": "y"}]},
      "row 1: chosen: expected one assistant message after the prompt"),
 ])
@@ -87,6 +87,20 @@ def test_a_bad_row_is_refused_naming_it_or_counted_and_skipped(tmp_path, row, me
     assert "\n" not in str(refused.value)
     pairs, record = load_pairs(str(path), skip_bad_rows=True)
     assert [p.row for p in pairs] == [0, 2] and sum(record["skipped"].values()) == 1
+
+
+def test_a_file_that_cannot_be_read_as_pairs_is_refused_in_one_line(tmp_path):
+    broken = tmp_path / "pairs.parquet"
+    broken.write_bytes(b"PAR1 this is not a parquet file")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "Q", "chosen": "a", "rejected": "b"}\n{"prompt": "caf\xe9"}\n')
+    nan = write_jsonl(tmp_path / "nan.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b", "margin": float("nan")}])
+    for path, message in ((broken, f"{broken}: expected a readable parquet file; found one pyarrow cannot read ("),
+                          (latin, f"{latin}: line 2: expected UTF-8 text; found byte 0xe9 at offset "),
+                          (nan, f"{nan}: row 0: margin: expected a finite number; found nan")):
+        with pytest.raises(PreferenceDataError) as refused:
+            load_pairs(str(path))
+        assert str(refused.value).startswith(message) and "\n" not in str(refused.value), refused.value
 
 
 def test_a_side_is_written_as_the_policy_would_have_produced_it(base):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -59,10 +60,23 @@ def load_pairs(source: str, skip_bad_rows: bool = False) -> tuple[list[Preferenc
 
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(io.BytesIO(raw)).to_pylist()
+        import pyarrow as pa
+
+        try:
+            rows = pq.read_table(io.BytesIO(raw)).to_pylist()
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise PreferenceDataError(f"{source}: expected a readable parquet file; found one pyarrow cannot read "
+                                      f"({reason[:120]})") from None
     elif source.endswith((".jsonl", ".json")):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[:exc.start].count(b"\n") + 1
+            raise PreferenceDataError(f"{source}: line {line}: expected UTF-8 text; found byte "
+                                      f"{raw[exc.start]:#04x} at offset {exc.start}") from None
         rows = []
-        for i, line in enumerate(raw.decode("utf-8").splitlines()):
+        for i, line in enumerate(text.splitlines()):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -130,8 +144,9 @@ def _pair(row: int, data) -> PreferencePair:
     if chosen == rejected:
         raise PreferenceDataError(f"row {row}: chosen and rejected are identical")
     margin = data.get("margin")
-    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, numbers.Real)):
-        raise PreferenceDataError(f"row {row}: margin: expected a number; found {margin!r}")
+    if margin is not None and (isinstance(margin, bool) or not isinstance(margin, numbers.Real)
+                               or not math.isfinite(margin)):
+        raise PreferenceDataError(f"row {row}: margin: expected a finite number; found {margin!r}")
     return PreferencePair(row, prompt, chosen, rejected, None if margin is None else float(margin))
 
 

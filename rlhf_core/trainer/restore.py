@@ -50,6 +50,23 @@ def open_run(cfg: RunConfig, istore, log=print):
     return state
 
 
+def check_reward_model_unchanged(istore, trainer) -> None:
+    """A run continues with the reward model that scored it: the same path is in the
+    config hash, and the folder's content must hash as the last committed iteration
+    recorded (a reward model retrained in place would otherwise mix two rewards in one
+    run, unseen)."""
+    committed = istore.committed_iterations()
+    recorded = istore.read_manifest(committed[-1]).get("reward_model") if committed else None
+    if recorded is None:
+        return
+    now = trainer.reward_model_identity()
+    if now is None or now["sha256"] != recorded["sha256"]:
+        found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+        raise ConfigError(f"reward_model.model.path: expected the reward model run {istore.run_id} was scored by "
+                          f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found} (the folder's "
+                          f"content changed: restore it, or start a new --run-id)")
+
+
 def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
                     storage_options: dict | None = None) -> dict[str, str]:
     """Everything needed to continue exactly: the trainable roles write weights,

@@ -262,6 +262,8 @@ class RewardModelWorker(Worker):
         """``rm_scores`` [rows, response_length]: each response's score at its last valid token."""
         rm = self.config.reward_model
         response_mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1]:]
+        if len(data) == 0:  # every rank gets none together (a batch is padded to the world size), so none waits
+            return DataProto.from_dict({"rm_scores": torch.zeros(response_mask.shape, dtype=torch.float32)})
         if self.retemplates:
             longest = self.config.data.max_prompt_length + self.config.rollout.response_length
             ids, mask, positions = retemplate(data, self.policy_tokenizer, self.tokenizer,
