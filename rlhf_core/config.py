@@ -251,6 +251,28 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (``reward_manager=dapo``; verl's
+    ``reward_model.reward_kwargs.overlong_buffer_cfg``)."""
+
+    enable: bool = _f(False, "punish responses that reach into the last `len` tokens before max_resp_len "
+                      "(reward_manager=dapo)")
+    len: int = _f(0, "tokens of the buffer before max_resp_len over which the punishment grows", **NON_NEGATIVE)
+    penalty_factor: float = _f(1.0, "the punishment of a response max_resp_len tokens long", **NON_NEGATIVE)
+    log: bool = _f(False, "log each response's overlong_reward and whether it was punished (overlong)",
+                   hashed=False)
+
+
+@dataclass
+class RewardKwargsConfig:
+    """What verl passes its reward manager (``reward_model.reward_kwargs``)."""
+
+    overlong_buffer_cfg: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    max_resp_len: int = _f(0, "the response length the overlong buffer counts back from (0: "
+                           "rollout.response_length)", **NON_NEGATIVE)
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (verl's ``reward_model`` section): with ``enable``, a reward-
     model worker scores each response at its last valid token (``rm_scores``), and those
@@ -273,9 +295,13 @@ class RewardModelConfig:
     truncation: str = _f("right", "a re-templated input longer than max_length: right (keep its start, verl's "
                          "default), left (keep its end), middle (its start and end), error (refuse the batch)",
                          choices=("right", "left", "middle", "error"))
-    reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers): naive = the "
-                             "reward model's score, or the reward function's per response (dapo, batch, prime: "
-                             "not here yet)", choices=("naive",))
+    reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers, "
+                             "rlhf_core/workers/reward_managers.py): naive = the reward function per response; "
+                             "dapo = naive's, then the overlong punishment of reward_kwargs.overlong_buffer_cfg; "
+                             "batch = the function once per batch, with lists. With a reward model its scores are "
+                             "the rewards under each (verl's prime, a process pool with timeouts for sandboxed "
+                             "code: not here)", choices=("naive", "dapo", "batch"))
+    reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
     log_function_score: bool = _f(False, "also score every response with reward.function and log it "
                                   "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "
                                   "beside the learned reward, which stays the reward (over-optimization shows as the "
@@ -555,6 +581,16 @@ class RunConfig:
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")
+        manager, buffer = self.reward_model.reward_manager, self.reward_model.reward_kwargs.overlong_buffer_cfg
+        if buffer.enable:
+            if manager != "dapo":
+                raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg.enable: expected "
+                                  f"reward_model.reward_manager=dapo (the manager that applies it); found {manager}")
+            longest = self.reward_model.reward_kwargs.max_resp_len or self.rollout.response_length
+            if not 0 < buffer.len <= longest:
+                raise ConfigError(f"reward_model.reward_kwargs.overlong_buffer_cfg.len: expected 1 to {longest} "
+                                  f"tokens (reward_model.reward_kwargs.max_resp_len, 0: rollout.response_length); "
+                                  f"found {buffer.len}")
         if self.reward_model.enable and not self.reward_model.model.path:
             raise ConfigError("reward_model.model.path: expected a sequence-classification model folder with "
                               "reward_model.enable=True; found none")

@@ -162,8 +162,8 @@ TABLE: dict[str, Rule] = {
     "critic.strategy": _m("actor.strategy", note="one strategy for actor and critic here", convert=_strategy),
     # reward
     # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
-    # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, model.use_remove_padding,
-    # model.fsdp_config.param_offload); the rest:
+    # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, reward_kwargs.overlong_buffer_cfg.*,
+    # reward_kwargs.max_resp_len, model.use_remove_padding, model.fsdp_config.param_offload); the rest:
     "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
                                        "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),
@@ -252,7 +252,10 @@ def translate(items: list[str], ours: set[str], current: Callable[[str], object]
             out.overrides.append(item)  # apply_overrides says what is wrong with it
             continue
         path, raw = item.split("=", 1)
-        path = path.strip()
+        # Hydra's + (add a key) and ++ (add or override): our config's keys are fixed, so
+        # the key is what counts (its value is refused where the key is not one)
+        path = path.strip().lstrip("+")
+        item = f"{path}={raw}"
         rule = TABLE.get(path)
         if rule is None and (path in ours or not is_verl_key(path)):
             out.overrides.append(item)

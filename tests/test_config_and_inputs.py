@@ -6,7 +6,8 @@ import pytest
 
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict
 from rlhf_core.data.dataset import DatasetError, PromptLoader, load_rows
-from rlhf_core.workers.reward import RewardFunctionError, load_reward_fn, score_rows
+from rlhf_core.workers.reward import load_reward_fn
+from rlhf_core.workers.reward_managers import RewardFunctionError, ScoringRows, naive
 
 
 def test_dotted_overrides_are_typed():
@@ -121,6 +122,12 @@ def test_config_hash_changes_with_any_field_and_dict_roundtrip():
 
 def _returns_text(data_source, solution_str, ground_truth, extra_info):
     return "great"
+
+
+def score_rows(fn, name, data_sources, solutions, ground_truths, extra_infos, uids):
+    """verl's naive manager over rows of one-token responses."""
+    return naive(fn, name, ScoringRows(data_sources, solutions, ground_truths, extra_infos, uids, [1] * len(uids)),
+                 None)
 
 
 def test_reward_function_that_raises_names_function_and_uid():

@@ -12,10 +12,7 @@ whether this machine vouches for it without being told (docs/security.md, "Trust
 
 from __future__ import annotations
 
-import copy
 import importlib
-import math
-import numbers
 
 import numpy as np
 import torch
@@ -24,6 +21,7 @@ from rlhf_core.config import NAMED_REWARDS, RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
+from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, naive
 
 
 #: Entry-point group under which an installed package registers its reward functions
@@ -39,10 +37,6 @@ def installed(spec: str) -> bool:
     if spec in NAMED_REWARDS or spec in NAMED_REWARDS.values():
         return True
     return any(ep.value.replace(" ", "") == spec for ep in entry_points(group=REWARD_ENTRY_POINTS))
-
-
-class RewardFunctionError(RuntimeError):
-    """The reward function raised or returned something that is not a score."""
 
 
 def load_reward_fn(spec: str):
@@ -91,30 +85,6 @@ def configured_reward_fn(config: RunConfig):
     return load_reward_fn(config.reward.function)
 
 
-def score_rows(fn, name: str, data_sources, solutions, ground_truths, extra_infos, uids):
-    """Call the reward function per row; returns (scores, extra columns)."""
-    scores, extras = [], {}
-    for i, (src, sol, gt, extra, uid) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos, uids)):
-        try:  # a copy: the n responses of a prompt share one extra_info, and a function may change it
-            result = fn(src, sol, gt, copy.deepcopy(extra))
-        except Exception as exc:
-            raise RewardFunctionError(f"reward function {name} raised on uid {uid!r} (row {i}): "
-                                      f"{type(exc).__name__}: {exc}") from exc
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise RewardFunctionError(f"reward function {name} returned a dict without 'score' for uid "
-                                          f"{uid!r}: keys {sorted(result)}")
-            for key, value in result.items():
-                if key != "score":
-                    extras.setdefault(key, [None] * len(uids))[i] = value
-            result = result["score"]
-        if isinstance(result, bool) or not isinstance(result, numbers.Real) or not math.isfinite(float(result)):
-            raise RewardFunctionError(f"reward function {name} returned {result!r} ({type(result).__name__}) "
-                                      f"for uid {uid!r}; expected a finite number or a dict with 'score'")
-        scores.append(float(result))
-    return scores, extras
-
-
 class RewardWorker(Worker):
     def __init__(self, config: RunConfig) -> None:
         super().__init__()
@@ -129,28 +99,33 @@ class RewardWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
-        """``token_level_scores``: verl's naive reward manager. With a reward model's
-        ``rm_scores`` in the batch, they are the rewards, unless a custom reward function
-        is set: it scores, and sees the model's score as ``extra_info["rm_score"]``."""
+        """``token_level_scores``: the reward manager's score of each response at its last
+        token (``reward_model.reward_manager``). With a reward model's ``rm_scores`` in the
+        batch, they are the rewards, unless a custom reward function is set: it scores, and
+        sees the model's score as ``extra_info["rm_score"]``."""
         responses, mask = data.batch["responses"], data.batch["response_mask"]
         texts = [self.tokenizer.decode([t for t, keep in zip(row, row_mask) if keep], skip_special_tokens=True)
                  for row, row_mask in zip(responses.tolist(), mask.tolist())]
         nt = data.non_tensor_batch
+        lengths = mask.sum(dim=1).tolist()
+
+        def rows(extra_infos) -> ScoringRows:
+            return ScoringRows(nt["data_source"], texts, nt["ground_truth"], extra_infos, nt["uid"], lengths)
+
         extra_infos = nt.get("extra_info", [None] * len(data))
         columns = {"response_text": np.array(texts, dtype=object)}
         if "rm_scores" in data.batch.keys():
             rm_scores = data.batch["rm_scores"].float()
             if not self.config.custom_reward_function.path:
                 if self.config.reward_model.log_function_score:  # a metric beside the reward, never the reward
-                    scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
-                                                extra_infos, nt["uid"])
+                    scores, extras = naive(self.fn, self.fn_name, rows(extra_infos), self.config)
                     columns["reward_extra/function_score"] = object_column(scores)
                     columns.update((f"reward_extra/{key}", object_column(values)) for key, values in extras.items())
                 return DataProto.from_dict({"token_level_scores": rm_scores.clone()}, columns)
             extra_infos = [{**(extra or {}), "rm_score": score}
                            for extra, score in zip(extra_infos, rm_scores.sum(dim=-1).tolist())]
-        scores, extras = score_rows(self.fn, self.fn_name, nt["data_source"], texts, nt["ground_truth"],
-                                    extra_infos, nt["uid"])
+        manager = MANAGERS[self.config.reward_model.reward_manager]
+        scores, extras = manager(self.fn, self.fn_name, rows(extra_infos), self.config)
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = (mask.sum(dim=1) - 1).clamp(min=0)  # outcome reward on the last token
         token_level_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)

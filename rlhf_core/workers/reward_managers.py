@@ -1,0 +1,129 @@
+"""verl's reward managers: how a reward function's results become each response's
+reward (``reward_model.reward_manager``). A manager is a function of the scoring rows
+returning one score per row and the extra columns to log; adding one is a function and
+an entry in ``MANAGERS``; ``config`` is the run's ``RunConfig``.
+
+- ``naive``: the function per response (verl's default);
+- ``dapo``: the function per response, then DAPO's soft overlong punishment (Yu et al.
+  2025, eq. 13): a response longer than ``max_resp_len - overlong_buffer_cfg.len`` tokens
+  loses ``penalty_factor`` x how far into that buffer it reaches; a function that returns a
+  number has it logged as ``acc`` too, as verl's manager does;
+- ``batch``: the function once per batch, with lists (``data_sources``, ``solution_strs``,
+  ``ground_truths``, ``extra_infos``), returning one result per response.
+
+With a reward model in the run, its scores are the rewards under every manager (verl's
+rule), unless a custom reward function is set (``workers/reward.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function raised or returned something that is not a score."""
+
+
+@dataclass(frozen=True)
+class ScoringRows:
+    """What a reward function is given about each response, row-aligned."""
+
+    data_sources: list
+    solutions: list[str]          # the decoded responses, special tokens skipped
+    ground_truths: list
+    extra_infos: list             # each row's own copy: a function may change it
+    uids: list
+    lengths: list[int]            # valid response tokens (EOS included)
+
+
+def checked_score(result, name: str, uid, row: int, extras: dict[str, list], rows: int) -> float:
+    """One result of the function as a score: a finite number, or a dict holding one
+    under ``score`` (its other keys become columns of ``extras``)."""
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise RewardFunctionError(f"reward function {name} returned a dict without 'score' for uid "
+                                      f"{uid!r}: keys {sorted(result)}")
+        for key, value in result.items():
+            if key != "score":
+                extras.setdefault(key, [None] * rows)[row] = value
+        result = result["score"]
+    if isinstance(result, bool) or not isinstance(result, numbers.Real) or not math.isfinite(float(result)):
+        raise RewardFunctionError(f"reward function {name} returned {result!r} ({type(result).__name__}) "
+                                  f"for uid {uid!r}; expected a finite number or a dict with 'score'")
+    return float(result)
+
+
+def naive(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
+    """verl's naive manager: ``fn(data_source, solution_str, ground_truth, extra_info)`` per response."""
+    scores, extras = [], {}
+    for i, (src, sol, gt, extra, uid) in enumerate(zip(rows.data_sources, rows.solutions, rows.ground_truths,
+                                                       rows.extra_infos, rows.uids)):
+        try:  # a copy: the n responses of a prompt share one extra_info, and a function may change it
+            result = fn(src, sol, gt, copy.deepcopy(extra))
+        except Exception as exc:
+            raise RewardFunctionError(f"reward function {name} raised on uid {uid!r} (row {i}): "
+                                      f"{type(exc).__name__}: {exc}") from exc
+        scores.append(checked_score(result, name, uid, i, extras, len(rows.uids)))
+    return scores, extras
+
+
+def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_factor: float) -> float:
+    """DAPO's soft overlong punishment of a response of ``length`` tokens: 0 up to
+    ``max_resp_len - buffer_len``, then falling linearly to ``-penalty_factor`` at
+    ``max_resp_len``."""
+    return min(-(length - (max_resp_len - buffer_len)) / buffer_len * penalty_factor, 0.0)
+
+
+def dapo(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
+    """verl's dapo manager: naive's scores, ``acc`` logged for the rows whose function
+    returned a number, then the overlong punishment when ``overlong_buffer_cfg.enable``."""
+    scores, extras = naive(fn, name, rows, config)
+    returned_dicts = set()
+    for column in extras.values():
+        returned_dicts.update(i for i, value in enumerate(column) if value is not None)
+    if len(returned_dicts) < len(scores):
+        extras.setdefault("acc", [None] * len(scores))
+        for i, score in enumerate(scores):
+            if i not in returned_dicts:
+                extras["acc"][i] = score
+    kwargs = config.reward_model.reward_kwargs
+    buffer = kwargs.overlong_buffer_cfg
+    if buffer.enable:
+        longest = kwargs.max_resp_len or config.rollout.response_length
+        penalties = [overlong_penalty(length, longest, buffer.len, buffer.penalty_factor)
+                     for length in rows.lengths]
+        scores = [s + p for s, p in zip(scores, penalties)]
+        if buffer.log:
+            extras["overlong_reward"] = penalties
+            extras["overlong"] = [float(p < 0) for p in penalties]
+    return scores, extras
+
+
+def batch(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
+    """verl's batch manager: ``fn(data_sources=, solution_strs=, ground_truths=,
+    extra_infos=)`` once, one result per response."""
+    try:
+        results = fn(data_sources=list(rows.data_sources), solution_strs=list(rows.solutions),
+                     ground_truths=list(rows.ground_truths), extra_infos=copy.deepcopy(list(rows.extra_infos)))
+    except Exception as exc:
+        raise RewardFunctionError(f"reward function {name} (reward_model.reward_manager=batch) raised on a batch "
+                                  f"of {len(rows.uids)}: {type(exc).__name__}: {exc}") from exc
+    try:
+        results = list(results)
+    except TypeError:
+        results = None
+    if results is None or len(results) != len(rows.uids):
+        raise RewardFunctionError(f"reward function {name} (reward_model.reward_manager=batch): expected "
+                                  f"{len(rows.uids)} results, one per response; found "
+                                  f"{type(results).__name__ if results is None else len(results)}")
+    extras: dict[str, list] = {}
+    return [checked_score(r, name, uid, i, extras, len(results))
+            for i, (r, uid) in enumerate(zip(results, rows.uids))], extras
+
+
+#: reward_model.reward_manager -> manager.
+MANAGERS: dict[str, Callable] = {"naive": naive, "dapo": dapo, "batch": batch}
