@@ -4,7 +4,8 @@
 runner here; `rlhf run`). ``ppo_iteration_kuberay`` is the one for a Kubeflow server: it
 first launches (or reuses) the run's KubeRay cluster and tears it down by policy when the
 run ends. ``finetune`` drives a whole fine-tune, one per-iteration run after another
-(``components/finetune.py``). All three are compiled to YAML next to this file (checked
+(``components/finetune.py``); ``reward_model_finetune`` first trains the reward model that
+scores it from preference pairs (``components/reward_model.py``). All four are compiled to YAML next to this file (checked
 in; a test verifies they match a fresh compile) for upload in the Kubeflow UI.
 """
 
@@ -15,6 +16,7 @@ from kfp import compiler, dsl, kubernetes
 
 from components.cluster import launch_cluster, teardown_cluster
 from components.finetune import drive_finetune
+from components.reward_model import train_reward_model, with_reward_model
 from components.iteration import run_iteration
 from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
 
@@ -22,6 +24,7 @@ HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
 COMPILED_KUBERAY = HERE / "ppo_iteration_kuberay.yaml"
 COMPILED_FINETUNE = HERE / "finetune.yaml"
+COMPILED_RM_FINETUNE = HERE / "reward_model_finetune.yaml"
 #: How long a failed controller waits before its retry: on a server a pod is rescheduled
 #: (and a node may be replaced); on this machine (the KFP local runner) nothing needs
 #: that long, and a crash's retry should resume promptly.
@@ -136,6 +139,34 @@ def finetune(run_id: str = "demo", store: str = "s3://rlhf/runs", iterations: in
     driver.set_retry(num_retries=3, backoff_duration="60s")  # a retried driver continues from the store
 
 
+@dsl.pipeline(name="rlhf-reward-model-finetune",
+              description="RLHF end to end: a reward model trained from preference pairs (Bradley-Terry), then "
+                          "the PPO/GRPO fine-tune scored by it; the fine-tune's config names the reward model's "
+                          "artifact, so the lineage reads policy <- reward model <- preferences.")
+def reward_model_finetune(preferences: str, reward_model_base: str, reward_model_out: str, rm_epochs: int = 1,
+                          rm_lr: float = 1e-5, rm_batch_size: int = 8, rm_max_length: int = 512,
+                          rm_eval_share: float = 0.1, rm_seed: int = 0, run_id: str = "demo",
+                          store: str = "s3://rlhf/runs", iterations: int = 300, more: int = 0,
+                          stop_at_reward: float = -1.0, budget_s: float = 0.0, config: str = "",
+                          config_hash: str = "", kube_spec: dict = {}, cluster_policy: str = "keep",
+                          max_retries: int = 2, kfp_host: str = "", namespace: str = "", experiment: str = "rlhf",
+                          service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0, pipelined: bool = True):
+    trained = train_reward_model(preferences=preferences, base=reward_model_base, out=reward_model_out,
+                                 epochs=rm_epochs, lr=rm_lr, batch_size=rm_batch_size, max_length=rm_max_length,
+                                 eval_share=rm_eval_share, seed=rm_seed)
+    _pod_settings(trained, small=False)  # one process on its pod's CPUs (rlhf_core/trainer/preference.py)
+    scored = with_reward_model(config=config, config_hash=config_hash, reward_model=trained.outputs["reward_model"])
+    _pod_settings(scored, small=True)
+    driver = drive_finetune(run_id=run_id, store=store, iterations=iterations, more=more,
+                            stop_at_reward=stop_at_reward, budget_s=budget_s, config=scored.outputs["config"],
+                            config_hash=scored.outputs["config_hash"], kube_spec=kube_spec,
+                            cluster_policy=cluster_policy, max_retries=max_retries, kfp_host=kfp_host,
+                            namespace=namespace, experiment=experiment, service_account=service_account,
+                            stop_at_val=stop_at_val, pipelined=pipelined)
+    _pod_settings(driver, small=True)
+    driver.set_retry(num_retries=3, backoff_duration="60s")
+
+
 def compile_pipeline(path=COMPILED, pipeline=ppo_iteration) -> Path:
     compiler.Compiler().compile(pipeline, package_path=str(path))
     return Path(path)
@@ -144,7 +175,8 @@ def compile_pipeline(path=COMPILED, pipeline=ppo_iteration) -> Path:
 def compile_all(folder: Path = HERE) -> list[Path]:
     return [compile_pipeline(Path(folder) / COMPILED.name, ppo_iteration),
             compile_pipeline(Path(folder) / COMPILED_KUBERAY.name, ppo_iteration_kuberay),
-            compile_pipeline(Path(folder) / COMPILED_FINETUNE.name, finetune)]
+            compile_pipeline(Path(folder) / COMPILED_FINETUNE.name, finetune),
+            compile_pipeline(Path(folder) / COMPILED_RM_FINETUNE.name, reward_model_finetune)]
 
 
 if __name__ == "__main__":

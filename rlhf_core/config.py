@@ -295,6 +295,14 @@ class RewardModelConfig:
     truncation: str = _f("right", "a re-templated input longer than max_length: right (keep its start, verl's "
                          "default), left (keep its end), middle (its start and end), error (refuse the batch)",
                          choices=("right", "left", "middle", "error"))
+    enable_resource_pool: bool = _f(False, "the reward model on a pool of its own (reward_model.nnodes nodes of "
+                                    "reward_model.n_gpus_per_node ranks each) instead of colocated with the actor "
+                                    "in the training pool", hashed=False)
+    n_gpus_per_node: int = _f(0, "ranks per node of the reward model's own pool: one GPU each on GPU nodes, "
+                              "trainer.cpus_per_worker CPUs each on CPU nodes (no effect without "
+                              "enable_resource_pool, as in verl)", **NON_NEGATIVE, hashed=False)
+    nnodes: int = _f(0, "nodes of the reward model's own pool, of the training pool's node shape (no effect "
+                     "without enable_resource_pool, as in verl)", **NON_NEGATIVE, hashed=False)
     reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers, "
                              "rlhf_core/workers/reward_managers.py): naive = the reward function per response; "
                              "dapo = naive's, then the overlong punishment of reward_kwargs.overlong_buffer_cfg; "
@@ -553,6 +561,16 @@ class RunConfig:
                     self.critic.world_size > res.critic_nnodes * per_node:
                 raise ConfigError(f"critic.world_size={self.critic.world_size} must split evenly over "
                                   f"resources.critic_nnodes={res.critic_nnodes} nodes of {per_node} ranks each")
+        rm = self.reward_model
+        if rm.enable_resource_pool:
+            per_node = res.ranks_per_node(self.trainer.cpus_per_worker)
+            if not rm.enable:
+                raise ConfigError("reward_model.enable_resource_pool: expected reward_model.enable=true (a pool for "
+                                  "the reward model); found false")
+            if not 1 <= rm.n_gpus_per_node <= per_node or rm.nnodes < 1:
+                raise ConfigError(f"reward_model.n_gpus_per_node, reward_model.nnodes: expected 1 to {per_node} "
+                                  f"ranks on each of at least 1 node (the training pool's node shape) with "
+                                  f"enable_resource_pool; found {rm.n_gpus_per_node} x {rm.nnodes}")
         tp = self.rollout.tensor_model_parallel_size
         if tp > 1 and not res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected 1 on CPU nodes "
@@ -562,10 +580,13 @@ class RunConfig:
                               f"{self.actor.world_size}; found {tp}")
         fsdp_size = self.actor.fsdp_config.fsdp_size
         for role, world in (("actor", self.actor.world_size),
-                            ("critic", self.critic.world_size if self.use_critic else 0)):
+                            ("critic", self.critic.world_size if self.use_critic else 0),
+                            ("reward_model", rm.n_gpus_per_node * rm.nnodes if rm.enable_resource_pool else 0)):
             if fsdp_size > 0 and world and world % fsdp_size:  # shared by every FSDP role
-                raise ConfigError(f"actor.fsdp_config.fsdp_size: expected a divisor of {role}.world_size="
-                                  f"{world} (or -1: all ranks, 0: each node's); found {fsdp_size}")
+                ranks = f"{role}.world_size={world}" if role != "reward_model" else \
+                    f"the reward model's {world} ranks (reward_model.n_gpus_per_node x nnodes)"
+                raise ConfigError(f"actor.fsdp_config.fsdp_size: expected a divisor of {ranks} (or -1: all ranks, "
+                                  f"0: each node's); found {fsdp_size}")
         if res.gpus_per_node and tp > res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected at most resources.gpus_per_node="
                               f"{res.gpus_per_node} (a tensor-parallel group stays on one node); found {tp}")

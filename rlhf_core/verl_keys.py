@@ -163,7 +163,8 @@ TABLE: dict[str, Rule] = {
     # reward
     # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
     # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, reward_kwargs.overlong_buffer_cfg.*,
-    # reward_kwargs.max_resp_len, model.use_remove_padding, model.fsdp_config.param_offload); the rest:
+    # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, model.use_remove_padding,
+    # model.fsdp_config.param_offload); the rest:
     "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
                                        "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),
@@ -176,7 +177,7 @@ TABLE: dict[str, Rule] = {
     "reward_model.rollout.prompt_length": _note("no effect: no reward-model server here (reward_model.max_length "
                                                 "bounds its inputs)"),
     "reward_model.rollout.response_length": _note("no effect: no reward-model server here"),
-    "reward_model.num_workers": _note("no effect: the reward model runs on every rank of the training pool"),
+    "reward_model.num_workers": _note("no effect: the reward model runs on every rank of its pool"),
     "reward_model.model.input_tokenizer": _note("the policy's tokenizer is model.path's here; responses are "
                                                 "re-templated when the reward model's tokenizer or chat template "
                                                 "differs from it"),
@@ -185,12 +186,6 @@ TABLE: dict[str, Rule] = {
                                                  accepts=lambda raw: raw.lower() in ("false", "0")),
     "reward_model.micro_batch_size": _refuse("verl's deprecated global micro-batch: use "
                                              "reward_model.micro_batch_size_per_gpu"),
-    "reward_model.enable_resource_pool": Rule(note="false: the reward model is colocated in the training pool",
-                                              refuse="no reward-model pool of its own here yet: the reward model "
-                                              "is colocated in the training pool",
-                                              accepts=lambda raw: raw.lower() in ("false", "0")),
-    "reward_model.n_gpus_per_node": _note("no effect: the reward model is colocated in the training pool"),
-    "reward_model.nnodes": _note("no effect: the reward model is colocated in the training pool"),
     "reward_model.launch_reward_fn_async": Rule(note="false: rewards are computed in the reward stage",
                                                 refuse="no asynchronous reward function here",
                                                 accepts=lambda raw: raw.lower() in ("false", "0")),

@@ -29,10 +29,13 @@ def render_example(path: Path) -> dict:
     return render_all(*load_deployment(path), "nightly-ppo", "s3://bucket/runs")
 
 
-def render_critic_pool() -> dict:
+def render_own_pools() -> dict:
+    """A critic and a reward model each on a pool of its own."""
     cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
                                         "resources.gpus_per_node=8", "critic.world_size=8",
-                                        "resources.critic_nnodes=1"]).validate()
+                                        "resources.critic_nnodes=1", "reward_model.enable=true",
+                                        "reward_model.model.path=/models/rm", "reward_model.enable_resource_pool=true",
+                                        "reward_model.n_gpus_per_node=4", "reward_model.nnodes=1"]).validate()
     return render_all(cfg, KubeSpec(node_gpus=8).validate(), "ppo-7b", "s3://b/runs")
 
 
@@ -46,7 +49,7 @@ def render_with_volumes() -> dict:
 #: Every fixed set of objects the tests below render, for the one test that checks them
 #: against KubeRay's schemas.
 RENDERED = {**{f"example-{p.stem}": (lambda p=p: render_example(p)) for p in CONFIGS},
-            "critic-pool": render_critic_pool, "volumes": render_with_volumes}
+            "own-pools": render_own_pools, "volumes": render_with_volumes}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
@@ -310,12 +313,13 @@ def test_the_cluster_pipeline_takes_no_policy_from_the_profile_namespace_and_set
             or executor["securityContext"] == {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True}, name
 
 
-def test_a_critic_pool_of_its_own_renders_a_worker_group_of_its_own():
-    objects = render_critic_pool()
+def test_a_critic_or_reward_model_pool_of_its_own_renders_a_worker_group_of_its_own():
+    objects = render_own_pools()
     validate_core_kinds(objects)
     groups = {g["groupName"]: g for g in objects["raycluster.yaml"]["spec"]["workerGroupSpecs"]}
-    assert {name: g["replicas"] for name, g in groups.items()} == {"train": 2, "critic": 1}
-    assert groups["critic"]["rayStartParams"]["num-gpus"] == "8"
+    assert {name: g["replicas"] for name, g in groups.items()} == {"train": 2, "critic": 1, "reward-model": 1}
+    assert groups["critic"]["rayStartParams"]["num-gpus"] == groups["reward-model"]["rayStartParams"]["num-gpus"] \
+        == "8"  # the training pool's node shape
     cfg = apply_overrides(RunConfig(), ["algorithm.adv_estimator=gae", "actor.world_size=16", "resources.nnodes=2",
                                         "resources.gpus_per_node=8", "critic.world_size=8", "resources.critic_nnodes=1"])
     with pytest.raises(Exception, match=r"critic.world_size=3 must split evenly over resources.critic_nnodes=2"):

@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_checked_in_yaml_matches_a_fresh_compile(tmp_path):
-    from pipelines.ppo_iteration import COMPILED, COMPILED_FINETUNE, COMPILED_KUBERAY, compile_all
+    from pipelines.ppo_iteration import COMPILED, COMPILED_FINETUNE, COMPILED_KUBERAY, COMPILED_RM_FINETUNE, compile_all
 
     compile_all(tmp_path)
-    assert (tmp_path / COMPILED_FINETUNE.name).read_text() == COMPILED_FINETUNE.read_text(), \
-        "pipelines/finetune.yaml is stale: run `rlhf compile`"
+    for driver_pipeline in (COMPILED_FINETUNE, COMPILED_RM_FINETUNE):
+        assert (tmp_path / driver_pipeline.name).read_text() == driver_pipeline.read_text(), \
+            f"pipelines/{driver_pipeline.name} is stale: run `rlhf compile`"
     driver = list(yaml.safe_load_all(COMPILED_FINETUNE.read_text()))[0]
     assert set(driver["root"]["dag"]["tasks"]) == {"drive-finetune"}
     assert {"iterations", "more", "stop_at_reward", "budget_s", "kube_spec"} <= set(

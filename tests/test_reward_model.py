@@ -157,6 +157,39 @@ def test_an_empty_batch_scores_to_an_empty_tensor(folders, monkeypatch, which):
     assert scores.shape == (0, RESPONSE) and scores.dtype == torch.float32
 
 
+def test_a_reward_model_pool_of_its_own_takes_the_reward_model_out_of_the_training_pool():
+    """verl's enable_resource_pool / n_gpus_per_node / nnodes; shapes that cannot be placed
+    are refused in one line naming the fields."""
+    from rlhf_core.workers.worker_set import pool_plan, pool_prefixes
+
+    on = ["reward_model.enable=true", "reward_model.model.path=/models/rm", "resources.cpus_per_node=8",
+          "actor.world_size=2"]
+    colocated = pool_plan(apply_overrides(RunConfig(), on).validate())
+    assert [(p.name, p.process_on_nodes, p.roles) for p in colocated] == [
+        ("train", (2,), ("actor", "reward", "reward_model"))]
+    own = pool_plan(apply_overrides(RunConfig(), on + ["reward_model.enable_resource_pool=true",
+                                                      "reward_model.n_gpus_per_node=3",
+                                                      "reward_model.nnodes=2"]).validate())
+    assert [(p.name, p.process_on_nodes, p.roles) for p in own] == [
+        ("train", (2,), ("actor", "reward")), ("reward_model", (3, 3), ("reward_model",))]
+    assert pool_prefixes("global_pool") == ["global_pool", "global_pool_critic", "global_pool_reward_model"]
+    for extra, message in (
+            (["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=5", "reward_model.nnodes=1"],
+             "reward_model.n_gpus_per_node, reward_model.nnodes: expected 1 to 4 ranks on each of at least 1 node "
+             "(the training pool's node shape) with enable_resource_pool; found 5 x 1"),
+            (["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=2"],
+             "reward_model.n_gpus_per_node, reward_model.nnodes: expected 1 to 4 ranks"),
+            (["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=3", "reward_model.nnodes=1",
+              "actor.fsdp_config.fsdp_size=2"],
+             "actor.fsdp_config.fsdp_size: expected a divisor of the reward model's 3 ranks (reward_model.n_gpus_per_node "
+             "x nnodes)"),
+            (["reward_model.enable=false", "reward_model.enable_resource_pool=true"],
+             "reward_model.enable_resource_pool: expected reward_model.enable=true")):
+        with pytest.raises(ConfigError) as refused:
+            apply_overrides(RunConfig(), on + extra).validate()
+        assert str(refused.value).startswith(message), refused.value
+
+
 def test_a_row_without_a_response_token_scores_nothing():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     out = rm.scores_to_tokens(torch.tensor([2.5, 7.0]), mask)
@@ -289,8 +322,8 @@ NOT_YET = ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "critic.optim.
 
 
 def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model(folders, tmp_path, ray_local):
-    """run_qwen2-7b_rm.sh's keys (but NOT_YET) with values scaled to tiny folders on CPU:
-    every response's reward is the reward model's score of its re-templated chat, as an
+    """run_qwen2-7b_rm.sh's keys (but NOT_YET) with values scaled to tiny folders on CPU,
+    the reward model on a pool of its own: every response's reward is the reward model's score of its re-templated chat, as an
     independent Hugging Face computation on the stored responses gives it; the scoring
     stage has its own snapshot and replays exactly."""
     from transformers import AutoTokenizer
@@ -327,8 +360,10 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     argv = [f"{item.split('=', 1)[0]}={scaled[item.split('=', 1)[0]]}" if item.split("=", 1)[0] in scaled else item
             for item in QWEN2_7B_RM if not item.startswith(NOT_YET + ("trainer.n_gpus_per_node=",))]
     store = f"file://{tmp_path / 'store'}"
-    assert main(["run", "--direct", "--run-id", "rm", "--store", store, *argv, "rollout.n=2", "critic.ppo_mini_batch_size=2",
-                 f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=false"]) == 0
+    # and the reward model on a pool of its own (verl's keys), as the scripts that set them place it
+    own_pool = ["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1", "reward_model.nnodes=1"]
+    assert main(["run", "--direct", "--run-id", "rm", "--store", store, *argv, *own_pool, "rollout.n=2",
+                 "critic.ppo_mini_batch_size=2", f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=false"]) == 0
 
     policy_tok, rm_tok = (AutoTokenizer.from_pretrained(folders[k]) for k in ("policy", "other"))
     istore = IterationStore(RunRef(store, "rm"))

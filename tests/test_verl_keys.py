@@ -78,8 +78,8 @@ def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
     ("actor_rollout_ref.rollout.max_num_batched_tokens=8192", "verl key "
      "'actor_rollout_ref.rollout.max_num_batched_tokens': no counterpart here (`rlhf config --verl` lists"),
     ("actor_rollout_ref.rollout.top_k=50", "verl key 'actor_rollout_ref.rollout.top_k'=50: no top-k sampling here"),
-    ("reward_model.enable_resource_pool=True", "verl key 'reward_model.enable_resource_pool'=True: no "
-     "reward-model pool of its own here yet"),
+    ("reward_model.launch_reward_fn_async=True", "verl key 'reward_model.launch_reward_fn_async'=True: no "
+     "asynchronous reward function here"),
     ("trainer.val_only=True", "verl key 'trainer.val_only'=True: no validation-only runs here"),
     ("trainer.bogus=1", "unknown config key 'trainer.bogus'"),
 ])

@@ -41,7 +41,8 @@ def pools(cfg) -> list[dict]:
     from rlhf_core.workers.worker_set import TRAIN_POOL, pool_plan
 
     res = cfg.resources
-    return [{"name": TRAINING_GROUP if plan.name == TRAIN_POOL else plan.name, "replicas": len(plan.process_on_nodes),
+    return [{"name": TRAINING_GROUP if plan.name == TRAIN_POOL else plan.name.replace("_", "-"),  # a DNS label
+             "replicas": len(plan.process_on_nodes),
              "gpus": res.gpus_per_node, "cpus": res.cpus_per_node, "memory_gib": res.memory_gib_per_node,
              "object_store_gib": res.object_store_gib_per_node} for plan in pool_plan(cfg)]
 

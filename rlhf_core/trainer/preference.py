@@ -186,3 +186,29 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     log(f"[rm] wrote {out} (reward_model.model.path={out}); trained on {len(train)} pairs of {data['uri']}"
         + (f", {sum(data['skipped'].values())} rows skipped" if data["skipped"] else ""))
     return record
+
+
+def publish(folder: str, uri: str, storage_options: dict | None = None) -> None:
+    """Upload a reward-model folder to an empty object-store prefix, file by file, then
+    ``SHA256SUMS`` (``sha256sum``'s format) last: what ``reward_model.model.path`` fetches is
+    checked against it, on stores whose ETags are not MD5s too."""
+    import hashlib
+
+    from rlhf_core.data.fetch import SUMS
+    from rlhf_core.snapshot import fs as sfs
+
+    loc = sfs.resolve(uri, storage_options)
+    if loc.fs.exists(loc.path) and loc.fs.ls(loc.path):
+        raise RewardModelTrainingError(f"--out: expected an empty prefix for the reward model; found objects under "
+                                       f"{uri}")
+    sums = []
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        digest = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        loc.fs.put_file(str(path), loc.child(name).path)
+        sums.append(f"{digest.hexdigest()}  {name}\n")
+    loc.fs.pipe_file(loc.child(SUMS).path, "".join(sums).encode())
+

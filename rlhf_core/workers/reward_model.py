@@ -61,13 +61,16 @@ def load_reward_model(path: str, dtype: str = "float32"):
 
 def content_sha256(folder: str) -> str:
     """One sha256 over a model folder's files (their relative paths and bytes, in path
-    order; hidden files such as the fetch cache's record left out): the identity that a
-    manifest records and a replay checks."""
+    order; hidden files such as the fetch cache's record and the object store's
+    ``SHA256SUMS`` list left out: a folder hashes the same before upload and after fetch):
+    the identity that a manifest records and a replay checks."""
     import hashlib
     from pathlib import Path
 
+    from rlhf_core.data.fetch import SUMS
+
     root, digest = Path(folder), hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and str(p.relative_to(root)) != SUMS
                        and not any(part.startswith(".") for part in p.relative_to(root).parts)):
         digest.update(str(path.relative_to(root)).encode() + b"\0")
         with open(path, "rb") as fh:

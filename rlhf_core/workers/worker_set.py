@@ -9,7 +9,7 @@ through this module, so it sits below both. Adding a role is a worker class, one
          enabled=lambda cfg: cfg.reward.function == "my_pkg.rewards:verified")
 
 Roles are colocated in one process per rank of their pool (``pool_plan``): the ``train``
-pool hosts every role unless the critic has a pool of its own. A pool is one placement
+pool hosts every role but the critic and the reward model when they have pools of their own. A pool is one placement
 group per node, ranks numbered node by node. The role's handle is a ``RayWorkerGroup``
 whose methods are the role's ``@register``-ed methods.
 """
@@ -66,10 +66,10 @@ class Pool:
         return sum(self.process_on_nodes)
 
 
-TRAIN_POOL, CRITIC_POOL = "train", "critic"
+TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL = "train", "critic", "reward_model"
 
 
-POOL_KINDS = (TRAIN_POOL, CRITIC_POOL)
+POOL_KINDS = (TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL)
 
 
 def pool_prefix(pool_name: str, kind: str) -> str:
@@ -85,17 +85,21 @@ def pool_prefixes(pool_name: str) -> list[str]:
 
 def pool_plan(cfg: RunConfig) -> list[Pool]:
     """Where the roles run: the ``train`` pool hosts actor/rollout/reference, the reward
-    and (by default) the critic; with ``critic.world_size > 0`` the critic gets a
-    ``critic`` pool of its own (``resources.critic_nnodes`` nodes)."""
-    res = cfg.resources
+    and (by default) the critic and the reward model; with ``critic.world_size > 0`` the
+    critic gets a ``critic`` pool of its own (``resources.critic_nnodes`` nodes), with
+    ``reward_model.enable_resource_pool`` the reward model a ``reward_model`` pool
+    (``reward_model.nnodes`` x ``reward_model.n_gpus_per_node``, verl's)."""
+    res, rm = cfg.resources, cfg.reward_model
     names = [r.name for r in roles_of(cfg)]
-    own = {"critic"} if cfg.use_critic and cfg.critic.world_size else set()
-    plan = [Pool(TRAIN_POOL, tuple(res.process_on_nodes(cfg.actor.world_size)),
-                 tuple(n for n in names if n not in own))]
-    if own:
+    own = []
+    if cfg.use_critic and cfg.critic.world_size:
         nodes = min(res.critic_nnodes, cfg.critic.world_size)
-        plan.append(Pool(CRITIC_POOL, tuple([cfg.critic.world_size // nodes] * nodes), ("critic",)))
-    return plan
+        own.append(Pool(CRITIC_POOL, tuple([cfg.critic.world_size // nodes] * nodes), ("critic",)))
+    if rm.enable and rm.enable_resource_pool:
+        own.append(Pool(REWARD_MODEL_POOL, tuple([rm.n_gpus_per_node] * rm.nnodes), ("reward_model",)))
+    elsewhere = {role for pool in own for role in pool.roles}
+    return [Pool(TRAIN_POOL, tuple(res.process_on_nodes(cfg.actor.world_size)),
+                 tuple(n for n in names if n not in elsewhere)), *own]
 
 
 def colocated_class(cfg: RunConfig, role_names: tuple[str, ...] | None = None):
