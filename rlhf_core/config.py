@@ -251,6 +251,19 @@ class RewardModelModelConfig:
 
 
 @dataclass
+class RewardModelRolloutConfig:
+    """The engine that serves the reward model with ``reward_model.use_reward_loop`` (verl's
+    ``reward_model.rollout``)."""
+
+    name: str = _f("vllm", "the serving engine: vllm (its pooling runner, the score head's raw output at the "
+                   "last token)", choices=("vllm",))
+    gpu_memory_utilization: float = _f(0.5, "share of a GPU the reward model's engine may take (GPU nodes)", gt=0,
+                                       le=1, hashed=False)
+    tensor_model_parallel_size: int = _f(1, "GPUs per reward-model engine: 1 here (one engine per rank of the "
+                                         "reward model's pool)", **POSITIVE)
+
+
+@dataclass
 class OverlongBufferConfig:
     """DAPO's soft overlong punishment (``reward_manager=dapo``; verl's
     ``reward_model.reward_kwargs.overlong_buffer_cfg``)."""
@@ -295,6 +308,10 @@ class RewardModelConfig:
     truncation: str = _f("right", "a re-templated input longer than max_length: right (keep its start, verl's "
                          "default), left (keep its end), middle (its start and end), error (refuse the batch)",
                          choices=("right", "left", "middle", "error"))
+    use_reward_loop: bool = _f(False, "score with a serving engine (reward_model.rollout: vLLM's pooling runner, "
+                               "one engine per rank, asleep between scorings on GPUs) instead of an FSDP forward; "
+                               "the same inputs, the same score (verl's reward loop; verl's default is true)")
+    rollout: RewardModelRolloutConfig = field(default_factory=RewardModelRolloutConfig)
     enable_resource_pool: bool = _f(False, "the reward model on a pool of its own (reward_model.nnodes nodes of "
                                     "reward_model.n_gpus_per_node ranks each) instead of colocated with the actor "
                                     "in the training pool", hashed=False)
@@ -562,6 +579,9 @@ class RunConfig:
                 raise ConfigError(f"critic.world_size={self.critic.world_size} must split evenly over "
                                   f"resources.critic_nnodes={res.critic_nnodes} nodes of {per_node} ranks each")
         rm = self.reward_model
+        if rm.use_reward_loop and rm.rollout.tensor_model_parallel_size != 1:
+            raise ConfigError(f"reward_model.rollout.tensor_model_parallel_size: expected 1 (one engine per rank of the "
+                              f"reward model's pool here); found {rm.rollout.tensor_model_parallel_size}")
         if rm.enable_resource_pool:
             per_node = res.ranks_per_node(self.trainer.cpus_per_worker)
             if not rm.enable:

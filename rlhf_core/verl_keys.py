@@ -163,20 +163,16 @@ TABLE: dict[str, Rule] = {
     # reward
     # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
     # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, reward_kwargs.overlong_buffer_cfg.*,
-    # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, model.use_remove_padding,
+    # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, use_reward_loop, rollout.name,
+    # rollout.gpu_memory_utilization, rollout.tensor_model_parallel_size, model.use_remove_padding,
     # model.fsdp_config.param_offload); the rest:
     "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
                                        "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),
-    "reward_model.use_reward_loop": _note("the reward model is scored by reward-model workers in the training "
-                                          "pool here (verl's reward loop serves it with vLLM): the same score, "
-                                          "the model's at each response's last token after re-templating"),
-    "reward_model.rollout.name": _note("no effect: no reward-model server here (reward_model.use_reward_loop)"),
-    "reward_model.rollout.gpu_memory_utilization": _note("no effect: no reward-model server here"),
-    "reward_model.rollout.tensor_model_parallel_size": _note("no effect: no reward-model server here"),
-    "reward_model.rollout.prompt_length": _note("no effect: no reward-model server here (reward_model.max_length "
-                                                "bounds its inputs)"),
-    "reward_model.rollout.response_length": _note("no effect: no reward-model server here"),
+    "reward_model.rollout.prompt_length": _note("no effect: reward_model.max_length bounds the reward model's inputs "
+                                                "(its engine's too)"),
+    "reward_model.rollout.response_length": _note("no effect: reward_model.max_length bounds the reward model's "
+                                                  "inputs (its engine's too)"),
     "reward_model.num_workers": _note("no effect: the reward model runs on every rank of its pool"),
     "reward_model.model.input_tokenizer": _note("the policy's tokenizer is model.path's here; responses are "
                                                 "re-templated when the reward model's tokenizer or chat template "

@@ -190,6 +190,21 @@ def test_a_reward_model_pool_of_its_own_takes_the_reward_model_out_of_the_traini
         assert str(refused.value).startswith(message), refused.value
 
 
+@pytest.mark.slow  # a vLLM engine per worker: ~20 s
+def test_the_reward_loop_served_by_vllm_scores_what_the_fsdp_forward_scores(folders, monkeypatch):
+    """verl's reward loop (use_reward_loop, rollout.name=vllm): vLLM's pooling runner on
+    the inputs the FSDP path reads (the sampled tokens, or the re-templated chat, cut by
+    max_length), the raw score at the last token: equal to the FSDP forward's in fp32."""
+    data = rollout_batch(folders["policy"])
+    for which, extra in (("same", []), ("other", ["reward_model.max_length=12", "reward_model.truncation=left"])):
+        served = make_worker(folders, which, ["reward_model.use_reward_loop=true", *extra], monkeypatch=monkeypatch)
+        assert hasattr(served, "engine") and not hasattr(served, "model")
+        forward = make_worker(folders, which, extra, monkeypatch=monkeypatch)
+        got, expected = (w.compute_rm_score(data).batch["rm_scores"] for w in (served, forward))
+        assert torch.equal(got != 0, expected != 0) and torch.allclose(got, expected, atol=1e-5), (got, expected)
+        del served
+
+
 def test_a_row_without_a_response_token_scores_nothing():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
     out = rm.scores_to_tokens(torch.tensor([2.5, 7.0]), mask)

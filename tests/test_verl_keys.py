@@ -215,3 +215,17 @@ def test_ulysses_sequence_parallelism_of_one_is_taken_and_more_is_refused():
         assert cfg.to_dict() == RunConfig().to_dict() and any("no sequence parallelism" in n for n in notes), notes
         with pytest.raises((ConfigError, ValueError), match=f"{key}'=2: no sequence parallelism"):
             apply_overrides(RunConfig(), [f"{key}=2"])
+
+
+def test_the_table_in_docs_is_the_one_rlhf_config_verl_prints():
+    """docs/verl.md shows the table as the code has it (regenerate the block from
+    `rlhf config --verl` when a key changes)."""
+    from pathlib import Path
+
+    from rlhf_core.config import fields_where
+    from rlhf_core.verl_keys import table_text
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "verl.md").read_text()
+    block = doc.split("## The table", 1)[1].split("```", 2)[1].strip("\n")
+    printed = table_text(set(fields_where(lambda meta: True)))
+    assert block == printed.rstrip("\n"), "docs/verl.md's table is stale: paste `rlhf config --verl` there"

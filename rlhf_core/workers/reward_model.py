@@ -41,7 +41,21 @@ def load_reward_model(path: str, dtype: str = "float32"):
     """An HF sequence-classification model with one label and a ``score`` head (the
     layout of Llama, Qwen2, Mistral and Gemma reward models); anything else is refused
     in one line naming what was found."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    check_reward_model_config(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+        raise RewardModelError(f"{FIELD}: expected a score head (a Linear named 'score'); found "
+                               f"{type(getattr(model, 'score', None)).__name__} in {path}")
+    model.config.use_cache = False
+    return model.eval().requires_grad_(False)
+
+
+def check_reward_model_config(path: str):
+    """The folder's config, refused in one line unless it is a one-label sequence
+    classifier (no weights are read)."""
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     architectures = list(getattr(config, "architectures", None) or [])
@@ -51,12 +65,7 @@ def load_reward_model(path: str, dtype: str = "float32"):
     if config.num_labels != 1:
         raise RewardModelError(f"{FIELD}: expected a reward model with one label (num_labels=1); found "
                                f"num_labels={config.num_labels} in {path}")
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
-    if not isinstance(getattr(model, "score", None), torch.nn.Linear):
-        raise RewardModelError(f"{FIELD}: expected a score head (a Linear named 'score'); found "
-                               f"{type(getattr(model, 'score', None)).__name__} in {path}")
-    model.config.use_cache = False
-    return model.eval().requires_grad_(False)
+    return config
 
 
 def content_sha256(folder: str) -> str:
@@ -218,6 +227,47 @@ def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch
     return out
 
 
+class VLLMRewardScorer:
+    """The reward model served by vLLM's pooling runner in this process (verl's reward
+    loop): each sequence's tokens in, the score head's raw output at its last token out
+    (``use_activation=False``: no sigmoid). The inputs are the ones the FSDP path scores, so
+    the scores are that path's up to the engine's arithmetic. On GPUs the engine sleeps
+    between scorings (its weights to host memory, level 1): the training pool's memory is
+    the actor's while it trains."""
+
+    def __init__(self, model_path: str, rollout, max_model_len: int, dtype: str, seed: int) -> None:
+        import os
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM
+
+        self.sleeps = torch.cuda.is_available()
+        engine = {"gpu_memory_utilization": rollout.gpu_memory_utilization, "enable_sleep_mode": True} \
+            if self.sleeps else {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False}
+        self.llm = LLM(model=model_path, runner="pooling", dtype=dtype, max_model_len=max_model_len,
+                       enforce_eager=not self.sleeps, seed=seed, enable_prefix_caching=False, **engine)
+        self._sleep()
+
+    def _sleep(self) -> None:
+        if self.sleeps:
+            self.llm.sleep(level=1)
+
+    def scores(self, sequences: list[list[int]]) -> torch.Tensor:
+        """[rows] scores of token-id lists (each its real tokens, in order)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.pooling_params import PoolingParams
+
+        if self.sleeps:
+            self.llm.wake_up()
+        try:
+            outputs = self.llm.classify([TokensPrompt(prompt_token_ids=ids) for ids in sequences],
+                                        pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
+        finally:
+            self._sleep()
+        return torch.tensor([float(out.outputs.probs[-1]) for out in outputs], dtype=torch.float32)
+
+
 class RewardModelWorker(Worker):
     """Holds the reward model (FSDP2 over the pool's ranks, parameters offloaded between
     forwards) and scores batches."""
@@ -237,10 +287,18 @@ class RewardModelWorker(Worker):
         policy_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, weights=False)
         self.policy_tokenizer = modeling.load_tokenizer(policy_path)
         self.retemplates = not same_tokenization(self.policy_tokenizer, self.tokenizer)
+        # re-templated inputs are cut to this (verl's default: the policy's longest sequence)
+        self.max_length = rm.max_length or cfg.data.max_prompt_length + cfg.rollout.response_length
         if self.retemplates and not self.tokenizer.chat_template:
             raise RewardModelError(f"{FIELD}: expected a chat template in the reward model's tokenizer (its "
                                    f"tokenizer differs from the policy's, so responses are re-templated for it); "
                                    f"found none in {self.model_path}")
+        self.content_sha256 = content_sha256(self.model_path)
+        if rm.use_reward_loop:  # served: one engine per rank, each scoring its share of the batch
+            check_reward_model_config(self.model_path)  # a one-label classifier, as the FSDP path requires
+            longest = max(self.max_length, cfg.data.max_prompt_length + cfg.rollout.response_length)
+            self.engine = VLLMRewardScorer(self.model_path, rm.rollout, longest, cfg.model.dtype, cfg.trainer.seed)
+            return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
         model = load_reward_model(self.model_path, cfg.model.dtype)
         if model.config.pad_token_id is None:  # HF's pooling (unused here) refuses batches without one
             model.config.pad_token_id = self.tokenizer.pad_token_id or 0
@@ -248,7 +306,6 @@ class RewardModelWorker(Worker):
             packing.enable_packing(model)
         spec = sharding.ShardingSpec.from_config(cfg, param_offload=rm.model.fsdp_config.param_offload)
         self.model = modeling.init_distributed_model(self, model, spec, trainable=False, resources=cfg.resources)
-        self.content_sha256 = content_sha256(self.model_path)
         return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -268,12 +325,15 @@ class RewardModelWorker(Worker):
         if len(data) == 0:  # every rank gets none together (a batch is padded to the world size), so none waits
             return DataProto.from_dict({"rm_scores": torch.zeros(response_mask.shape, dtype=torch.float32)})
         if self.retemplates:
-            longest = self.config.data.max_prompt_length + self.config.rollout.response_length
-            ids, mask, positions = retemplate(data, self.policy_tokenizer, self.tokenizer,
-                                              rm.max_length or longest, rm.truncation)
+            ids, mask, positions = retemplate(data, self.policy_tokenizer, self.tokenizer, self.max_length,
+                                              rm.truncation)
             inputs = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
         else:
             inputs = data.select(["input_ids", "attention_mask", "position_ids"], [])
+        if rm.use_reward_loop:
+            ids, mask = inputs.batch["input_ids"], inputs.batch["attention_mask"].bool()
+            scores = self.engine.scores([row[keep].tolist() for row, keep in zip(ids, mask)])
+            return DataProto.from_dict({"rm_scores": scores_to_tokens(scores, response_mask)})
         inputs = devices.to_device(inputs)
         with torch.no_grad():
             [scores] = modeling.forward_in_chunks(
