@@ -306,15 +306,33 @@ def test_two_controllers_started_together_commit_the_iteration_once(tmp_path, he
     not dead, two schedules): one takes the lease and trains, the other leaves before it
     touches the workers; the committed checkpoint is the one the manifest names, and the
     weights are those of a run nobody raced."""
+    import psutil
+
+    from helpers import status_of
+
     os.environ.setdefault("RLHF_CACHE", str(tmp_path / "cache"))
     iterate(tmp_path, head_root)  # iteration 0, and a live session
-    env = user_env()
+    # whichever takes the lease stops itself right before its commit, still holding it, so
+    # the other meets the lease however late it starts (a loaded machine may start it after
+    # the first would have committed); the winner goes on once the other has left
+    env = {**user_env(), "RLHF_FREEZE_AT": "commit:1"}
     argv = [sys.executable, "-m", "rlhf_core.cli", "iterate", "--run-id", "run", "--quiet", "--store",
             f"file://{tmp_path / 'store'}", "--head-root", str(head_root), *OVERRIDES,
             f"trainer.output_dir={tmp_path / 'out'}"]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    deadline = time.monotonic() + 600
+    while all(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)  # until one has ended
+    loser = next(p for p in procs if p.poll() is not None)
+    winner = next(p for p in procs if p is not loser)
+    while status_of(psutil.Process(winner.pid)) != psutil.STATUS_STOPPED and winner.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the winner is at its freeze point
+    assert winner.poll() is None, winner.communicate()  # stopped there, the iteration not committed
+    assert not (tmp_path / "store" / "run" / "iter-000001" / "MANIFEST.json").exists()
+    os.kill(winner.pid, signal.SIGCONT)
+    outs = [p.communicate(timeout=600) for p in (loser, winner)]
     assert all(p.returncode == 0 for p in procs), outs
     trained = [o for o, _ in outs if "iteration 1:" in o]
     left = [o for o, _ in outs if "lease held by" in o]
