@@ -247,12 +247,13 @@ def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], w
     if recorded is None or not {"rm_score", "validate"} & set(wanted) or \
             any(o.startswith("reward_model.") for o in overrides):
         return
-    now = trainer.reward_model_identity()
-    if now is None or now["sha256"] != recorded["sha256"]:
-        found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+    from rlhf_core.trainer.restore import reward_model_change
+
+    changed = reward_model_change(recorded, trainer.reward_model_identity())
+    if changed:
         raise ReplayError(f"reward_model.model.path: expected the reward model iteration {n} was scored by "
-                          f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found} (the folder's "
-                          f"content changed: restore it, or replay against another with --override)")
+                          f"{changed} (the folder's content changed: restore it, or replay against another with "
+                          f"--override)")
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:

@@ -59,12 +59,19 @@ def check_reward_model_unchanged(istore, trainer) -> None:
     recorded = istore.read_manifest(committed[-1]).get("reward_model") if committed else None
     if recorded is None:
         return
-    now = trainer.reward_model_identity()
-    if now is None or now["sha256"] != recorded["sha256"]:
-        found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+    changed = reward_model_change(recorded, trainer.reward_model_identity())
+    if changed:
         raise ConfigError(f"reward_model.model.path: expected the reward model run {istore.run_id} was scored by "
-                          f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found} (the folder's "
-                          f"content changed: restore it, or start a new --run-id)")
+                          f"{changed} (the folder's content changed: restore it, or start a new --run-id)")
+
+
+def reward_model_change(recorded: dict, now: dict | None) -> str | None:
+    """``(recorded path, sha256 ...); found ...`` when the reward model loaded now (its
+    identity, or None) is not the one a manifest recorded; None when it is."""
+    if now is not None and now["sha256"] == recorded["sha256"]:
+        return None
+    found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+    return f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found}"
 
 
 def save_checkpoint(workers: WorkerSet, state, cfg: RunConfig, uri: str,
