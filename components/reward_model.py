@@ -10,16 +10,18 @@ from components.iteration import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def train_reward_model(preferences: str, base: str, out: str, reward_model: dsl.Output[dsl.Model],
+def train_reward_model(preferences: str, base: str, out: str, store: str, reward_model: dsl.Output[dsl.Model],
                        metrics: dsl.Output[dsl.Metrics], epochs: int = 1, lr: float = 1e-5, batch_size: int = 8,
                        max_length: int = 512, eval_share: float = 0.1, seed: int = 0,
-                       skip_bad_rows: bool = False) -> str:
+                       skip_bad_rows: bool = False, run_id: str = "") -> str:
     """A one-label reward model trained with the Bradley-Terry loss on ``preferences``
     (parquet / JSONL, a path or an object-store URI) from ``base``, written to ``out``: a
     folder (a mounted volume) or an empty ``s3://`` / ``gs://`` prefix (uploaded with its
     ``SHA256SUMS``). The ``reward_model`` artifact names ``out`` and carries the folder's
     content hash and the preferences' URI and sha256; ``metrics`` the held-out accuracy and
-    margin. Returns ``out``."""
+    margin. Each epoch is recorded in ``store`` (scored pairs, checkpoint, manifest) as run
+    ``run_id``: a retried task given the same id continues after its last committed epoch
+    (empty: a new run). Returns ``out``."""
     import tempfile
 
     from rlhf_core.data.fetch import is_remote
@@ -28,7 +30,8 @@ def train_reward_model(preferences: str, base: str, out: str, reward_model: dsl.
     from rlhf_core.workers.reward_model import content_sha256
 
     spec = RewardModelTraining(data=preferences, base=base, out=out, epochs=epochs, lr=lr, batch_size=batch_size,
-                               max_length=max_length, eval_share=eval_share, seed=seed, skip_bad_rows=skip_bad_rows)
+                               max_length=max_length, eval_share=eval_share, seed=seed, skip_bad_rows=skip_bad_rows,
+                               store=store, run_id=run_id or None)
     spec.check()  # before anything is read
     with tempfile.TemporaryDirectory(prefix="rlhf-rm-") as scratch:
         if is_remote(out):
@@ -40,7 +43,8 @@ def train_reward_model(preferences: str, base: str, out: str, reward_model: dsl.
     reward_model.uri = out  # where the folder is: what reward_model.model.path takes
     reward_model.metadata.update({"sha256": digest, "preferences": record["data"]["uri"],
                                   "preferences_sha256": record["data"]["sha256"], "base": base,
-                                  "pairs": record["pairs"], "held_out_pairs": record["held_out_pairs"]})
+                                  "pairs": record["pairs"], "held_out_pairs": record["held_out_pairs"],
+                                  "run": record["run"]})
     last = record["curve"][-1] if record["curve"] else {}
     for key in ("accuracy", "margin", "loss"):
         if key in last:

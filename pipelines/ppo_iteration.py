@@ -153,8 +153,11 @@ def reward_model_finetune(preferences: str, reward_model_base: str, reward_model
                           service_account: str = "rlhf-pipeline", stop_at_val: float = -1.0, pipelined: bool = True):
     trained = train_reward_model(preferences=preferences, base=reward_model_base, out=reward_model_out,
                                  epochs=rm_epochs, lr=rm_lr, batch_size=rm_batch_size, max_length=rm_max_length,
-                                 eval_share=rm_eval_share, seed=rm_seed)
+                                 eval_share=rm_eval_share, seed=rm_seed, store=store,
+                                 # a retry of the task within this pipeline run continues its epochs
+                                 run_id=dsl.PIPELINE_JOB_NAME_PLACEHOLDER)
     _pod_settings(trained, small=False)  # one process on its pod's CPUs (rlhf_core/trainer/preference.py)
+    trained.set_retry(num_retries=2, backoff_duration="30s")  # continues after its last committed epoch
     scored = with_reward_model(config=config, config_hash=config_hash, reward_model=trained.outputs["reward_model"])
     _pod_settings(scored, small=True)
     driver = drive_finetune(run_id=run_id, store=store, iterations=iterations, more=more,

@@ -436,17 +436,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_reward_model_train(args: argparse.Namespace) -> int:
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError
     from rlhf_core.data.preferences import PreferenceDataError
+    from rlhf_core.record.manifest_schema import ManifestError
     from rlhf_core.trainer.preference import RewardModelTraining, RewardModelTrainingError, train_reward_model
     from rlhf_core.workers.modeling import ModelPathError
 
     spec = RewardModelTraining(data=args.data, base=args.base, out=args.out, epochs=args.epochs, lr=args.lr,
                                batch_size=args.batch_size, max_length=args.max_length, eval_share=args.eval_share,
                                seed=args.seed, skip_bad_rows=args.skip_bad_rows,
-                               remove_padding=not args.no_remove_padding)
+                               remove_padding=not args.no_remove_padding, store=args.store, run_id=args.run_id)
     try:
         train_reward_model(spec)
-    except (PreferenceDataError, RewardModelTrainingError, ModelPathError) as exc:
+    except (PreferenceDataError, RewardModelTrainingError, ModelPathError, ManifestError,
+            CheckpointRefusedError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     return 0
 
@@ -526,7 +529,9 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
         try:
             train_reward_model(RewardModelTraining(data=str(pairs), base=policy, out=str(reward_model),
                                                    epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
-                                                   eval_share=0.05, max_length=16, seed=args.seed))
+                                                   eval_share=0.05, max_length=16, seed=args.seed,
+                                                   store=args.store or str(out / "store"),
+                                                   run_id=f"rm-demo-seed{args.seed}"))  # continued if killed
         except (PreferenceDataError, RewardModelTrainingError) as exc:
             raise SystemExit(f"rlhf: {exc}") from None
     run = build_parser().parse_args(
@@ -648,6 +653,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="count and skip pairs with a missing, empty or identical side instead of refusing")
     train.add_argument("--no-remove-padding", action="store_true",
                        help="padded forwards (by default each batch's sides are packed without padding)")
+    add_run_arguments(train, run_id=None, store="runs/store",
+                      run_id_help="the training run's id (default: a new rm-... id); an existing run continues "
+                                  "after its last committed epoch",
+                      store_help="fsspec URI of the store that records each epoch: scored pairs, checkpoint, "
+                                 "manifest (default runs/store)")
     train.set_defaults(func=_cmd_reward_model_train)
 
     from rlhf_core.record.retention import MIN_GRACE_S

@@ -361,7 +361,8 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     pairs = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(12))
     reward_folder = tmp_path / "rm"
     train_reward_model(RewardModelTraining(data=str(pairs), base=str(folders["other"]), out=str(reward_folder),
-                                           lr=1e-3, batch_size=4), log=lambda line: None)
+                                           lr=1e-3, batch_size=4, store=f"file://{tmp_path}/rm-store",
+                                           run_id="rm-trained"), log=lambda line: None)
     # one iteration (4 prompts): what the test checks is per response, and the suite's time counts
     scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=4)),
               "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=2)),
@@ -403,11 +404,12 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
     assert [istore.read_manifest(n)["reward_model"] for n in (0,)] == [{
         "path": str(reward_folder), "sha256": digest,
         "trained_from": {"data": str(pairs), "data_sha256": hashlib.sha256(pairs.read_bytes()).hexdigest(),
-                         "base": str(folders["other"])}}]
+                         "base": str(folders["other"]), "run": f"file://{tmp_path}/rm-store/rm-trained"}}]
     table = format_lineage(chain(f"{store}/rm")).splitlines()
     assert table[-2:] == [f"scored by reward model {reward_folder} (sha256 {digest[:16]}...): iterations 0",
                           f"  trained from preferences {pairs} (sha256 "
-                          f"{hashlib.sha256(pairs.read_bytes()).hexdigest()[:16]}...) on {folders['other']}"]
+                          f"{hashlib.sha256(pairs.read_bytes()).hexdigest()[:16]}...) on {folders['other']} "
+                          f"in run file://{tmp_path}/rm-store/rm-trained"]
     # a reward model whose content changed is refused for the stages it computes
     (reward_folder / "README.md").write_text("retrained")
     with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 0 was "

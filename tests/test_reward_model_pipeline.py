@@ -24,6 +24,11 @@ def test_the_compiled_pipeline_trains_the_reward_model_and_hands_it_to_the_fine_
     driver = tasks["drive-finetune"]["inputs"]["parameters"]
     for name in ("config", "config_hash"):  # the driver runs the config that names the reward model
         assert driver[name]["taskOutputParameter"] == {"outputParameterKey": name, "producerTask": "with-reward-model"}
+    # its epochs go to the fine-tune's store under the pipeline job's name, so a retry continues them
+    trained = tasks["train-reward-model"]
+    assert trained["inputs"]["parameters"]["store"] == {"componentInputParameter": "store"}
+    assert trained["inputs"]["parameters"]["run_id"] == {"runtimeValue": {"constant": "{{$.pipeline_job_name}}"}}
+    assert trained["retryPolicy"]["maxRetryCount"] >= 1
     assert {"preferences", "reward_model_base", "reward_model_out", "iterations", "kube_spec"} <= set(
         spec["root"]["inputDefinitions"]["parameters"])
 
@@ -48,14 +53,15 @@ def test_a_reward_model_trained_by_its_component_scores_the_fine_tune_that_names
     cfg = apply_overrides(RunConfig(), [f"model.path={base}", "actor.lr=2e-5"]).validate()
 
     @dsl.pipeline(name="rm-then-config")
-    def rm_then_config(preferences: str, base: str, out: str, config: str, config_hash: str) -> str:
+    def rm_then_config(preferences: str, base: str, out: str, store: str, config: str, config_hash: str) -> str:
         trained = train_reward_model(preferences=preferences, base=base, out=out, epochs=2, lr=1e-3, batch_size=8,
-                                     eval_share=0.2)
+                                     eval_share=0.2, store=store, run_id="rm-component")
         return with_reward_model(config=config, config_hash=config_hash,
                                  reward_model=trained.outputs["reward_model"]).outputs["config"]
 
     local_init(str(tmp_path / "kfp"))
-    run = rm_then_config(preferences=str(pairs), base=str(base), out=out, **handover(cfg))
+    store = f"s3://{s3_server.bucket}/runs-{uuid.uuid4().hex[:8]}"
+    run = rm_then_config(preferences=str(pairs), base=str(base), out=out, store=store, **handover(cfg))
     scored = json.loads(run.output)
     assert scored["reward_model"]["enable"] is True and scored["reward_model"]["model"]["path"] == out
     assert scored["actor"]["lr"] == 2e-5  # the rest as it was
@@ -76,6 +82,15 @@ def test_a_reward_model_trained_by_its_component_scores_the_fine_tune_that_names
     assert metadata["metadata"]["sha256"] == rm.content_sha256(fetched)
     assert metadata["metadata"]["preferences_sha256"] == record["data"]["sha256"]
     assert metadata["metadata"]["held_out_accuracy"] == record["curve"][-1]["accuracy"]
+    # each epoch recorded on the store: manifest, scored pairs, checkpoint; the folder names its run
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.preference import TRAINING_FORMAT
+
+    epochs = IterationStore(RunRef(store, "rm-component"), storage_options=None)
+    assert record["run"] == metadata["metadata"]["run"] == f"{store}/rm-component"
+    assert epochs.committed_iterations() == [0, 1, 2]
+    assert epochs.read_manifest(2, format=TRAINING_FORMAT)["metrics"]["accuracy"] == record["curve"][-1]["accuracy"]
     # a second training into the same prefix is refused: nothing published is overwritten
     from rlhf_core.trainer.preference import RewardModelTrainingError, publish
 

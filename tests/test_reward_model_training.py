@@ -121,7 +121,8 @@ def test_a_reward_model_learns_the_preference_and_its_folder_says_where_it_came_
     data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(80))
     out = tmp_path / "rm"
     assert main(["reward-model", "train", "--data", str(data), "--base", str(base), "--out", str(out),
-                 "--epochs", "3", "--lr", "1e-3", "--batch-size", "8", "--eval-share", "0.2"]) == 0
+                 "--epochs", "3", "--lr", "1e-3", "--batch-size", "8", "--eval-share", "0.2",
+                 "--store", str(tmp_path / "store"), "--run-id", "rm-apples"]) == 0
     record = json.loads((out / rm.PROVENANCE).read_text())
     curve = record["curve"]
     assert [row["epoch"] for row in curve] == [0, 1, 2, 3] and record["held_out_pairs"] == 16
@@ -131,7 +132,7 @@ def test_a_reward_model_learns_the_preference_and_its_folder_says_where_it_came_
     model = rm.load_reward_model(str(out))  # what reward_model.model.path takes
     assert model.config.num_labels == 1
     assert rm.trained_from(str(out)) == {"data": str(data), "data_sha256": record["data"]["sha256"],
-                                         "base": str(base)}
+                                         "base": str(base), "run": f"file://{tmp_path}/store/rm-apples"}
 
 
 def test_training_refuses_bad_settings_and_data_in_one_line(base, tmp_path, capsys):
@@ -143,6 +144,100 @@ def test_training_refuses_bad_settings_and_data_in_one_line(base, tmp_path, caps
                           (["--eval-share", "0.9", "--skip-bad-rows"], "rlhf: --eval-share: expected to leave pairs")):
         with pytest.raises(SystemExit) as refused:
             main(["reward-model", "train", "--data", str(data), "--base", str(base), "--out", str(tmp_path / "o"),
-                  *argv])
+                  "--store", str(tmp_path / "store"), *argv])
         assert str(refused.value.code).startswith(message), refused.value.code
-    assert not (tmp_path / "o").exists(), "nothing is written for a refused training"
+    assert not (tmp_path / "o").exists() and not (tmp_path / "store").exists(), \
+        "nothing is written for a refused training"
+
+
+def _train(base, data, tmp_path, run_id: str, epochs: int, **settings):
+    from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
+
+    settings = {"lr": 1e-3, "batch_size": 8, "eval_share": 0.2, **settings}
+    spec = RewardModelTraining(data=str(data), base=str(base), out=str(tmp_path / f"{run_id}-out"), epochs=epochs,
+                               store=str(tmp_path / "store"), run_id=run_id, **settings)
+    return train_reward_model(spec, log=lambda *_: None)
+
+
+def _weights(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/model.safetensors")
+
+
+def test_each_epoch_is_recorded_and_a_run_killed_mid_epoch_continues_to_the_same_model(base, tmp_path, monkeypatch):
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.snapshot import load_snapshot
+    from rlhf_core.trainer.preference import TRAINING_FORMAT
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(40))  # 32 to train on: 4 steps an epoch
+    whole = _train(base, data, tmp_path, "rm-whole", 3)
+
+    class Killed(Exception):
+        pass
+
+    steps, step = {"n": 0}, torch.optim.AdamW.step
+
+    def dies_at_the_sixth(self, *args, **kwargs):
+        steps["n"] += 1
+        if steps["n"] == 6:  # in epoch 2
+            raise Killed
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", dies_at_the_sixth)
+    with pytest.raises(Killed):
+        _train(base, data, tmp_path, "rm-killed", 3)
+    monkeypatch.undo()
+    store = IterationStore(RunRef(str(tmp_path / "store"), "rm-killed"))
+    assert store.committed_iterations() == [0, 1], "epoch 2 was not committed"
+    resumed = _train(base, data, tmp_path, "rm-killed", 3)
+    assert resumed["curve"] == whole["curve"] and len(whole["curve"]) == 4
+    ours, theirs = _weights(tmp_path / "rm-killed-out"), _weights(tmp_path / "rm-whole-out")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+    # what each epoch recorded: its manifest, the held-out pairs as they were scored, every
+    # training pair once with its scores at the step that trained on it, a checked checkpoint
+    run = IterationStore(RunRef(str(tmp_path / "store"), "rm-whole"))
+    assert run.committed_iterations() == [0, 1, 2, 3]
+    train_rows = None
+    for epoch in range(4):
+        manifest = run.read_manifest(epoch, format=TRAINING_FORMAT)
+        assert manifest["metrics"] == {k: v for k, v in whole["curve"][epoch].items() if k != "epoch"}
+        held = load_snapshot(manifest["snapshots"]["held_out"])
+        accuracy = (held.batch["chosen_score"] > held.batch["rejected_score"]).float().mean().item()
+        assert accuracy == pytest.approx(manifest["metrics"]["accuracy"], abs=1e-6) and len(held) == 8
+        assert all("He has" in t for t in held.non_tensor_batch["chosen_text"])
+        assert not any("He has" in t for t in held.non_tensor_batch["rejected_text"])
+        if epoch == 0:
+            assert manifest["checkpoint"] is None and "train_pairs" not in manifest["snapshots"]
+            continue
+        trained = load_snapshot(manifest["snapshots"]["train_pairs"])
+        rows = sorted(trained.batch["row"].tolist())
+        assert rows == (train_rows or rows) and len(rows) == len(set(rows)) == 32
+        assert set(rows).isdisjoint(held.batch["row"].tolist())
+        train_rows = rows
+        assert sorted(set(trained.batch["step"].tolist())) == [0, 1, 2, 3]
+        assert manifest["checkpoint"].startswith(f"{run.run_uri}/checkpoints/step-{epoch:06d}-")
+        assert any(name.startswith("reward_model/") for name in manifest["checkpoint_sha256"])
+    assert whole["run"] == run.run_uri
+
+
+def test_continuing_a_run_with_other_settings_or_preferences_is_refused_in_one_line(base, tmp_path):
+    from rlhf_core.cli import main
+    from rlhf_core.trainer.preference import RewardModelTrainingError
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(20))
+    _train(base, data, tmp_path, "rm-a", 1)
+    run = f"file://{tmp_path}/store/rm-a"
+    with pytest.raises(RewardModelTrainingError, match=f"^--run-id: expected the settings of run {run} .* to "
+                                                       f"continue it; found lr, seed changed$"):
+        _train(base, data, tmp_path, "rm-a", 2, seed=1, lr=1e-4)
+    other = write_jsonl(tmp_path / "other.jsonl", apple_pairs(21))
+    with pytest.raises(RewardModelTrainingError, match=r"^--data: expected the preferences run .* trained on "
+                                                       r"\(sha256 [0-9a-f]{16}\.\.\.\); found sha256 [0-9a-f]{16}"):
+        _train(base, other, tmp_path, "rm-a", 2)
+    # a PPO command given the reward model's run refuses it, naming the format it found
+    with pytest.raises(SystemExit) as refused:
+        main(["lineage", run])
+    assert "not an iteration manifest this build reads (format 'rlhf.reward_model_training'" in str(refused.value)

@@ -6,11 +6,16 @@ Its reader is ``reader.py``."""
 from __future__ import annotations
 
 import io
+import warnings
 
 import torch
 
 from rlhf_core.checkpoint.layout import RANK_FILE
 from rlhf_core.distributed import sharding
+
+# DCP without a process group (one process, ``no_dist``) warns on every save and load,
+# from its writer thread too, that it assumes one process: that is what is meant
+warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized, assuming")
 
 
 def _rng_states() -> dict:

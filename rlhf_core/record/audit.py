@@ -76,7 +76,10 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
         first = load_snapshot(uri, fields=["uid"], rows=slice(0, 1))
         uid = str(first.non_tensor_batch["uid"][0])
     wanted = fields or [f for f in ("prompts", "responses", "response_mask", "token_level_scores", "advantages",
-                                    "old_log_probs", "ref_log_prob", "values", "data_source", "ground_truth", "uid")
+                                    "old_log_probs", "ref_log_prob", "values", "data_source", "ground_truth",
+                                    # a reward model's training: a scored preference pair
+                                    "row", "step", "chosen_text", "rejected_text", "chosen_score", "rejected_score",
+                                    "uid")
                         if f in catalog]
     unknown = [f for f in wanted if f not in catalog]
     if unknown:
@@ -96,6 +99,9 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
                 lines.append(f"  {name}: {dp.non_tensor_batch[name][i]}")
                 continue
             value = dp.batch[name][i]
+            if value.dim() == 0:
+                lines.append(f"  {name}: {value.item():.6g}" if value.is_floating_point() else f"  {name}: {value.item()}")
+                continue
             row_mask = mask[i] if mask is not None and value.shape == mask[i].shape else None
             if name in ("prompts", "responses") and tok is not None:
                 ids = value[row_mask].tolist() if row_mask is not None else [t for t in value.tolist()

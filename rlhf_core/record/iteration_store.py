@@ -265,9 +265,10 @@ class IterationStore:
                 return [i for i, _ in found if i <= n]
         return []
 
-    def read_manifest(self, iteration: int) -> dict:
+    def read_manifest(self, iteration: int, format: str = ITERATION_FORMAT) -> dict:
         """The committed manifest of ``iteration``, checked (``manifest_schema``): a damaged
-        or foreign one raises ``ManifestError``, one line naming the manifest and the key."""
+        or foreign one raises ``ManifestError``, one line naming the manifest and the key.
+        ``format``: what the run records (a PPO iteration; a reward model's training epoch)."""
         from rlhf_core.record.manifest_schema import ManifestError, parse_manifest
 
         where = f"{self.iteration_uri(iteration)}/{MANIFEST}"
@@ -277,21 +278,21 @@ class IterationStore:
                                     f"({where} missing)")
         manifest = parse_manifest(raw, where)
         version = manifest.get("schema_version", 0)
-        if manifest.get("format") != ITERATION_FORMAT or not isinstance(version, int) \
+        if manifest.get("format") != format or not isinstance(version, int) \
                 or version > ITERATION_SCHEMA_VERSION:
             raise ManifestError(f"{where}: not an iteration manifest this build reads (format "
                                 f"{manifest.get('format')!r}, schema {manifest.get('schema_version')!r}; expected "
-                                f"{ITERATION_FORMAT!r}, schema <= {ITERATION_SCHEMA_VERSION})")
+                                f"{format!r}, schema <= {ITERATION_SCHEMA_VERSION})")
         if manifest.get("iteration", iteration) != iteration:
             raise ManifestError(f"{where}: iteration: expected {iteration} (the folder it is in); found "
                                 f"{manifest['iteration']!r}")
         return manifest
 
-    def commit_iteration(self, iteration: int, manifest: dict) -> str:
+    def commit_iteration(self, iteration: int, manifest: dict, format: str = ITERATION_FORMAT) -> str:
         """Write the iteration manifest, create-only: the iteration now exists. Its stage
         snapshots are all committed first (``flush``)."""
         self.flush()
-        body = {"format": ITERATION_FORMAT, "schema_version": ITERATION_SCHEMA_VERSION, "run_id": self.run_id,
+        body = {"format": format, "schema_version": ITERATION_SCHEMA_VERSION, "run_id": self.run_id,
                 "iteration": iteration, "parent_iteration": iteration - 1 if iteration > 0 else None,
                 "committed_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
                 **manifest}

@@ -88,6 +88,12 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
                 lines.append(f'  {rm} [label="reward model\\n{r["reward_model"]["path"]}\\n'
                              f'sha256 {r["reward_model"]["sha256"][:12]}", shape=component];')
                 lines.append(f"  {it} -> {rm} [label=\"scored by\"];")
+                origin = r["reward_model"].get("trained_from")
+                if origin:
+                    prefs = "prefs" + origin["data_sha256"][:12]
+                    lines.append(f'  {prefs} [label="preferences\\n{origin["data"]}\\n'
+                                 f'sha256 {origin["data_sha256"][:12]}", shape=note];')
+                    lines.append(f"  {rm} -> {prefs} [label=\"trained on\"];")
         lines.append("}")
         return "\n".join(lines)
     header = f"{'iter':>5} {'parent':>6} {'config':<13} {'code':<13} {'cursor':<14} {'reward':>7}  checkpoint"
@@ -113,5 +119,5 @@ def format_lineage(rows: list[dict], fmt: str = "table") -> str:
         origin = origins[path, digest]
         if origin:
             lines.append(f"  trained from preferences {origin['data']} (sha256 {origin['data_sha256'][:16]}...) "
-                         f"on {origin['base']}")
+                         f"on {origin['base']}" + (f" in run {origin['run']}" if origin.get("run") else ""))
     return "\n".join(lines)

@@ -40,9 +40,10 @@ def validate_run_id(run_id, field: str = "run id") -> str:
     return run_id
 
 
-def new_run_id() -> str:
-    """A fresh id: ``run-YYYYmmdd-HHMMSS-xxxxxx`` (sortable by start time, unique)."""
-    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+def new_run_id(kind: str = "run") -> str:
+    """A fresh id: ``run-YYYYmmdd-HHMMSS-xxxxxx`` (sortable by start time, unique);
+    ``kind`` names other runs (``rm`` for a reward model's training)."""
+    return time.strftime(f"{kind}-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 #: Store URI schemes a run may write to (a plain path means the local disk).

@@ -47,6 +47,8 @@ class RewardModelTraining:
     seed: int = 0
     skip_bad_rows: bool = False  # count and skip malformed pairs instead of refusing the file
     remove_padding: bool = True  # each batch's sides packed without padding (exact up to float rounding)
+    store: str = "runs/store"   # where each epoch is recorded (scored pairs, checkpoint, manifest)
+    run_id: str | None = None   # None: a new run; an existing one continues after its last epoch
 
     def check(self) -> None:
         for name, ok, expected in (("epochs", self.epochs >= 1, "at least 1"), ("lr", self.lr > 0, "above 0"),
@@ -102,8 +104,9 @@ def _score_pairs(model, tokenizer, pairs, max_length: int, packed: bool = False
     return scores[:len(pairs)], scores[len(pairs):], cut
 
 
-def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int, packed: bool = False) -> dict:
-    """Held-out accuracy (chosen outscores rejected), mean margin and loss."""
+def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int, packed: bool = False
+             ) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Held-out accuracy (chosen outscores rejected), mean margin and loss; the scores."""
     from rlhf_core.algorithms import bradley_terry_loss
 
     chosen, rejected = [], []
@@ -113,14 +116,110 @@ def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int, packed: 
             chosen.append(c)
             rejected.append(r)
     c, r = torch.cat(chosen), torch.cat(rejected)
-    return {"accuracy": float((c > r).float().mean()), "margin": float((c - r).mean()),
-            "loss": float(bradley_terry_loss(c, r)), "pairs": len(pairs)}
+    return ({"accuracy": float((c > r).float().mean()), "margin": float((c - r).mean()),
+             "loss": float(bradley_terry_loss(c, r)), "pairs": len(pairs)}, c, r)
+
+
+TRAINING_FORMAT = "rlhf.reward_model_training"  # an epoch's manifest (the store's iteration folder)
+ROLE = "reward_model"                            # the checkpoint's folder inside checkpoints/step-E-A/
+# settings a resumed run may change: where it writes the folder, how many epochs in all, and
+# where the preferences are read from (their content is checked by its sha256)
+_RESUMABLE = ("out", "epochs", "store", "run_id", "data")
+
+
+def settings_hash(spec: RewardModelTraining) -> str:
+    import hashlib
+
+    fixed = {k: v for k, v in sorted(asdict(spec).items()) if k not in _RESUMABLE}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()
+
+
+def _scored_pairs(pairs, chosen: torch.Tensor, rejected: torch.Tensor, **columns) -> "DataProto":
+    """A snapshot's batch: each pair's row in the file (``uid`` ``pair-{row}``) and its two
+    scores (and ``columns``)."""
+    import numpy as np
+
+    from rlhf_core.protocol import DataProto
+
+    tensors = {"row": torch.tensor([p.row for p in pairs], dtype=torch.int64), "chosen_score": chosen.float(),
+               "rejected_score": rejected.float(), **{k: v for k, v in columns.items() if isinstance(v, torch.Tensor)}}
+    objects = {"uid": np.array([f"pair-{p.row}" for p in pairs], dtype=object),  # rlhf snapshots show --uid
+               **{k: np.array(v, dtype=object) for k, v in columns.items() if not isinstance(v, torch.Tensor)}}
+    return DataProto.from_dict(tensors=tensors, non_tensors=objects)
+
+
+class _Record:
+    """The training run in the store, as PPO's iterations are: ``{store}/{run_id}/iter-{E}/``
+    holds epoch E's scored pairs (``train_pairs``: each pair's scores at the step that
+    trained on it; ``held_out``: the held-out pairs scored after the epoch, their texts
+    too) and its MANIFEST.json, committed last; ``checkpoints/step-{E}-{A}/reward_model/``
+    the weights and optimizer after it (sharded-checkpoint format, read back checked).
+    Epoch 0 is the evaluation before training."""
+
+    def __init__(self, spec: RewardModelTraining, data: dict, log) -> None:
+        from rlhf_core.record.iteration_store import IterationStore
+        from rlhf_core.record.run_ids import new_run_id
+        from rlhf_core.record.run_layout import RunRef
+
+        spec.run_id = spec.run_id or new_run_id("rm")
+        self.spec, self.data, self.log = spec, data, log
+        self.store = IterationStore(RunRef(spec.store, spec.run_id))
+        self.hash = settings_hash(spec)
+
+    @property
+    def uri(self) -> str:
+        return self.store.run_uri
+
+    def last(self) -> dict | None:
+        """The last committed epoch's manifest, checked to continue this training; None for a new run."""
+        committed = self.store.committed_iterations()
+        if not committed:
+            return None
+        where = f"{self.uri} (--store {self.spec.store} --run-id {self.spec.run_id})"
+        manifest = self.store.read_manifest(committed[-1], format=TRAINING_FORMAT)
+        if manifest["settings_hash"] != self.hash:
+            changed = sorted(k for k, v in manifest["settings"].items()
+                             if k not in _RESUMABLE and asdict(self.spec).get(k) != v)
+            raise RewardModelTrainingError(f"--run-id: expected the settings of run {where} to continue it; found "
+                                           f"{', '.join(changed) or 'other settings'} changed")
+        if manifest["data"]["sha256"] != self.data["sha256"]:
+            raise RewardModelTrainingError(f"--data: expected the preferences run {where} trained on (sha256 "
+                                           f"{manifest['data']['sha256'][:16]}...); found sha256 "
+                                           f"{self.data['sha256'][:16]}... at {self.data['uri']}")
+        return manifest
+
+    def commit(self, epoch: int, metrics: dict, snapshots: dict, model=None, optimizer=None, scheduler=None,
+               extra: dict | None = None) -> str:
+        from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
+        from rlhf_core.record.iteration_store import code_version
+
+        checkpoint, sums = None, None
+        if model is not None:
+            checkpoint = self.store.new_checkpoint_uri(epoch)
+            sums = finish_sharded(start_sharded(checkpoint, ROLE, model, optimizer, scheduler))
+        for stage, batch in snapshots.items():
+            self.store.save(epoch, stage, batch, standalone=True)
+        return self.store.commit_iteration(epoch, {
+            "settings": asdict(self.spec), "settings_hash": self.hash, "data": self.data, "base": self.spec.base,
+            "code_version": code_version(), "checkpoint": checkpoint, "checkpoint_sha256": sums, "metrics": metrics,
+            "snapshots": {stage: self.store.stage_uri(epoch, stage) for stage in snapshots}, **(extra or {})},
+            format=TRAINING_FORMAT)
+
+
+def _epoch_order(train: list, seed: int, epoch: int) -> list:
+    """Epoch E's order of the training pairs: a function of (seed, E) alone, so a resumed
+    run sees what an uninterrupted one would have."""
+    order = list(train)
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
 
 
 def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
-    """Train, evaluate each epoch, write the folder; returns the provenance record."""
+    """Train, evaluate and record each epoch in the store, write the folder; returns the
+    provenance record. A run with committed epochs continues after the last one."""
     from rlhf_core.algorithms import bradley_terry_loss
-    from rlhf_core.data.preferences import load_pairs
+    from rlhf_core.checkpoint.reader import load_sharded
+    from rlhf_core.data.preferences import load_pairs, side_text
     from rlhf_core.record.iteration_store import code_version
     from rlhf_core.workers import modeling
 
@@ -133,6 +232,8 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
         raise RewardModelTrainingError(f"--eval-share: expected to leave pairs to train on; found {held} of "
                                        f"{len(pairs)} pairs held out")
     held_out, train = [pairs[i] for i in order[:held]], [pairs[i] for i in order[held:]]
+    record = _Record(spec, data, log)
+    last = record.last()
     base = modeling.resolve_model_path(spec.base, spec.seed, field="--base")
     tokenizer = modeling.load_tokenizer(base)
     if tokenizer.pad_token_id is None:
@@ -145,19 +246,37 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
 
         packing.enable_packing(model, on_gpu=False)  # this loop runs on the CPU
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    curve = []
-    if held_out:
-        curve.append({"epoch": 0, **evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
-                                                  spec.remove_padding)})
-        log(f"[rm] before training: held-out accuracy {curve[-1]['accuracy']:.3f} margin {curve[-1]['margin']:.3f} "
-            f"({held} pairs)")
-    rng, cut, t0 = random.Random(spec.seed + 1), 0, time.perf_counter()
-    for epoch in range(1, spec.epochs + 1):
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant; checkpointed with the rest
+
+    def held_out_scores() -> tuple[dict, dict]:
+        metrics, c, r = evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
+                                 spec.remove_padding)
+        texts = {side: [side_text(tokenizer, p.prompt, getattr(p, side)) for p in held_out]
+                 for side in ("chosen", "rejected")}
+        return metrics, {"held_out": _scored_pairs(held_out, c, r, chosen_text=texts["chosen"],
+                                                   rejected_text=texts["rejected"])}
+
+    if last is None:
+        curve, start, cut = [], 0, 0
+        log(f"[rm] run {record.uri}")
+        metrics, snapshots = held_out_scores() if held_out else ({}, {})
+        if held_out:
+            log(f"[rm] before training: held-out accuracy {metrics['accuracy']:.3f} margin {metrics['margin']:.3f} "
+                f"({held} pairs)")
+        curve.append({"epoch": 0, **metrics})
+        record.commit(0, metrics, snapshots, extra={"curve": curve, "cut_sides": 0})
+    else:
+        curve, start, cut = [dict(row) for row in last["curve"]], last["iteration"], last["cut_sides"]
+        if start > 0:
+            load_sharded(last["checkpoint"], ROLE, model, optimizer, scheduler, expected=last["checkpoint_sha256"])
+        log(f"[rm] run {record.uri}: continuing after epoch {start}")
+    t0 = time.perf_counter()
+    for epoch in range(start + 1, spec.epochs + 1):
         model.train()
-        rng.shuffle(train)
-        losses = []
-        for start in range(0, len(train), spec.batch_size):
-            batch = train[start:start + spec.batch_size]
+        losses, seen, scored, steps = [], [], ([], []), []
+        batches = _epoch_order(train, spec.seed, epoch)
+        for step, begin in enumerate(range(0, len(batches), spec.batch_size)):
+            batch = batches[begin:begin + spec.batch_size]
             chosen, rejected, batch_cut = _score_pairs(model, tokenizer, batch, spec.max_length, spec.remove_padding)
             cut += batch_cut if epoch == 1 else 0
             margins = [p.margin for p in batch]  # a pair without one asks for no margin (0)
@@ -166,12 +285,22 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             losses.append(loss.item())
+            seen += batch
+            scored[0].append(chosen.detach())
+            scored[1].append(rejected.detach())
+            steps += [step] * len(batch)
         row = {"epoch": epoch, "train_loss": sum(losses) / len(losses)}
+        snapshots = {"train_pairs": _scored_pairs(seen, torch.cat(scored[0]), torch.cat(scored[1]),
+                                                  step=torch.tensor(steps, dtype=torch.int64))}
         if held_out:
-            row.update(evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
-                                spec.remove_padding))
+            metrics, held_snapshot = held_out_scores()
+            row.update(metrics)
+            snapshots.update(held_snapshot)
         curve.append(row)
+        record.commit(epoch, {k: v for k, v in row.items() if k != "epoch"}, snapshots, model, optimizer, scheduler,
+                      extra={"curve": curve, "cut_sides": cut})
         log(f"[rm] epoch {epoch}/{spec.epochs} train loss {row['train_loss']:.4f}"
             + (f" | held-out accuracy {row['accuracy']:.3f} margin {row['margin']:.3f} ({held} pairs)"
                if held_out else "") + f" | {time.perf_counter() - t0:.0f}s")
@@ -179,13 +308,13 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    record = {"format": 1, "data": data, "base": spec.base, "settings": asdict(spec), "pairs": len(pairs),
-              "train_pairs": len(train), "held_out_pairs": held, "cut_sides": cut, "curve": curve,
-              "code_version": code_version()}
-    (out / PROVENANCE).write_text(json.dumps(record, indent=1, sort_keys=True))
+    provenance = {"format": 1, "data": data, "base": spec.base, "settings": asdict(spec), "pairs": len(pairs),
+                  "train_pairs": len(train), "held_out_pairs": held, "cut_sides": cut, "curve": curve,
+                  "run": record.uri, "epochs_recorded": spec.epochs, "code_version": code_version()}
+    (out / PROVENANCE).write_text(json.dumps(provenance, indent=1, sort_keys=True))
     log(f"[rm] wrote {out} (reward_model.model.path={out}); trained on {len(train)} pairs of {data['uri']}"
-        + (f", {sum(data['skipped'].values())} rows skipped" if data["skipped"] else ""))
-    return record
+        + (f", {sum(data['skipped'].values())} rows skipped" if data["skipped"] else "") + f"; run {record.uri}")
+    return provenance
 
 
 def publish(folder: str, uri: str, storage_options: dict | None = None) -> None:

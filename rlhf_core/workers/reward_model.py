@@ -91,7 +91,7 @@ def content_sha256(folder: str) -> str:
 
 def trained_from(folder: str) -> dict | None:
     """Where a reward model trained here came from (its ``PROVENANCE`` record): the
-    preference data's URI and sha256 and the base model; None for a folder without one,
+    preference data's URI and sha256, the base model and the training run; None for a folder without one,
     or whose record is not what ``rlhf reward-model train`` writes (it is data: read as
     JSON, its fields checked, nothing else)."""
     import json
@@ -105,6 +105,8 @@ def trained_from(folder: str) -> dict | None:
             record = json.load(fh)
         data = record["data"]
         out = {"data": data["uri"], "data_sha256": data["sha256"], "base": record["base"]}
+        if "run" in record:  # the training run in the store: its epochs, scored pairs, checkpoints
+            out["run"] = record["run"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return out if all(isinstance(v, str) for v in out.values()) else None
