@@ -427,7 +427,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from rlhf_core.workers.modeling import ModelPathError
 
     try:
-        record = export_checkpoint(args.uri, args.out)
+        record = export_checkpoint(args.uri, args.out, merged=args.merged)
     except (ExportError, ModelPathError, SnapshotError, CheckpointRefusedError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     print(f"exported step {record['global_step']} of {args.uri} to {args.out} "
@@ -519,7 +519,8 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
     policy = builtin_model_path(seed=args.seed, progress=True)
     pairs = out / "preferences.jsonl"
     if not pairs.exists():
-        rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise)
+        rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise,
+                                             degenerate=args.degenerate)
         pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"[rlhf-demo] {counts['pairs']} preference pairs from the simulated annotator ({counts['flipped']} "
               f"labels flipped, {counts['ties_skipped']} ties and {counts['empty_skipped']} empty responses passed "
@@ -632,6 +633,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("uri", metavar="URI", type=store_uri,
                         help="a checkpoint URI (an iteration manifest's checkpoint_uri)")
     export.add_argument("--out", required=True, help="a new or empty folder")
+    export.add_argument("--merged", action="store_true",
+                        help="a LoRA run: the base with the adapter merged in (default: the PEFT adapter folder)")
     export.set_defaults(func=_cmd_export)
 
     rm = sub.add_parser("reward-model", help="train a reward model from preference pairs")
@@ -685,6 +688,8 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--seed", type=int, default=0)
     rd.add_argument("--prompts", type=int, default=20000, help="prompts the annotator sees (two responses each)")
     rd.add_argument("--noise", type=float, default=0.1, help="the share of labels the annotator gets wrong")
+    rd.add_argument("--degenerate", type=float, default=0.0,
+                    help="of the other models' responses, the share that copy, reorder or repeat the prompt's digits")
     rd.add_argument("--rm-epochs", type=int, default=6)
     rd.add_argument("--rm-lr", type=float, default=3e-4)
     rd.add_argument("--out", default=None, help="where the preferences and the reward model go (default "

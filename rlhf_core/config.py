@@ -62,6 +62,23 @@ class ModelConfig:
                                   "into one, attention bounded per sequence (FlashAttention's varlen kernel where "
                                   "it is installed, else SDPA per sequence); equal to the padded forward up to "
                                   "float rounding")
+    lora_rank: int = _f(0, "LoRA rank of the actor's adapters (peft): > 0 trains adapters over the frozen base, "
+                        "the reference is the base with the adapter off (no copy), checkpoints hold the adapter "
+                        "and its optimizer state; 0: a full fine-tune", checkpoint=True, **NON_NEGATIVE)
+    lora_alpha: int = _f(16, "LoRA scaling numerator (the adapter's output is scaled by lora_alpha / lora_rank)",
+                         checkpoint=True, **POSITIVE)
+    target_modules: str = _f("all-linear", "the modules LoRA adapts: all-linear (every Linear but the output "
+                             "head) or a comma-separated list of module names (q_proj,v_proj)", checkpoint=True)
+    exclude_modules: str = _f("", "comma-separated module names LoRA leaves alone, even when target_modules "
+                              "matches them", checkpoint=True)
+    lora_adapter_path: str = _f("", "start from this saved PEFT adapter folder (adapter_config.json + "
+                                "adapter_model.safetensors) over model.path; its rank, alpha and modules are "
+                                "the adapter's own", checkpoint=True)
+
+    @property
+    def lora(self) -> bool:
+        """Whether the actor trains LoRA adapters (a rank, or an adapter to start from)."""
+        return self.lora_rank > 0 or bool(self.lora_adapter_path)
 
 
 @dataclass
@@ -639,6 +656,9 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator}: expected an estimator "
                               f"without a greedy reward baseline with reward_model.enable=True (the baseline is "
                               f"scored by the reward function here); found one")
+        if self.model.lora and self.rollout.name == "vllm":
+            raise ConfigError("rollout.name: expected hf with LoRA (model.lora_rank > 0 or model.lora_adapter_path): "
+                              "the adapter is not yet sent to vLLM here; found vllm")
         if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
             shape = ModelShape.from_folder(self.model.path)
             if shape is not None:

@@ -100,7 +100,8 @@ def run_dataproto_demo(prompts: int = 6, n: int = 4, workers: int = 2) -> int:
 
 
 def simulated_preferences(policy_path: str, count: int, seed: int, noise: float = 0.1,
-                          temperature: float = 1.0, other_models: float = 0.5) -> tuple[list[dict], dict]:
+                          temperature: float = 1.0, other_models: float = 0.5,
+                          degenerate: float = 0.0) -> tuple[list[dict], dict]:
     """Preference pairs on the built-in task from a simulated annotator: for each of
     ``count`` prompts (their own draw, apart from the RL and warm-start prompts) two
     responses, each the policy's sample or, with probability ``other_models``, another
@@ -133,7 +134,17 @@ def simulated_preferences(policy_path: str, count: int, seed: int, noise: float 
     rng = random.Random(seed + 501)
     for i, row in enumerate(rows):  # some responses come from other models
         for side in (2 * i, 2 * i + 1):
-            if rng.random() < other_models:
+            if rng.random() < other_models * degenerate:
+                # what RL policies drift to: the prompt's digits copied, reordered or repeated
+                digits = list(row["prompt"].rstrip("="))
+                kind = rng.random()
+                if kind < 1 / 3:
+                    texts[side] = "".join(digits)
+                elif kind < 2 / 3:
+                    texts[side] = "".join(rng.sample(digits, len(digits)))
+                else:
+                    texts[side] = rng.choice(digits) * rng.randint(2, 2 * NUM_DIGITS - 1)
+            elif rng.random() < other_models:
                 answer = list(row["ground_truth"])
                 for position in rng.sample(range(NUM_DIGITS), rng.randint(0, NUM_DIGITS)):
                     answer[position] = rng.choice("0123456789")

@@ -66,10 +66,13 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
 
 
 def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
-                      expected: dict[str, str] | None = None) -> dict:
+                      expected: dict[str, str] | None = None, merged: bool = False) -> dict:
     """Write the policy of the checkpoint at ``uri`` as a Hugging Face folder ``out``
     (which must not exist yet, or be empty). ``expected``: {file: sha256} of the
-    checkpoint (``save_checkpoint``'s result); by default its commit's. Returns what
+    checkpoint (``save_checkpoint``'s result); by default its commit's. A LoRA run's
+    checkpoint becomes a PEFT adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, for ``PeftModel.from_pretrained`` over the base), or with
+    ``merged`` the base with the adapter merged in, as a full run's. Returns what
     EXPORT.json records."""
     from safetensors.torch import save as save_safetensors
 
@@ -89,7 +92,14 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     target = Path(out)
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
-    weights = read_policy_weights(files, base)
+    lora_cfg = _lora_settings(config)
+    if lora_cfg is not None:
+        adapted = read_adapted_policy(files, base, lora_cfg)
+        if not merged:
+            return _write_adapter(adapted, target, uri, metadata, state, model_path)
+        weights = {name: tensor.contiguous() for name, tensor in adapted.merge_and_unload().state_dict().items()}
+    else:
+        weights = read_policy_weights(files, base)
     target.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
         if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES) and item.name != "WARM_START.json":
@@ -101,7 +111,46 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     (target / "model.safetensors").write_bytes(raw)
     record = {"checkpoint_uri": uri, "checkpoint_metadata_sha256": hashlib.sha256(metadata).hexdigest(),
               "weights_sha256": hashlib.sha256(raw).hexdigest(), "global_step": state.get("global_step"),
-              "config_hash": state.get("config_hash"), "base_model": model_path}
+              "config_hash": state.get("config_hash"), "base_model": model_path,
+              **({"lora": "merged"} if lora_cfg is not None else {})}
+    (target / "EXPORT.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _lora_settings(config: dict):
+    """The run's ``model`` section as a ``ModelConfig`` when it trained LoRA adapters, else None."""
+    from rlhf_core.config import ModelConfig
+
+    section = config.get("model") or {}
+    known = {k: v for k, v in section.items() if k in ModelConfig.__dataclass_fields__}
+    settings = ModelConfig(**known)
+    return settings if settings.lora else None
+
+
+def read_adapted_policy(files, base: Path, lora_cfg):
+    """The base model (its own weights) with the checkpoint's adapters, as peft holds it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rlhf_core.checkpoint.reader import CheckedReader, WeightsOnlyPlanner
+    from rlhf_core.workers import lora, modeling
+
+    model = lora.apply_lora(modeling.load_causal_lm(str(base)), lora_cfg, str(base))
+    state = {name: torch.empty_like(p) for name, p in model.named_parameters() if p.requires_grad}
+    wrapped = {"model": state}
+    dcp.load(wrapped, storage_reader=CheckedReader(files, POLICY, files.metadata(POLICY)),
+             planner=WeightsOnlyPlanner(), no_dist=True)
+    model.load_state_dict(wrapped["model"], strict=False)  # the adapters; the base stays the base's
+    return model.eval()
+
+
+def _write_adapter(model, target: Path, uri: str, metadata: bytes, state: dict, model_path: str) -> dict:
+    model.peft_config["default"].base_model_name_or_path = model_path  # what lora_adapter_path checks
+    model.save_pretrained(target, safe_serialization=True)
+    raw = (target / "adapter_model.safetensors").read_bytes()
+    record = {"checkpoint_uri": uri, "checkpoint_metadata_sha256": hashlib.sha256(metadata).hexdigest(),
+              "weights_sha256": hashlib.sha256(raw).hexdigest(), "global_step": state.get("global_step"),
+              "config_hash": state.get("config_hash"), "base_model": model_path, "lora": "adapter"}
     (target / "EXPORT.json").write_text(json.dumps(record, indent=1))
     return record
 

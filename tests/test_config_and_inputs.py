@@ -107,7 +107,8 @@ def test_field_classes_are_field_metadata():
         assert apply_overrides(RunConfig(), [f"{path}={changed}"]).config_hash() == base, path
     assert "resources" not in {p.split(".")[0] for p in fields_where(lambda meta: meta["hashed"])}
     assert set(CHECKPOINT_FIELDS) == {"model.path", "model.dtype", "actor.world_size", "critic.enable",
-                                      "algorithm.adv_estimator"}
+                                      "algorithm.adv_estimator", "model.lora_rank", "model.lora_alpha",
+                                      "model.target_modules", "model.exclude_modules", "model.lora_adapter_path"}
     assert apply_overrides(RunConfig(), ["actor.lr=0.1"]).config_hash() != base
 
 

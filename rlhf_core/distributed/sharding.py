@@ -288,19 +288,30 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict]:
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
+def _has_frozen(model: torch.nn.Module) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
 def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     """{"model", "optim"}: this rank's shards (FSDP) or whole tensors (DDP, one rank),
-    keyed by parameter name, as ``torch.distributed.checkpoint`` saves and reshards them."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    keyed by parameter name, as ``torch.distributed.checkpoint`` saves and reshards them.
+    A model with frozen parameters (LoRA's base) gives only the trained ones: its
+    checkpoint is the adapter and its optimizer state, the base is the run's model.path."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+    model = unwrap(model)
+    model_state, optim_state = get_state_dict(model, optimizer,
+                                              options=StateDictOptions(ignore_frozen_params=_has_frozen(model)))
     return {"model": model_state, "optim": optim_state}
 
 
 def set_sharded_state(model: torch.nn.Module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    """Load ``sharded_state``'s shape back; the frozen parameters it left out stay as they are."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    set_state_dict(unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    model = unwrap(model)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=not _has_frozen(model)))
 
 
 def all_gather_objects(obj) -> list:

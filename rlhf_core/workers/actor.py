@@ -2,12 +2,14 @@
 
 State it owns: the policy (sharded with FSDP2, or replicated with DDP, across the group's
 ranks), its AdamW and LR schedule, a frozen reference copy (sharded the same way, on the
-CPU by default), and the generation engine, whose weights are replaced with the policy's
+CPU by default; a LoRA run's reference is the policy with its adapter off), and the
+generation engine, whose weights are replaced with the policy's
 after every update, one gathered tensor at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -17,7 +19,7 @@ from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
-from rlhf_core.workers import devices, modeling, packing
+from rlhf_core.workers import devices, lora, modeling, packing
 from rlhf_core.workers.rollout import HFRollout, VLLMRollout
 from rlhf_core.workers.trainable import TrainableWorker
 
@@ -42,12 +44,15 @@ class ActorRolloutRefWorker(TrainableWorker):
         reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads)
         modeling.check_micro_batch_memory(cfg, policy.config)
+        if cfg.model.lora:  # adapters over the frozen base; every rank's are filled from rank 0's
+            policy = lora.apply_lora(self._packed(policy), cfg.model, self.model_path, seed=cfg.trainer.seed)
         weights = sharding.FullWeights.of(policy) if reads else None  # the reference's too
         self.policy = modeling.init_distributed_model(
-            self, self._packed(policy), spec, resources=cfg.resources,
+            self, policy if cfg.model.lora else self._packed(policy), spec, resources=cfg.resources,
             source=weights if sharding.loads_from_rank0(spec.strategy, self.world_size) else None)
         self.reference = None
-        if cfg.use_reference:
+        # a LoRA run's reference is its own base, the adapter off (lora.reference_forward)
+        if cfg.use_reference and not cfg.model.lora:
             ref_spec = sharding.ShardingSpec.from_config(cfg, param_offload=cfg.actor.fsdp_config.ref_param_offload)
             # the policy's weights in the dtype its forward computes in: bf16 under mixed
             # precision gives the same log-probs from half the bytes (on the GPU, or moved
@@ -56,7 +61,7 @@ class ActorRolloutRefWorker(TrainableWorker):
             reference = modeling.load_causal_lm(self.model_path, dtype, empty=True).eval().requires_grad_(False)
             self.reference = sharding.wrap(self._packed(reference), ref_spec, trainable=False, source=weights)
         del weights
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.actor.lr,
+        self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.policy), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         warmup = max(1, cfg.actor.lr_warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -115,12 +120,13 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        if self.reference is None:
+        if not self.config.use_reference:
             raise RuntimeError("no reference model: enable actor.use_kl_loss or algorithm.use_kl_in_reward")
         data = devices.to_device(data)
-        with torch.no_grad():
+        with torch.no_grad(), (lora.reference_forward(sharding.unwrap(self.policy)) if self.reference is None
+                               else contextlib.nullcontext(self.reference)) as reference:
             log_probs, _ = modeling.forward_in_chunks(
-                lambda part: self._log_probs(self.reference, part, with_entropy=False),
+                lambda part: self._log_probs(reference, part, with_entropy=False),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
         return DataProto.from_dict(devices.to_host({"ref_log_prob": log_probs}))
 

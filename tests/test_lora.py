@@ -1,0 +1,274 @@
+"""LoRA on the actor (``model.lora_rank``): which modules get adapters, what trains, the
+reference as the base with the adapter off, adapter-only checkpoints, FSDP2 over a frozen
+base on two ranks, and a direct run that trains, checkpoints and resumes an adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rlhf_core.config import ModelConfig
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8)
+
+
+def _model(seed=0):
+    from rlhf_core.models.qwen2 import qwen2_from_config
+
+    return qwen2_from_config(seed, **SHAPE)
+
+
+def _ids(step: int = 0) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(100 + step))
+
+
+def _train_step(model, optimizer, step: int) -> None:
+    ids = _ids(step)
+    loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].reshape(-1, 64),
+                                             ids[:, 1:].reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def checkpointed_tensor_bytes(folder: Path) -> dict:
+    """Bytes of the tensors a checkpoint's DCP metadata lists, model and optimizer
+    (beyond one element: the optimizer's step counters are left out)."""
+    import math
+    import pickle
+
+    metadata = pickle.loads((folder / "actor" / ".metadata").read_bytes())  # written by this test
+    sizes = {"model": 0, "optim": 0}
+    for key, item in metadata.state_dict_metadata.items():
+        if hasattr(item, "size") and math.prod(item.size) > 1:
+            sizes[key.split(".", 1)[0]] += math.prod(item.size) * item.properties.dtype.itemsize
+    return sizes
+
+
+def test_adapters_go_where_target_modules_say_and_only_they_train():
+    from rlhf_core.workers import lora
+
+    base = _model()
+    expected = base(input_ids=_ids()).logits.detach()
+    model = lora.apply_lora(base, LORA, "tiny")
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trained}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # not lm_head
+    assert torch.equal(model(input_ids=_ids()).logits, expected)  # lora_B starts at zero: the base model
+    torch.rand(100)  # the global generator moved on: the same seed draws the same adapters
+    again = {n: p for n, p in lora.apply_lora(_model(), LORA, "tiny").named_parameters() if p.requires_grad}
+    assert all(torch.equal(p, again[n]) for n, p in model.named_parameters() if p.requires_grad)
+
+    for text in ("q_proj,v_proj", "[q_proj, v_proj]", "['q_proj','v_proj']"):
+        picked = lora.apply_lora(_model(), replace(LORA, target_modules=text), "tiny")
+        assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in picked.named_parameters()
+                if p.requires_grad} == {"q_proj", "v_proj"}, text
+    excluded = lora.apply_lora(_model(), replace(LORA, exclude_modules="down_proj,up_proj"), "tiny")
+    assert not any("down_proj" in n or "up_proj" in n for n, p in excluded.named_parameters() if p.requires_grad)
+
+    with pytest.raises(lora.LoraError, match=r"^model.target_modules: expected names of modules in tiny \(its "
+                                             r"Linear modules: down_proj, gate_proj, k_proj, lm_head, o_proj, "
+                                             r"q_proj, up_proj, v_proj\); found 'query,value', which matches none$"):
+        lora.apply_lora(_model(), replace(LORA, target_modules="query,value"), "tiny")
+
+
+def test_the_reference_is_the_base_with_the_adapter_off_and_checkpoints_hold_the_adapter_only(tmp_path):
+    from rlhf_core.checkpoint.reader import load_sharded
+    from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import lora
+
+    expected = _model()(input_ids=_ids()).logits.detach()
+    model = lora.apply_lora(_model(), LORA, "tiny")
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+    assert {id(p) for g in optimizer.param_groups for p in g["params"]} == \
+        {id(p) for p in model.parameters() if p.requires_grad}
+    for step in range(3):
+        _train_step(model, optimizer, step)
+    trained = model(input_ids=_ids()).logits.detach()
+    assert (trained - expected).abs().max() > 1e-3  # the adapter moved the policy
+    with torch.no_grad(), lora.reference_forward(model) as reference:
+        assert reference is model  # no copy: the same parameters
+        assert torch.allclose(reference(input_ids=_ids()).logits, expected, atol=1e-6)
+    assert torch.equal(model(input_ids=_ids()).logits, trained)  # the adapter is back on after the block
+    assert all(torch.equal(p, base_before[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+    # the checkpoint: adapter weights and their AdamW moments only
+    state = sharding.sharded_state(model, optimizer)
+    assert state["model"] and all(".lora_" in k for k in state["model"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    written = finish_sharded(start_sharded(f"file://{tmp_path}/ckpt", "actor", model, optimizer, scheduler))
+    assert checkpointed_tensor_bytes(tmp_path / "ckpt") == {
+        "model": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),  # the adapter, no base
+        "optim": 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)}  # its two AdamW moments
+    # loaded onto a fresh base with fresh adapters: the trained policy again, and the same optimizer state
+    fresh = lora.apply_lora(_model(), LORA, "tiny")
+    fresh_optimizer = torch.optim.AdamW(lora.trainable_parameters(fresh), lr=1e-2)
+    load_sharded(f"file://{tmp_path}/ckpt", "actor", fresh, fresh_optimizer,
+                 torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: 1.0), expected=written)
+    assert torch.equal(fresh(input_ids=_ids()).logits, trained)
+    _train_step(model, optimizer, 3)
+    _train_step(fresh, fresh_optimizer, 3)
+    assert torch.equal(fresh(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+
+
+def test_an_adapter_to_start_from_is_loaded_trainable_and_one_of_another_base_is_refused(tmp_path):
+    from rlhf_core.workers import lora
+
+    model = lora.apply_lora(_model(), LORA, "tiny")
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+    _train_step(model, optimizer, 0)
+    model.peft_config["default"].base_model_name_or_path = "/models/tiny"
+    model.save_pretrained(tmp_path / "adapter")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == "/models/tiny"
+
+    started = lora.apply_lora(_model(), ModelConfig(path="/models/tiny", lora_adapter_path=str(tmp_path / "adapter")),
+                              "/cache/tiny")
+    assert torch.equal(started(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+    assert any(p.requires_grad for p in started.parameters())  # trainable, not frozen for inference
+    # a hub id of the same name is the same base (a folder downloaded from it)
+    lora.apply_lora(_model(), ModelConfig(path="/other/place/tiny", lora_adapter_path=str(tmp_path / "adapter")),
+                    "/cache/tiny")
+    with pytest.raises(lora.LoraError, match=r"^model.lora_adapter_path: expected an adapter of "
+                                             r"model.path=/models/other; found one of /models/tiny in "):
+        lora.apply_lora(_model(), ModelConfig(path="/models/other", lora_adapter_path=str(tmp_path / "adapter")),
+                        "/cache/other")
+    with pytest.raises(lora.LoraError, match=r"^model.lora_adapter_path: expected a PEFT adapter folder"):
+        lora.apply_lora(_model(), ModelConfig(path="/models/tiny", lora_adapter_path=str(tmp_path)), "/cache/tiny")
+
+
+def _fsdp_main(rank: int, world: int, rdzv: str, out: str) -> None:
+    """Rank 0 reads the base, the others build it on the meta device; adapters on every
+    rank, filled from rank 0's; three steps under FSDP2 (one rank: the plain module)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    from rlhf_core.controller.worker import Worker
+    from rlhf_core.distributed import sharding
+    from rlhf_core.models.qwen2 import qwen2_from_config
+    from rlhf_core.workers import lora, modeling
+
+    reads = sharding.reads_checkpoint("fsdp", rank, world)
+    if reads:
+        model = qwen2_from_config(0, **SHAPE)
+    else:
+        with torch.device("meta"):
+            model = qwen2_from_config(None, **SHAPE)
+    torch.manual_seed(rank)  # what ran before: the adapters' draw does not depend on it
+    model = lora.apply_lora(model, LORA, "tiny", seed=1)
+    weights = sharding.FullWeights.of(model) if reads else None
+    model = modeling.init_distributed_model(Worker(), model, sharding.ShardingSpec(strategy="fsdp"),
+                                            source=weights if world > 1 else None)
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+    share = 4 // world
+    for step in range(3):
+        ids = _ids(step)[rank * share:(rank + 1) * share]
+        loss = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].reshape(-1, 64),
+                                                 ids[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        (loss * share / 4 * world).backward()
+        optimizer.step()
+    state, _ = sharding.full_state(model, optimizer)
+    with torch.no_grad():
+        logits = model(input_ids=_ids()).logits
+        with lora.reference_forward(model):
+            reference = model(input_ids=_ids()).logits
+    torch.save({"state": {k: v.clone() for k, v in state.items()}, "logits": logits, "reference": reference,
+                "sharded": sharding.is_sharded(model)}, f"{out}.rank{rank}")
+
+
+def test_two_fsdp_ranks_train_the_adapter_one_rank_trains_over_a_frozen_base(tmp_path):
+    runs = {}
+    for world in (1, 2):
+        out = str(tmp_path / f"w{world}")
+        mp.start_processes(_fsdp_main, args=(world, uuid.uuid4().hex[:8], out), nprocs=world, start_method="spawn")
+        runs[world] = [torch.load(f"{out}.rank{r}") for r in range(world)]
+    one, two = runs[1][0], runs[2]
+    assert two[0]["sharded"] and not one["sharded"]
+    base = _model()(input_ids=_ids()).logits.detach()
+    for seen in two:
+        assert (seen["logits"] - one["logits"]).abs().max() < 1e-5
+        assert torch.allclose(seen["reference"], base, atol=1e-5)  # the frozen base, on every rank
+    for name, value in one["state"].items():
+        assert torch.allclose(two[0]["state"][name], value, atol=1e-5), name
+    base_state = _model().state_dict()
+    frozen = {k: v for k, v in one["state"].items() if ".lora_" not in k}
+    assert frozen and all(torch.equal(v, base_state[k.replace("base_model.model.", "").replace(".base_layer", "")])
+                          for k, v in frozen.items())
+
+
+@pytest.mark.slow
+def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_path, ray_local):
+    from rlhf_core.cli import main
+
+    # two optimizer steps an iteration: the old_log_prob stage records the policy's log-probs
+    common = ["model.lora_rank=8", "model.lora_alpha=16", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+              "actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false", "rollout.n=4",
+              "trainer.progress=false",
+              f"trainer.output_dir={tmp_path / 'out'}"]
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["run", "--direct", "--iterations", "2", "--run-id", "whole", "--store", store, *common]) == 0
+    assert main(["run", "--direct", "--iterations", "1", "--run-id", "resumed", "--store", store, *common]) == 0
+    assert main(["run", "--direct", "--iterations", "2", "--run-id", "resumed", "--store", store, *common]) == 0
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / "out" / run / "metrics.jsonl").read_text().splitlines()]
+
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    assert [[r[k] for k in keys] for r in rows("resumed")] == [[r[k] for k in keys] for r in rows("whole")]
+
+    # the export: a PEFT adapter folder over the base, and the merged model, both giving the
+    # log-probs the run's policy computed with those weights (iteration 1's, from step 1's checkpoint)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.models.builtin import builtin_model_path
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.workers import modeling
+
+    istore = IterationStore(RunRef(store, "whole"))
+    # the reference is the base: the policy's log-probs before its first update, and not after
+    first = istore.load(0, "ref_log_prob")
+    assert torch.equal(first.batch["ref_log_prob"], first.batch["old_log_probs"])
+    later = istore.load(1, "ref_log_prob")
+    assert not torch.equal(later.batch["ref_log_prob"], later.batch["old_log_probs"])
+    checkpoint = istore.read_manifest(0)["checkpoint"]
+    assert main(["export", checkpoint, "--out", str(tmp_path / "adapter")]) == 0
+    assert main(["export", checkpoint, "--out", str(tmp_path / "merged"), "--merged"]) == 0
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    # every committed checkpoint holds the adapter (what the export holds) and its two moments, nothing of the base
+    from safetensors.torch import load_file
+
+    adapter_bytes = sum(t.numel() * t.element_size()
+                        for t in load_file(tmp_path / "adapter" / "adapter_model.safetensors").values())
+    model_bytes = sum(f.stat().st_size for f in Path(builtin_model_path(seed=0)).glob("*.safetensors"))
+    steps = list((tmp_path / "store" / "whole" / "checkpoints").glob("step-*"))
+    assert len(steps) == 3 and adapter_bytes < 0.15 * model_bytes
+    for step in steps:
+        assert checkpointed_tensor_bytes(step) == {"model": adapter_bytes, "optim": 2 * adapter_bytes}
+    batch = istore.load(1, "old_log_prob")
+    args = (batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"],
+            batch.batch["responses"].shape[1], istore.read_manifest(1)["config"]["rollout"]["temperature"])
+    base = AutoModelForCausalLM.from_pretrained(builtin_model_path(seed=0)).eval()
+    with torch.no_grad():
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        by_adapter, _ = modeling.response_log_probs(adapted, *args)
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+        by_merged, _ = modeling.response_log_probs(merged, *args)
+    mask = batch.batch["response_mask"].bool()
+    recorded = batch.batch["old_log_probs"]
+    assert (by_adapter - recorded)[mask].abs().max() < 1e-4
+    assert (by_merged - recorded)[mask].abs().max() < 1e-4
