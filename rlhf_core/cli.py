@@ -532,7 +532,9 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
                                                    epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
                                                    eval_share=0.05, max_length=16, seed=args.seed,
                                                    store=args.store or str(out / "store"),
-                                                   run_id=f"rm-demo-seed{args.seed}"))  # continued if killed
+                                                   # continued if killed; apart from other demos' in one store
+                                                   run_id=f"{args.run_id}-rm" if args.run_id else
+                                                   f"rm-demo-seed{args.seed}"))
         except (PreferenceDataError, RewardModelTrainingError) as exc:
             raise SystemExit(f"rlhf: {exc}") from None
     run = build_parser().parse_args(
