@@ -109,10 +109,16 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
         del weights["lm_head.weight"]  # tied to the input embeddings: stored once, as HF saves it
     raw = save_safetensors(weights, metadata={"format": "pt"})
     (target / "model.safetensors").write_bytes(raw)
+    return _write_record(target, uri, metadata, state, model_path, raw,
+                         **({"lora": "merged"} if lora_cfg is not None else {}))
+
+
+def _write_record(target: Path, uri: str, metadata: bytes, state: dict, model_path: str, weights: bytes,
+                  **extra) -> dict:
+    """EXPORT.json: where the folder's weights came from."""
     record = {"checkpoint_uri": uri, "checkpoint_metadata_sha256": hashlib.sha256(metadata).hexdigest(),
-              "weights_sha256": hashlib.sha256(raw).hexdigest(), "global_step": state.get("global_step"),
-              "config_hash": state.get("config_hash"), "base_model": model_path,
-              **({"lora": "merged"} if lora_cfg is not None else {})}
+              "weights_sha256": hashlib.sha256(weights).hexdigest(), "global_step": state.get("global_step"),
+              "config_hash": state.get("config_hash"), "base_model": model_path, **extra}
     (target / "EXPORT.json").write_text(json.dumps(record, indent=1))
     return record
 
@@ -147,12 +153,8 @@ def read_adapted_policy(files, base: Path, lora_cfg):
 def _write_adapter(model, target: Path, uri: str, metadata: bytes, state: dict, model_path: str) -> dict:
     model.peft_config["default"].base_model_name_or_path = model_path  # what lora_adapter_path checks
     model.save_pretrained(target, safe_serialization=True)
-    raw = (target / "adapter_model.safetensors").read_bytes()
-    record = {"checkpoint_uri": uri, "checkpoint_metadata_sha256": hashlib.sha256(metadata).hexdigest(),
-              "weights_sha256": hashlib.sha256(raw).hexdigest(), "global_step": state.get("global_step"),
-              "config_hash": state.get("config_hash"), "base_model": model_path, "lora": "adapter"}
-    (target / "EXPORT.json").write_text(json.dumps(record, indent=1))
-    return record
+    return _write_record(target, uri, metadata, state, model_path,
+                         (target / "adapter_model.safetensors").read_bytes(), lora="adapter")
 
 
 def read_policy_weights(files, base: Path) -> dict:

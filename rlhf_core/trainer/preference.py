@@ -156,13 +156,13 @@ class _Record:
     the weights and optimizer after it (sharded-checkpoint format, read back checked).
     Epoch 0 is the evaluation before training."""
 
-    def __init__(self, spec: RewardModelTraining, data: dict, log) -> None:
+    def __init__(self, spec: RewardModelTraining, data: dict) -> None:
         from rlhf_core.record.iteration_store import IterationStore
         from rlhf_core.record.run_ids import new_run_id
         from rlhf_core.record.run_layout import RunRef
 
         spec.run_id = spec.run_id or new_run_id("rm")
-        self.spec, self.data, self.log = spec, data, log
+        self.spec, self.data = spec, data
         self.store = IterationStore(RunRef(spec.store, spec.run_id))
         self.hash = settings_hash(spec)
 
@@ -232,7 +232,7 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
         raise RewardModelTrainingError(f"--eval-share: expected to leave pairs to train on; found {held} of "
                                        f"{len(pairs)} pairs held out")
     held_out, train = [pairs[i] for i in order[:held]], [pairs[i] for i in order[held:]]
-    record = _Record(spec, data, log)
+    record = _Record(spec, data)
     last = record.last()
     base = modeling.resolve_model_path(spec.base, spec.seed, field="--base")
     tokenizer = modeling.load_tokenizer(base)
@@ -248,11 +248,12 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant; checkpointed with the rest
 
+    texts = {side: [side_text(tokenizer, p.prompt, getattr(p, side)) for p in held_out]
+             for side in ("chosen", "rejected")}  # what the held-out snapshots show beside the scores
+
     def held_out_scores() -> tuple[dict, dict]:
         metrics, c, r = evaluate(model.eval(), tokenizer, held_out, spec.max_length, spec.batch_size,
                                  spec.remove_padding)
-        texts = {side: [side_text(tokenizer, p.prompt, getattr(p, side)) for p in held_out]
-                 for side in ("chosen", "rejected")}
         return metrics, {"held_out": _scored_pairs(held_out, c, r, chosen_text=texts["chosen"],
                                                    rejected_text=texts["rejected"])}
 
@@ -310,7 +311,7 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     tokenizer.save_pretrained(out)
     provenance = {"format": 1, "data": data, "base": spec.base, "settings": asdict(spec), "pairs": len(pairs),
                   "train_pairs": len(train), "held_out_pairs": held, "cut_sides": cut, "curve": curve,
-                  "run": record.uri, "epochs_recorded": spec.epochs, "code_version": code_version()}
+                  "run": record.uri, "code_version": code_version()}
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=1, sort_keys=True))
     log(f"[rm] wrote {out} (reward_model.model.path={out}); trained on {len(train)} pairs of {data['uri']}"
         + (f", {sum(data['skipped'].values())} rows skipped" if data["skipped"] else "") + f"; run {record.uri}")

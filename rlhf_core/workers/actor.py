@@ -44,11 +44,12 @@ class ActorRolloutRefWorker(TrainableWorker):
         reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads)
         modeling.check_micro_batch_memory(cfg, policy.config)
+        policy = self._packed(policy)
         if cfg.model.lora:  # adapters over the frozen base; every rank's are filled from rank 0's
-            policy = lora.apply_lora(self._packed(policy), cfg.model, self.model_path, seed=cfg.trainer.seed)
+            policy = lora.apply_lora(policy, cfg.model, self.model_path, seed=cfg.trainer.seed)
         weights = sharding.FullWeights.of(policy) if reads else None  # the reference's too
         self.policy = modeling.init_distributed_model(
-            self, policy if cfg.model.lora else self._packed(policy), spec, resources=cfg.resources,
+            self, policy, spec, resources=cfg.resources,
             source=weights if sharding.loads_from_rank0(spec.strategy, self.world_size) else None)
         self.reference = None
         # a LoRA run's reference is its own base, the adapter off (lora.reference_forward)
