@@ -177,6 +177,11 @@ class ValKwargsConfig:
                    "training's random draws", **NON_NEGATIVE, hashed=False)
 
 
+#: The ranks vLLM's engine can be started for (its ``max_lora_rank``): an adapter is served
+#: from the smallest one that holds its rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 @dataclass
 class RolloutConfig:
     name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
@@ -656,9 +661,10 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator}: expected an estimator "
                               f"without a greedy reward baseline with reward_model.enable=True (the baseline is "
                               f"scored by the reward function here); found one")
-        if self.model.lora and self.rollout.name == "vllm":
-            raise ConfigError("rollout.name: expected hf with LoRA (model.lora_rank > 0 or model.lora_adapter_path): "
-                              "the adapter is not yet sent to vLLM here; found vllm")
+        if self.model.lora_rank and self.rollout.name == "vllm":
+            if self.model.lora_rank > VLLM_LORA_RANKS[-1]:
+                raise ConfigError(f"model.lora_rank: expected at most {VLLM_LORA_RANKS[-1]} with rollout.name=vllm "
+                                  f"(the largest rank vLLM serves); found {self.model.lora_rank}")
         if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
             shape = ModelShape.from_folder(self.model.path)
             if shape is not None:
@@ -899,6 +905,17 @@ def _convert(raw: str, annotation, path: str):
         raise ConfigError(f"{path}: expected {getattr(annotation, '__name__', annotation)}, found {raw!r}") from None
 
 
+def _unquoted(item: str) -> str:
+    """``key='value'`` as Hydra reads it: a value wholly in matching quotes is the text
+    inside them (verl's scripts quote values, e.g. ``data.truncation='error'``, and a run
+    launched without a shell passes the quotes on)."""
+    key, sep, raw = item.partition("=")
+    value = raw.strip()
+    if sep and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" and value[0] not in value[1:-1]:
+        return f"{key}={value[1:-1]}"
+    return item
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str] | None = None,
                     origin: str = "override", notes: list[str] | None = None) -> RunConfig:
     """Apply ``key.path=value`` strings, ours or verl's (``rlhf_core.verl_keys`` translates
@@ -910,7 +927,8 @@ def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str
     hints_cache: dict[type, dict] = {}
     leaves = _leaf_paths(cfg)
     try:
-        translated = verl_keys.translate(list(overrides), set(leaves), lambda path: _get(cfg, path))
+        translated = verl_keys.translate([_unquoted(item) for item in overrides], set(leaves),
+                                         lambda path: _get(cfg, path))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if notes is None:

@@ -161,7 +161,8 @@ TABLE: dict[str, Rule] = {
     R + "mode": _note("no effect: generation is synchronous per rank here"),
     R + "load_format": _note("no effect: the engine gets the policy's weights from the trainer before it first "
                              "generates"),
-    R + "layered_summon": _note("no effect: a LoRA run generates with the policy and its adapter (rollout.name=hf)"),
+    R + "layered_summon": _note("no effect: a LoRA policy sends vLLM its adapter, gathered one tensor at a time, "
+                                "and its base only when the engine holds none"),
     R + "top_k": Rule(note="-1 / 0: no top-k, as here", refuse="no top-k sampling here (rollout.top_p only)",
                       accepts=lambda raw: raw in ("-1", "0")),
     R + "val_kwargs.do_sample": _m("rollout.val_kwargs.do_sample", note="validation generation"),

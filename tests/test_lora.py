@@ -21,10 +21,10 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 LORA = ModelConfig(path="tiny", lora_rank=4, lora_alpha=8)
 
 
-def _model(seed=0):
+def _model(seed=0, tied=False):
     from rlhf_core.models.qwen2 import qwen2_from_config
 
-    return qwen2_from_config(seed, **SHAPE)
+    return qwen2_from_config(seed, **{**SHAPE, "tie_word_embeddings": tied})
 
 
 def _ids(step: int = 0) -> torch.Tensor:
@@ -82,14 +82,15 @@ def test_adapters_go_where_target_modules_say_and_only_they_train():
         lora.apply_lora(_model(), replace(LORA, target_modules="query,value"), "tiny")
 
 
-def test_the_reference_is_the_base_with_the_adapter_off_and_checkpoints_hold_the_adapter_only(tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["own-head", "head-tied-to-embeddings"])
+def test_the_reference_is_the_base_with_the_adapter_off_and_checkpoints_hold_the_adapter_only(tmp_path, tied):
     from rlhf_core.checkpoint.reader import load_sharded
     from rlhf_core.checkpoint.writer import finish_sharded, start_sharded
     from rlhf_core.distributed import sharding
     from rlhf_core.workers import lora
 
-    expected = _model()(input_ids=_ids()).logits.detach()
-    model = lora.apply_lora(_model(), LORA, "tiny")
+    expected = _model(tied=tied)(input_ids=_ids()).logits.detach()
+    model = lora.apply_lora(_model(tied=tied), LORA, "tiny")
     base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
     assert {id(p) for g in optimizer.param_groups for p in g["params"]} == \
@@ -113,7 +114,7 @@ def test_the_reference_is_the_base_with_the_adapter_off_and_checkpoints_hold_the
         "model": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad),  # the adapter, no base
         "optim": 2 * sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)}  # its two AdamW moments
     # loaded onto a fresh base with fresh adapters: the trained policy again, and the same optimizer state
-    fresh = lora.apply_lora(_model(), LORA, "tiny")
+    fresh = lora.apply_lora(_model(tied=tied), LORA, "tiny")
     fresh_optimizer = torch.optim.AdamW(lora.trainable_parameters(fresh), lr=1e-2)
     load_sharded(f"file://{tmp_path}/ckpt", "actor", fresh, fresh_optimizer,
                  torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: 1.0), expected=written)
@@ -272,3 +273,208 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_
     recorded = batch.batch["old_log_probs"]
     assert (by_adapter - recorded)[mask].abs().max() < 1e-4
     assert (by_merged - recorded)[mask].abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_adapter_the_actor_sends_with_the_actors_log_probs(tmp_path):
+    """verl's LoRA request path on the real CPU engine: the engine keeps its base weights
+    and takes the policy's adapter, gathered and renamed as the actor sends it; its
+    sampled tokens' log-probs are the peft model's, after each new adapter (reloaded in
+    place under one id) and after the base weights are replaced (vLLM then drops its
+    adapter and asks for it again)."""
+    from rlhf_core.config import RolloutConfig
+    from rlhf_core.distributed import sharding
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers import lora, modeling
+    from rlhf_core.workers.rollout import VLLMRollout
+
+    folder = str(build_model_folder(tmp_path / "tiny"))
+    policy = lora.apply_lora(modeling.load_causal_lm(folder, "float32"), ModelConfig(path=folder, lora_rank=4,
+                                                                                        lora_alpha=8), folder)
+    engine = VLLMRollout(folder, RolloutConfig(response_length=10, temperature=1.0), seed=0, max_model_len=64,
+                         lora_rank=lora.settings(policy).r)
+    assert engine.needs_weights and not engine.needs_base_weights  # the CPU engine read the base; no adapter yet
+    ids = torch.tensor([[0, 0, 7, 8, 9], [0, 5, 6, 7, 8], [3, 4, 5, 6, 7], [0, 0, 17, 18, 19]])
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                                   "sample_seed": torch.arange(4)})
+
+    def send_adapter():
+        engine.update_adapter(((lora.saved_name(n), t) for n, t in sharding.stream_full_parameters(
+            policy, keep=lora.is_adapter)), lora.settings(policy))
+
+    def engine_matches_policy() -> torch.Tensor:
+        out = engine.generate(prompts)
+        with torch.no_grad():
+            expected, _ = modeling.response_log_probs(policy, out.batch["input_ids"], out.batch["attention_mask"],
+                                                      out.batch["position_ids"], 10)
+        mask = out.batch["response_mask"].bool()
+        assert mask.sum() > 10
+        torch.testing.assert_close(out.batch["rollout_log_probs"][mask], expected[mask], atol=2e-4, rtol=0)
+        return out.batch["responses"]
+
+    responses = []
+    for step in range(2):  # two "updates" of the adapter: each one is what the engine samples from
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(step)) * 0.3)
+        send_adapter()
+        assert not engine.needs_weights
+        responses.append(engine_matches_policy())
+    assert not torch.equal(responses[0], responses[1])
+    # new base weights (what a GPU engine gets after a sleep): the engine drops the adapter
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if name.endswith("base_layer.weight") and "down_proj" in name:
+                p.mul_(1.5)
+    engine.update_weights((lora.base_name(n), t) for n, t in sharding.stream_full_parameters(
+        policy, keep=lora.is_base))
+    assert engine.needs_weights and not engine.needs_base_weights
+    send_adapter()
+    engine_matches_policy()
+
+
+#: verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, its arguments as written there.
+QWEN2_5_3B_GRPO_LORA = [
+    "algorithm.adv_estimator=grpo", "trainer.val_before_train=False",
+    "data.train_files=$HOME/data/gsm8k/train.parquet", "data.val_files=$HOME/data/gsm8k/test.parquet",
+    "data.train_batch_size=16", "data.max_prompt_length=512", "data.max_response_length=1024",
+    "data.filter_overlong_prompts=True", "data.truncation='error'", "data.shuffle=False",
+    "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct", "actor_rollout_ref.model.lora_rank=64",
+    "actor_rollout_ref.model.lora_alpha=32", "actor_rollout_ref.actor.optim.lr=3e-6",
+    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40", "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True", "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0", "trainer.logger=['console','wandb']",
+    "trainer.project_name='verl_grpo_example_gsm8k'", "trainer.experiment_name='qwen2.5_3b_grpo_lora'",
+    "trainer.n_gpus_per_node=2", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
+
+
+@pytest.mark.slow
+def test_verls_lora_script_scaled_to_a_tiny_model_trains_the_adapter_through_vllm(tmp_path, ray_local):
+    """The script's keys, every one, values scaled to a tiny model on one CPU rank (the
+    learning rate raised so that one update moves the policy measurably), and a reward
+    file: vLLM samples
+    with the adapter the actor sends after each update, so in bypass mode the update's
+    first ratio is 1 (the engine's log-probs are the actor's); the adapter moves away from
+    the base (the reference); the checkpoints hold the adapter and its AdamW moments, not
+    the base's weights (nor the output head tied to its embeddings)."""
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
+
+    model = build_model_folder(tmp_path / "qwen2-tiny")
+    scaled = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=12)),
+              "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=4)),
+              "data.train_batch_size": "4", "data.max_prompt_length": "64", "data.max_response_length": "8",
+              "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.actor.optim.lr": "1e-2",
+              "actor_rollout_ref.model.lora_rank": "8",  # 64 of 3B's 2048 wide layers is 4 of these 128
+              "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+              "trainer.save_freq": "1", "trainer.test_freq": "2", "trainer.total_epochs": "1"}
+    reward = tmp_path / "reward.py"  # scores that differ within a group, so that GRPO's advantages do
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) % 2)\n")
+    argv = [f"{key}={scaled[key]}" if key in scaled else item
+            for item in QWEN2_5_3B_GRPO_LORA if (key := item.split("=", 1)[0]) != "trainer.n_gpus_per_node"]
+    argv += [f"custom_reward_function.path={reward}", "custom_reward_function.name=score"]
+    store, out = f"file://{tmp_path / 'store'}", tmp_path / "out"
+    assert main(["run", "--direct", "--run-id", "lora", "--store", store, *argv, f"trainer.output_dir={out}",
+                 "trainer.progress=false"]) == 0
+    rows = [json.loads(line) for line in (out / "lora" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    # one mini-batch an iteration: the first ratio compares the engine's log-probs with the actor's
+    assert all(abs(r["actor/ppo_kl"]) < 1e-5 and r["actor/pg_clipfrac"] == 0 for r in rows), rows
+    assert ["val-core/openai/gsm8k/reward/mean@1" in r for r in rows] == [False, False, True]
+    istore = IterationStore(RunRef(store, "lora"))
+    first, last = istore.load(0, "ref_log_prob"), istore.load(2, "ref_log_prob")
+    mask = first.batch["response_mask"].bool()
+    # before the first update the adapter adds nothing: the engine samples from the base
+    assert (first.batch["rollout_log_probs"] - first.batch["ref_log_prob"])[mask].abs().max() < 1e-4
+    mask = last.batch["response_mask"].bool()
+    assert (last.batch["rollout_log_probs"] - last.batch["ref_log_prob"])[mask].abs().max() > 1e-2
+    model_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+    for step in (tmp_path / "store" / "lora" / "checkpoints").glob("step-*"):
+        sizes = checkpointed_tensor_bytes(step)
+        assert 0 < sizes["model"] < 0.2 * model_bytes and sizes["optim"] == 2 * sizes["model"], sizes
+
+
+def test_vllm_is_started_for_the_next_rank_it_serves_and_refused_above_its_largest():
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+    from rlhf_core.workers import lora
+
+    assert [lora.engine_max_rank(r) for r in (1, 4, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(lora.LoraError, match=r"^model.lora_adapter_path: expected an adapter of rank at most 512"):
+        lora.engine_max_rank(600)
+    apply_overrides(RunConfig(), ["rollout.name=vllm", "model.lora_rank=64"]).validate()
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: expected at most 512 with rollout.name=vllm .*found 600$"):
+        apply_overrides(RunConfig(), ["rollout.name=vllm", "model.lora_rank=600"]).validate()
+    apply_overrides(RunConfig(), ["rollout.name=hf", "model.lora_rank=600"]).validate()  # peft takes any rank
+
+
+def test_the_names_the_actor_sends_are_the_base_checkpoints_and_a_peft_adapter_files(tmp_path):
+    """What the engine is sent: base tensors under the model's own names (what its
+    checkpoint calls them) and adapter tensors under a PEFT file's names: the folder
+    written from them loads in peft as the same adapter."""
+    from peft import PeftModel
+
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import lora
+
+    model = lora.apply_lora(_model(), LORA, "tiny")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    base = {lora.base_name(n): t for n, t in sharding.stream_full_parameters(model, keep=lora.is_base)}
+    assert base.keys() == _model().state_dict().keys()
+    assert all(torch.equal(t, _model().state_dict()[n]) for n, t in base.items())
+    adapter = {lora.saved_name(n): t for n, t in sharding.stream_full_parameters(model, keep=lora.is_adapter)}
+    lora.write_adapter_folder(str(tmp_path / "adapter"), adapter, lora.settings(model))
+    loaded = PeftModel.from_pretrained(_model(), str(tmp_path / "adapter"))
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+
+
+def test_hydra_quoted_values_are_the_text_inside_the_quotes():
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), ["data.truncation='left'", 'actor_rollout_ref.rollout.name="vllm"',
+                                        "trainer.project_name='p'"], notes=[])
+    assert (cfg.data.truncation, cfg.rollout.name) == ("left", "vllm")
+
+
+def test_the_vllm_lora_calls_the_rollout_makes_exist_in_the_pinned_version():
+    """The GPU engine's LoRA path, against the installed vLLM's own definitions (the CPU
+    build shares them): the ranks it can be started for, in-place adapter reloads, the
+    engine's add_lora and generate's lora_request, and the engine arguments."""
+    import inspect
+    import typing
+
+    from vllm import LLM
+    from vllm.config.lora import MaxLoRARanks
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from rlhf_core.config import VLLM_LORA_RANKS
+
+    assert typing.get_args(MaxLoRARanks) == VLLM_LORA_RANKS
+    request = LoRARequest("policy", 1, "/dev/shm/x", load_inplace=True)
+    assert request.load_inplace and request.lora_int_id == 1
+    assert "lora_request" in inspect.signature(LLM.generate).parameters
+    assert "lora_request" in inspect.signature(LLMEngine.add_lora).parameters
+    assert {"enable_lora", "max_loras", "max_lora_rank"} <= set(inspect.signature(EngineArgs).parameters)

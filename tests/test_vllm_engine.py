@@ -11,6 +11,7 @@ GPU engine's."""
 import ast
 import importlib.util
 import inspect
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -108,8 +109,20 @@ class RecordingLLM:
         self._bind("reset_prefix_cache", *args, **kwargs)
         self.log.append(("reset_prefix_cache",))
 
+    @property
+    def llm_engine(self):
+        return SimpleNamespace(add_lora=self._add_lora)
+
+    def _add_lora(self, *args, **kwargs):
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        request = inspect.signature(LLMEngine.add_lora).bind(None, *args, **kwargs).arguments["lora_request"]
+        self.log.append(("add_lora", request.lora_int_id, request.load_inplace, sorted(os.listdir(request.lora_path))))
+
     def generate(self, *args, **kwargs):
         call = self._bind("generate", *args, **kwargs)
+        if call["lora_request"] is not None:
+            self.log.append(("lora_request", call["lora_request"].lora_int_id))
         self.log.append(("generate", len(call["prompts"])))
         step = {5: SimpleNamespace(logprob=-0.5)}
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[5], logprobs=[step])])
@@ -295,3 +308,48 @@ def test_a_seed_per_call_gives_the_same_samples_for_the_same_seed_and_batch(tmp_
 def test_the_seed_scope_is_per_call_on_gpus_unless_set(monkeypatch, on_gpu, scope, per_call):
     _, rollout = _engine_kwargs(monkeypatch, on_gpu=on_gpu, seed_scope=scope)
     assert rollout.seeds_per_call is per_call
+
+
+def test_a_lora_policy_on_a_gpu_engine_sends_its_base_after_each_sleep_and_its_adapter_after_each_update(
+        monkeypatch):
+    """verl's LoRA path on a sleeping GPU engine: started with LoRA for the next rank vLLM
+    serves; a sleep at level 2 discards the base, so each sync streams the base (under the
+    model's own names, in the engine's dtype) and then the adapter, which the engine loads
+    in place under one id from a PEFT folder; generation names that adapter."""
+    from rlhf_core.config import ModelConfig
+    from rlhf_core.models.qwen2 import qwen2_from_config
+    from rlhf_core.workers import lora
+
+    log = []
+    monkeypatch.setattr(RecordingLLM, "log", log)
+    monkeypatch.setattr(vllm, "LLM", RecordingLLM)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rollout_module, "free_cached_memory", lambda: log.append(("empty_cache",)), raising=False)
+    inits = []
+    monkeypatch.setattr(RecordingLLM, "__init__", lambda self, **kwargs: inits.append(kwargs))
+    model_cfg = ModelConfig(path="/models/m", lora_rank=12, lora_alpha=24, target_modules="q_proj,v_proj")
+    policy = lora.apply_lora(qwen2_from_config(0, vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1),
+                             model_cfg, "/models/m")
+    rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=True, response_length=4), seed=0,
+                          max_model_len=64, dtype="bfloat16", lora_rank=lora.settings(policy).r)
+    assert (inits[0]["enable_lora"], inits[0]["max_loras"], inits[0]["max_lora_rank"]) == (True, 1, 16)
+    actor = SimpleNamespace(rollout=rollout, policy=policy, sync_dtype=torch.bfloat16,
+                            config=SimpleNamespace(model=model_cfg))
+    actor.sync_weights = lambda: ActorRolloutRefWorker.sync_weights(actor)
+    base_names = [name for name in policy.get_base_model().state_dict() if ".lora_" not in name]
+    adapter = ("add_lora", 1, True, ["adapter_config.json", "adapter_model.safetensors"])
+    for _ in range(2):
+        log.clear()
+        ActorRolloutRefWorker.generate_sequences(actor, prompts())
+        reload = [e for e in log if e[0] == "collective_rpc"]
+        assert [n.replace(".base_layer", "") for n in base_names] == reload[0][2]
+        assert [e for e in log if e[0] in ("add_lora", "lora_request", "generate", "sleep")] == [
+            adapter, ("lora_request", 1), ("generate", 2), ("sleep", 2)]
+        assert log.index(reload[0]) < log.index(adapter)  # the base first: vLLM drops adapters on a reload
+    # the adapter file holds the adapter's tensors under a PEFT file's names, in the engine's dtype
+    from safetensors.torch import load_file
+
+    sent = load_file(os.path.join(rollout._adapter_dir, "adapter_model.safetensors"))
+    assert sorted(sent) == sorted(lora.saved_name(n) for n, p in policy.named_parameters() if p.requires_grad)
+    assert {t.dtype for t in sent.values()} == {torch.bfloat16}

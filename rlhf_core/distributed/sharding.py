@@ -300,8 +300,11 @@ def sharded_state(model: torch.nn.Module, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model = unwrap(model)
-    model_state, optim_state = get_state_dict(model, optimizer,
-                                              options=StateDictOptions(ignore_frozen_params=_has_frozen(model)))
+    frozen = _has_frozen(model)
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=frozen))
+    if frozen:  # a tied weight's second name (lm_head of tied embeddings) escapes DCP's filter
+        names = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        model_state = {name: t for name, t in model_state.items() if name not in names}
     return {"model": model_state, "optim": optim_state}
 
 
@@ -344,15 +347,21 @@ class GatherMeter:
 
 
 def stream_full_parameters(model: torch.nn.Module, meter: GatherMeter | None = None,
-                           dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                           dtype: torch.dtype | None = None,
+                           keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for every parameter and buffer, one at a time: a sharded
     tensor is all-gathered when its turn comes and dropped by the consumer before the
     next, so the extra memory is one tensor, not a model copy. Under FSDP every rank must
     consume the whole stream in the same order (each gather is a collective).
 
     ``dtype``: floating-point tensors are cast to it before they are gathered (bf16 for an
-    engine that serves bf16 moves half the bytes of the fp32 master weights)."""
+    engine that serves bf16 moves half the bytes of the fp32 master weights).
+
+    ``keep``: a test of the name; the tensors it refuses are neither gathered nor yielded
+    (every rank applies the same test, so the gathers stay in step)."""
     for name, tensor in unwrap(model).state_dict().items():
+        if keep is not None and not keep(name):
+            continue
         tensor = tensor.detach()
         if hasattr(tensor, "full_tensor"):
             if torch.cuda.is_available() and tensor.device.type == "cpu":  # offloaded shard: gather on GPU

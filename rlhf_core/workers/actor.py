@@ -77,7 +77,8 @@ class ActorRolloutRefWorker(TrainableWorker):
             if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
                 dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
-                                       max_model_len=max(64, max_len), dtype=dtype)
+                                       max_model_len=max(64, max_len), dtype=dtype,
+                                       lora_rank=lora.settings(sharding.unwrap(self.policy)).r if cfg.model.lora else 0)
             self.sync_dtype = getattr(torch, dtype)  # what the engine keeps: gather no more bytes
         else:
             self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
@@ -168,11 +169,19 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict:
         """Stream the policy's weights into the generation engine, one whole tensor at a
-        time; returns seconds taken and the peak bytes of gathered tensors alive at once."""
+        time; returns seconds taken and the peak bytes of gathered tensors alive at once.
+        A LoRA policy sends its adapter (verl's LoRA request path), and its frozen base
+        only when the engine holds none."""
         t0 = time.perf_counter()
         meter = sharding.GatherMeter()
-        self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter,
-                                                                    self.sync_dtype))
+        if not self.config.model.lora:
+            self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter, self.sync_dtype))
+        else:
+            if self.rollout.needs_base_weights:
+                self.rollout.update_weights((lora.base_name(name), t) for name, t in sharding.stream_full_parameters(
+                    self.policy, meter, self.sync_dtype, keep=lora.is_base))
+            self.rollout.update_adapter(((lora.saved_name(name), t) for name, t in sharding.stream_full_parameters(
+                self.policy, meter, self.sync_dtype, keep=lora.is_adapter)), lora.settings(sharding.unwrap(self.policy)))
         return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count}
 
     # ---------------------------------------------------------------- checkpoints

@@ -110,3 +110,55 @@ def reference_forward(model: torch.nn.Module):
     """The base model, its adapter off for the block: the reference policy of a LoRA run."""
     with model.disable_adapter():
         yield model
+
+
+# ---------------------------------------------------------------- the engine's copy
+
+def engine_max_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank`` (``model.lora_rank`` is checked
+    with the config; a saved adapter's own rank is checked here)."""
+    from rlhf_core.config import VLLM_LORA_RANKS
+
+    for allowed in VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise LoraError(f"model.lora_adapter_path: expected an adapter of rank at most {VLLM_LORA_RANKS[-1]} with "
+                    f"rollout.name=vllm (the largest rank vLLM serves); found rank {rank}")
+
+
+def settings(model: torch.nn.Module):
+    """The adapter's peft ``LoraConfig`` (from ``model.lora_*`` or the saved adapter's own)."""
+    return model.peft_config["default"]
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a state-dict name is an adapter tensor (``...q_proj.lora_A.default.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def is_base(name: str) -> bool:
+    return not is_adapter(name)
+
+
+def base_name(name: str) -> str:
+    """The base model's own name of a peft-wrapped base tensor
+    (``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``): what the engine's checkpoint calls it."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def saved_name(name: str) -> str:
+    """An adapter tensor's name as a PEFT adapter file holds it (the adapter's own name,
+    ``default``, left out): ``...q_proj.lora_A.default.weight`` -> ``...q_proj.lora_A.weight``."""
+    return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+
+
+def write_adapter_folder(folder: str, tensors: dict[str, torch.Tensor], config) -> None:
+    """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) of
+    ``tensors`` (saved names) and ``config`` (a peft ``LoraConfig``): what peft and vLLM load."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file({name: t.detach().contiguous() for name, t in tensors.items()},
+              os.path.join(folder, "adapter_model.safetensors"))

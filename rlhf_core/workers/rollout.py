@@ -11,6 +11,9 @@ sampler in a loop over rows at every decoding step.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from typing import Iterable
 
 import torch
@@ -68,9 +71,18 @@ def _prompt_token_lists(prompts: DataProto) -> list[list[int]]:
 
 class VLLMRollout:
     """vLLM's engine in this process (no engine subprocess: fastest on CPU, and the
-    weights can be pushed in place after every actor update)."""
+    weights can be pushed in place after every actor update).
 
-    def __init__(self, model_path: str, config, seed: int, max_model_len: int, dtype: str = "float32") -> None:
+    A LoRA policy (``lora_rank`` > 0) is served as verl serves one: the engine holds the
+    base weights and the adapter as a LoRA request, replaced after every update
+    (``update_adapter``); the base is pushed only when the engine has none (a dummy load,
+    or a sleep that discarded it)."""
+
+    #: the one adapter the engine serves: the policy's
+    ADAPTER_NAME, ADAPTER_ID = "policy", 1
+
+    def __init__(self, model_path: str, config, seed: int, max_model_len: int, dtype: str = "float32",
+                 lora_rank: int = 0) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
@@ -102,6 +114,12 @@ class VLLMRollout:
             # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
             # The checkpoint is loaded (no sleep mode: the weights stay until replaced).
             engine = {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False, "enable_prefix_caching": False}
+        self.lora_rank = lora_rank
+        if lora_rank:
+            from rlhf_core.workers.lora import engine_max_rank
+
+            engine.update(enable_lora=True, max_loras=1, max_lora_rank=engine_max_rank(lora_rank))
+        self.has_adapter, self._adapter_dir = False, None
         enforce_eager = (not on_gpu) if config.enforce_eager is None else config.enforce_eager
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
                        seed=seed, max_num_seqs=1024, **engine)
@@ -114,8 +132,15 @@ class VLLMRollout:
 
     @property
     def needs_weights(self) -> bool:
-        """True while the engine holds no weights (its sleep discarded them): the caller
-        pushes the policy's with ``update_weights`` before the next ``generate``."""
+        """True while the engine holds no weights (its sleep discarded them), or a LoRA
+        engine no adapter: the caller pushes the policy's with ``update_weights`` (and
+        ``update_adapter``) before the next ``generate``."""
+        return not self.has_weights or (self.lora_rank > 0 and not self.has_adapter)
+
+    @property
+    def needs_base_weights(self) -> bool:
+        """Whether the engine holds no base weights (a LoRA policy's frozen base is pushed
+        only then)."""
         return not self.has_weights
 
     # Memory follows verl's hybrid engine: sleep(level=2) after generating, then at the
@@ -166,7 +191,7 @@ class VLLMRollout:
                                "call update_weights with the policy's weights first")
         self._wake_kv_cache()
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request())
         finally:
             self._sleep()  # the memory goes to log-prob, value and update stages
         tokens, lps = [], []
@@ -184,15 +209,45 @@ class VLLMRollout:
         self._wake_weights()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors)})
         self.has_weights = True
+        self.has_adapter = False  # vLLM drops its adapters when the base weights change
         free_cached_memory()  # the gathered tensors' blocks
         if not self.sleeps:  # a sleep already cleared it
             self.llm.reset_prefix_cache()
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], config) -> None:
+        """Replace the policy's adapter in the engine: ``named_tensors`` in a PEFT adapter
+        file's names, ``config`` its peft ``LoraConfig``. vLLM loads adapters from folders:
+        this engine's own folder (in shared memory where there is one) is rewritten and
+        reloaded in place under the same adapter id."""
+        from vllm.lora.request import LoRARequest
+
+        from rlhf_core.workers.lora import write_adapter_folder
+
+        if not self.lora_rank:
+            raise RuntimeError("VLLMRollout.update_adapter: the engine was started without LoRA (lora_rank=0)")
+        if self._adapter_dir is None:
+            self._adapter_dir = tempfile.mkdtemp(prefix="rlhf-adapter-",
+                                                 dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+            weakref.finalize(self, shutil.rmtree, self._adapter_dir, True)
+        write_adapter_folder(self._adapter_dir, dict(named_tensors), config)
+        self.llm.llm_engine.add_lora(LoRARequest(self.ADAPTER_NAME, self.ADAPTER_ID, self._adapter_dir,
+                                                 load_inplace=True))
+        self.has_adapter = True
+        if not self.sleeps:
+            self.llm.reset_prefix_cache()  # cached blocks were computed with the previous adapter
+
+    def _lora_request(self):
+        if not self.lora_rank:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(self.ADAPTER_NAME, self.ADAPTER_ID, self._adapter_dir)
 
 
 class HFRollout:
     """``transformers`` generate on the training model itself (no separate engine)."""
 
-    needs_weights = False  # it generates with the training model itself
+    needs_weights = needs_base_weights = False  # it generates with the training model itself
 
     def __init__(self, model, tokenizer, config, seed: int, synced: bool = False) -> None:
         self.model, self.config, self.seed = model, config, seed
@@ -241,3 +296,6 @@ class HFRollout:
 
     def update_weights(self, named_tensors) -> None:
         pass  # generates with the training model: always current
+
+    def update_adapter(self, named_tensors, config) -> None:
+        pass  # the training model's own adapter is active while it generates
