@@ -27,7 +27,7 @@ def train_reward_model(preferences: str, base: str, out: str, store: str, reward
     from rlhf_core.data.fetch import is_remote
     from rlhf_core.trainer.preference import RewardModelTraining, publish
     from rlhf_core.trainer.preference import train_reward_model as train
-    from rlhf_core.workers.reward_model import content_sha256
+    from rlhf_core.workers.modeling import content_sha256
 
     spec = RewardModelTraining(data=preferences, base=base, out=out, epochs=epochs, lr=lr, batch_size=batch_size,
                                max_length=max_length, eval_share=eval_share, seed=seed, skip_bad_rows=skip_bad_rows,

@@ -94,6 +94,7 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
         raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
     lora_cfg = _lora_settings(config)
     if lora_cfg is not None:
+        _check_base(files, uri, base)
         adapted = read_adapted_policy(files, base, lora_cfg)
         if not merged:
             return _write_adapter(adapted, target, uri, metadata, state, model_path)
@@ -131,6 +132,23 @@ def _lora_settings(config: dict):
     known = {k: v for k, v in section.items() if k in ModelConfig.__dataclass_fields__}
     settings = ModelConfig(**known)
     return settings if settings.lora else None
+
+
+def _check_base(files, uri: str, base: Path) -> None:
+    """A LoRA checkpoint's adapter goes only onto the base it was trained on: the content
+    hash its rank-0 file records against the folder ``model.path`` names now."""
+    import io
+
+    import torch
+
+    from rlhf_core.checkpoint.layout import RANK_FILE
+    from rlhf_core.checkpoint.reader import other_base_problem
+    from rlhf_core.workers import modeling
+
+    extra = torch.load(io.BytesIO(files.get(f"{POLICY}/{RANK_FILE.format(0)}")), weights_only=True)
+    problem = other_base_problem(extra, {"path": str(base), "sha256": modeling.content_sha256(str(base))}, uri)
+    if problem:
+        raise ExportError(problem)
 
 
 def read_adapted_policy(files, base: Path, lora_cfg):

@@ -478,3 +478,48 @@ def test_the_vllm_lora_calls_the_rollout_makes_exist_in_the_pinned_version():
     assert "lora_request" in inspect.signature(LLM.generate).parameters
     assert "lora_request" in inspect.signature(LLMEngine.add_lora).parameters
     assert {"enable_lora", "max_loras", "max_lora_rank"} <= set(inspect.signature(EngineArgs).parameters)
+
+
+def test_a_lora_checkpoint_goes_only_onto_the_base_it_was_trained_on(tmp_path):
+    """Its rank-0 file records the base's path and content hash; a load onto a base of
+    other content is refused in one line naming both, before anything is loaded, and so
+    is an export over a base folder whose content changed."""
+    from types import SimpleNamespace
+
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError, load_sharded
+    from rlhf_core.checkpoint.writer import _rank_file, finish_sharded, start_sharded
+    from rlhf_core.export import ExportError, _check_base
+    from rlhf_core.workers import lora, modeling
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    trained_on = {"path": "s3://models/tiny", "sha256": modeling.content_sha256(str(folder))}
+    model = lora.apply_lora(_model(), LORA, "tiny")
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(model), lr=1e-2)
+    _train_step(model, optimizer, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    written = finish_sharded(start_sharded(f"file://{tmp_path}/ckpt", "actor", model, optimizer, scheduler,
+                                           base=trained_on))
+
+    def load(base):
+        fresh = lora.apply_lora(_model(), LORA, "tiny")
+        fresh_optimizer = torch.optim.AdamW(lora.trainable_parameters(fresh), lr=1e-2)
+        load_sharded(f"file://{tmp_path}/ckpt", "actor", fresh, fresh_optimizer,
+                     torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: 1.0), expected=written, base=base)
+        return fresh
+
+    assert torch.equal(load(dict(trained_on))(input_ids=_ids()).logits, model(input_ids=_ids()).logits)
+    other = {"path": "/models/tiny-v2", "sha256": "b" * 64}
+    with pytest.raises(CheckpointRefusedError, match=(
+            rf"^model.path: expected the base model the adapter in file://.*/ckpt/actor was trained on "
+            rf"\(s3://models/tiny, content sha256 {trained_on['sha256'][:16]}\.\.\.\); found /models/tiny-v2 "
+            rf"\(content sha256 b{{16}}\.\.\.\)$")):
+        load(other)
+
+    files = SimpleNamespace(get=lambda name: {"actor/rank-00000.pt": _rank_file(scheduler, trained_on)}[name])
+    _check_base(files, "s3://ckpt", folder)  # the same bytes: exported
+    (folder / "model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(ExportError, match=r"^model.path: expected the base model the adapter in s3://ckpt was "
+                                          r"trained on \(s3://models/tiny, .*\); found .*/base \(content sha256"):
+        _check_base(files, "s3://ckpt", folder)

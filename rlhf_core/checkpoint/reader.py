@@ -209,12 +209,26 @@ def _checked_by(names: list[str], rank: int, world: int, always: tuple[str, ...]
     return own + rest[rank::world]
 
 
+def other_base_problem(rank_file: dict, base: dict, where: str) -> str | None:
+    """The one-line refusal of an adapter checkpoint (``where``) whose rank file records
+    another base than ``base`` ({"path", "sha256"}); None if it is the same, or none is
+    recorded (a full fine-tune's)."""
+    saved = rank_file.get("base") if isinstance(rank_file, dict) else None
+    if not isinstance(saved, dict) or saved.get("sha256") == base.get("sha256"):
+        return None
+    return (f"model.path: expected the base model the adapter in {where} was trained on ({saved.get('path')}, "
+            f"content sha256 {str(saved.get('sha256'))[:16]}...); found {base.get('path')} (content sha256 "
+            f"{str(base.get('sha256'))[:16]}...)")
+
+
 def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
-                 expected: dict | None = None) -> None:
+                 expected: dict | None = None, base: dict | None = None) -> None:
     """Load the role's checkpoint into this rank's shards, at any world size, from bytes
     checked against ``expected`` ({"{role}/{file}": sha256}, as the checkpoint's commit
     recorded it): every committed file is checked by some rank before anything is loaded,
-    and each rank loads only bytes it fetched and checked itself (``CheckedFiles``)."""
+    and each rank loads only bytes it fetched and checked itself (``CheckedFiles``).
+    ``base``: the identity ({"path", "sha256"}) of the frozen model under this rank's
+    adapter; a checkpoint whose rank file records another base is refused, on every rank."""
     import torch.distributed.checkpoint as dcp
 
     from rlhf_core.snapshot import fs as sfs
@@ -233,13 +247,21 @@ def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_optio
     rank_file = saved_ranks[rank % len(saved_ranks)]
     used = (f"{role}/{METADATA}", rank_file)
     bad = [p for p in map(files.problem, _checked_by(names, rank, world, always=used)) if p is not None]
-    metadata = None
+    metadata = extra = None
+    other_base = []  # not corrupt: refused
     if not bad:
         try:
             metadata = files.metadata(role)
         except CheckpointRefusedError as exc:
             bad.append(str(exc))
-    bad = [b for found in sharding.all_gather_objects(bad) for b in found]
+        extra = torch.load(io.BytesIO(files.get(rank_file)), weights_only=True)  # tensors and plain containers
+        problem = base is not None and other_base_problem(extra, base, f"{uri}/{role}")
+        if problem:
+            other_base.append(problem)
+    found = sharding.all_gather_objects((bad, other_base))
+    bad, other_base = [b for each, _ in found for b in each], [b for _, each in found for b in each]
+    if other_base and not bad:
+        raise CheckpointRefusedError(other_base[0])
     if bad:
         raise CorruptCheckpointError(
             bad[0] + (f" (and {len(bad) - 1} more file(s))" if len(bad) > 1 else ""))
@@ -247,6 +269,5 @@ def load_sharded(uri: str, role: str, model, optimizer, scheduler, storage_optio
     dcp.load(state, storage_reader=CheckedReader(files, role, metadata),
              planner=WeightsOnlyPlanner(), no_dist=world == 1)
     sharding.set_sharded_state(model, optimizer, state)
-    extra = torch.load(io.BytesIO(files.get(rank_file)), weights_only=True)  # tensors and plain containers
     scheduler.load_state_dict(extra["scheduler"])
     _set_rng_states(extra["rng"])

@@ -131,9 +131,11 @@ class PendingCheckpoint:
 
 
 def start_sharded(uri: str, role: str, model, optimizer, scheduler, storage_options: dict | None = None,
-                  process_group=None) -> PendingCheckpoint:
+                  process_group=None, base: dict | None = None) -> PendingCheckpoint:
     """Copy this rank's shards aside and start writing them (``torch.distributed.checkpoint
-    .async_save``); the schedule and RNG states are taken now too."""
+    .async_save``); the schedule and RNG states are taken now too. ``base``: the identity
+    ({"path", "sha256"}) of the frozen model a LoRA checkpoint's adapter was trained on,
+    which its loads check (``reader.load_sharded``)."""
     import torch.distributed.checkpoint as dcp
 
     if process_group is None and sharding.world_size() > 1:
@@ -142,13 +144,14 @@ def start_sharded(uri: str, role: str, model, optimizer, scheduler, storage_opti
     folder, digests = _folder(uri, role, storage_options), {}
     future = dcp.async_save(sharding.sharded_state(model, optimizer), storage_writer=_writer(folder, digests),
                             process_group=process_group, no_dist=sharding.world_size() == 1)
-    return PendingCheckpoint(future, folder, role, sharding.rank(), _rank_file(scheduler), storage_options, digests)
+    return PendingCheckpoint(future, folder, role, sharding.rank(), _rank_file(scheduler, base), storage_options,
+                             digests)
 
 
-def _rank_file(scheduler) -> bytes:
+def _rank_file(scheduler, base: dict | None = None) -> bytes:
     extra = io.BytesIO()
-    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_states(), "world_size": sharding.world_size()},
-               extra)
+    torch.save({"scheduler": scheduler.state_dict(), "rng": _rng_states(), "world_size": sharding.world_size(),
+                **({"base": dict(base)} if base else {})}, extra)
     return extra.getvalue()
 
 

@@ -43,6 +43,27 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
     return local
 
 
+def content_sha256(folder: str) -> str:
+    """One sha256 over a model folder's files (their relative paths and bytes, in path
+    order; hidden files such as the fetch cache's record and the object store's
+    ``SHA256SUMS`` list left out: a folder hashes the same before upload and after fetch):
+    the identity that a manifest records and a replay checks."""
+    import hashlib
+    from pathlib import Path
+
+    from rlhf_core.data.fetch import SUMS
+
+    root, digest = Path(folder), hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and str(p.relative_to(root)) != SUMS
+                       and not any(part.startswith(".") for part in p.relative_to(root).parts)):
+        digest.update(str(path.relative_to(root)).encode() + b"\0")
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
 def load_causal_lm(path: str, dtype: str = "float32", empty: bool = False):
     """The causal LM in ``path``; ``empty``: built from its config on the meta device (no
     weights read, no memory), for a rank whose shards are filled by ``sharding.wrap``."""

@@ -26,6 +26,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto
 from rlhf_core.workers import devices, modeling
+from rlhf_core.workers.modeling import content_sha256
 
 FIELD = "reward_model.model.path"
 #: The record ``rlhf reward-model train`` leaves in the folder it writes: the preference
@@ -66,27 +67,6 @@ def check_reward_model_config(path: str):
         raise RewardModelError(f"{FIELD}: expected a reward model with one label (num_labels=1); found "
                                f"num_labels={config.num_labels} in {path}")
     return config
-
-
-def content_sha256(folder: str) -> str:
-    """One sha256 over a model folder's files (their relative paths and bytes, in path
-    order; hidden files such as the fetch cache's record and the object store's
-    ``SHA256SUMS`` list left out: a folder hashes the same before upload and after fetch):
-    the identity that a manifest records and a replay checks."""
-    import hashlib
-    from pathlib import Path
-
-    from rlhf_core.data.fetch import SUMS
-
-    root, digest = Path(folder), hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and str(p.relative_to(root)) != SUMS
-                       and not any(part.startswith(".") for part in p.relative_to(root).parts)):
-        digest.update(str(path.relative_to(root)).encode() + b"\0")
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-        digest.update(b"\0")
-    return digest.hexdigest()
 
 
 def trained_from(folder: str) -> dict | None:

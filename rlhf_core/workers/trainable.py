@@ -126,6 +126,12 @@ class TrainableWorker(Worker):
     def _after_load(self) -> None:
         """Hook run after a checkpoint was loaded (e.g. push weights to an engine)."""
 
+    def _frozen_base(self) -> dict | None:
+        """The identity ({"path", "sha256"}) of the frozen model under trained adapters,
+        which a checkpoint records and its load checks (this rank's; None: nothing frozen,
+        or another rank records it)."""
+        return None
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
         """Every rank starts writing its own shards of the model and optimizer
@@ -155,7 +161,7 @@ class TrainableWorker(Worker):
             # interleave with the training collectives on the default one
             self._checkpoint_group = dist.new_group(backend="gloo")
         return start_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
-                             storage_options, getattr(self, "_checkpoint_group", None))
+                             storage_options, getattr(self, "_checkpoint_group", None), base=self._frozen_base())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
@@ -163,5 +169,5 @@ class TrainableWorker(Worker):
         resharded); with ``expected`` ({file: sha256}, from the iteration manifest) a file
         whose bytes differ is refused, on every rank, before anything is loaded."""
         load_sharded(uri, self.checkpoint_prefix, self._trained_model(), self.optimizer, self.scheduler,
-                     storage_options, expected)
+                     storage_options, expected, base=self._frozen_base())
         self._after_load()
