@@ -236,6 +236,14 @@ class CriticConfig:
     grad_clip: float = _f(1.0, "max global grad norm", **POSITIVE)
     world_size: int = _f(0, "critic ranks on a pool of their own (resources.critic_nnodes nodes of the same "
                          "shape); 0: colocated with the actor, one critic per actor rank", **NON_NEGATIVE)
+    lora_rank: int = _f(0, "LoRA rank of the value model's adapters (peft): > 0 trains adapters over its frozen "
+                        "backbone and its value head whole; checkpoints hold those; 0: all its weights train",
+                        checkpoint=True, **NON_NEGATIVE)
+    lora_alpha: int = _f(16, "LoRA scaling numerator of the critic's adapters", checkpoint=True, **POSITIVE)
+    target_modules: str = _f("all-linear", "the backbone modules the critic's LoRA adapts (as model.target_modules)",
+                             checkpoint=True)
+    exclude_modules: str = _f("", "backbone modules the critic's LoRA leaves alone (as model.exclude_modules)",
+                              checkpoint=True)
 
 
 @dataclass

@@ -94,9 +94,10 @@ TABLE: dict[str, Rule] = {
     "actor_rollout_ref.model.lora_adapter_path": _m("model.lora_adapter_path"),
     "actor_rollout_ref.model.use_shm": _note("no effect: model and adapter folders are read where they are (an "
                                              "object-store folder is fetched once per node into the cache)"),
-    "critic.model.lora_rank": Rule(note="0: the critic trains all its weights, as here",
-                                   refuse="no LoRA on the critic here yet: use 0",
-                                   accepts=lambda raw: raw.strip() == "0"),
+    "critic.model.lora_rank": _m("critic.lora_rank"),
+    "critic.model.lora_alpha": _m("critic.lora_alpha"),
+    "critic.model.target_modules": _m("critic.target_modules", note="all-linear or a list of module names, as in verl"),
+    "critic.model.exclude_modules": _m("critic.exclude_modules"),
     "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
     A + "ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
                                                refuse="no sequence parallelism (Ulysses) here yet: use 1",

@@ -108,7 +108,9 @@ def test_field_classes_are_field_metadata():
     assert "resources" not in {p.split(".")[0] for p in fields_where(lambda meta: meta["hashed"])}
     assert set(CHECKPOINT_FIELDS) == {"model.path", "model.dtype", "actor.world_size", "critic.enable",
                                       "algorithm.adv_estimator", "model.lora_rank", "model.lora_alpha",
-                                      "model.target_modules", "model.exclude_modules", "model.lora_adapter_path"}
+                                      "model.target_modules", "model.exclude_modules", "model.lora_adapter_path",
+                                      "critic.lora_rank", "critic.lora_alpha", "critic.target_modules",
+                                      "critic.exclude_modules"}
     assert apply_overrides(RunConfig(), ["actor.lr=0.1"]).config_hash() != base
 
 

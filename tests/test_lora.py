@@ -40,13 +40,13 @@ def _train_step(model, optimizer, step: int) -> None:
     optimizer.step()
 
 
-def checkpointed_tensor_bytes(folder: Path) -> dict:
+def checkpointed_tensor_bytes(folder: Path, role: str = "actor") -> dict:
     """Bytes of the tensors a checkpoint's DCP metadata lists, model and optimizer
     (beyond one element: the optimizer's step counters are left out)."""
     import math
     import pickle
 
-    metadata = pickle.loads((folder / "actor" / ".metadata").read_bytes())  # written by this test
+    metadata = pickle.loads((folder / role / ".metadata").read_bytes())  # written by this test
     sizes = {"model": 0, "optim": 0}
     for key, item in metadata.state_dict_metadata.items():
         if hasattr(item, "size") and math.prod(item.size) > 1:
@@ -212,10 +212,13 @@ def test_two_fsdp_ranks_train_the_adapter_one_rank_trains_over_a_frozen_base(tmp
 
 @pytest.mark.slow
 def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_path, ray_local):
+    """Actor and critic (GAE) both train adapters: the checkpoints hold those (and the
+    critic's value head), resuming gives the metrics of a run never stopped."""
     from rlhf_core.cli import main
 
     # two optimizer steps an iteration: the old_log_prob stage records the policy's log-probs
     common = ["model.lora_rank=8", "model.lora_alpha=16", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4",
+              "algorithm.adv_estimator=gae", "critic.lora_rank=4", "critic.lora_alpha=8",
               "actor.use_kl_loss=true", "algorithm.rollout_correction.bypass_mode=false", "rollout.n=4",
               "trainer.progress=false",
               f"trainer.output_dir={tmp_path / 'out'}"]
@@ -227,7 +230,7 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_
     def rows(run):
         return [json.loads(line) for line in (tmp_path / "out" / run / "metrics.jsonl").read_text().splitlines()]
 
-    keys = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy")
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
     assert [[r[k] for k in keys] for r in rows("resumed")] == [[r[k] for k in keys] for r in rows("whole")]
 
     # the export: a PEFT adapter folder over the base, and the merged model, both giving the
@@ -260,6 +263,9 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_
     assert len(steps) == 3 and adapter_bytes < 0.15 * model_bytes
     for step in steps:
         assert checkpointed_tensor_bytes(step) == {"model": adapter_bytes, "optim": 2 * adapter_bytes}
+        critic = checkpointed_tensor_bytes(step, "critic")
+        # rank-4 adapters on the backbone's Linears (about half the actor's rank-8 ones) and the value head
+        assert 0.4 * adapter_bytes < critic["model"] < 0.6 * adapter_bytes and critic["optim"] == 2 * critic["model"]
     batch = istore.load(1, "old_log_prob")
     args = (batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"],
             batch.batch["responses"].shape[1], istore.read_manifest(1)["config"]["rollout"]["temperature"])
@@ -523,3 +529,33 @@ def test_a_lora_checkpoint_goes_only_onto_the_base_it_was_trained_on(tmp_path):
     with pytest.raises(ExportError, match=r"^model.path: expected the base model the adapter in s3://ckpt was "
                                           r"trained on \(s3://models/tiny, .*\); found .*/base \(content sha256"):
         _check_base(files, "s3://ckpt", folder)
+
+
+def test_the_critics_lora_adapts_its_backbone_and_trains_its_value_head_whole(tmp_path):
+    """critic.lora_rank (verl's critic.model.lora_rank): adapters on the value model's
+    backbone, its own weights frozen, the value head (new to this model) trained whole;
+    its checkpoint state is those; target modules that match nothing are refused."""
+    from rlhf_core.config import CriticConfig
+    from rlhf_core.distributed import sharding
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers import lora, modeling
+
+    folder = str(build_model_folder(tmp_path / "tiny"))
+    critic = lora.apply_critic_lora(modeling.ValueModel(folder), CriticConfig(lora_rank=4, lora_alpha=8), folder)
+    trained = {n for n, p in critic.named_parameters() if p.requires_grad}
+    assert {"value_head.weight", "value_head.bias"} < trained
+    assert all(".lora_" in n for n in trained - {"value_head.weight", "value_head.bias"})
+    optimizer = torch.optim.AdamW(lora.trainable_parameters(critic), lr=1e-2)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    before = critic(ids, mask, mask.cumsum(1) - 1).detach()
+    for _ in range(2):
+        loss = (critic(ids, mask, mask.cumsum(1) - 1) - 1.0).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert (critic(ids, mask, mask.cumsum(1) - 1) - before).abs().max() > 1e-3
+    assert set(sharding.sharded_state(critic, optimizer)["model"]) == trained
+    with pytest.raises(lora.LoraError, match=r"^critic.target_modules: expected names of modules in .*tiny \(its "
+                                             r"Linear modules: .*q_proj.*\); found 'query', which matches none$"):
+        lora.apply_critic_lora(modeling.ValueModel(folder), CriticConfig(lora_rank=4, target_modules="query"), folder)

@@ -45,11 +45,9 @@ class ActorRolloutRefWorker(TrainableWorker):
         policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads)
         modeling.check_micro_batch_memory(cfg, policy.config)
         policy = self._packed(policy)
-        self.base_identity = None
         if cfg.model.lora:  # adapters over the frozen base; every rank's are filled from rank 0's
             policy = lora.apply_lora(policy, cfg.model, self.model_path, seed=cfg.trainer.seed)
-            if self.rank == 0:  # what its checkpoints record and their loads check (rank 0's rank file)
-                self.base_identity = {"path": cfg.model.path, "sha256": modeling.content_sha256(self.model_path)}
+            self._note_frozen_base(cfg.model.path, self.model_path)
         weights = sharding.FullWeights.of(policy) if reads else None  # the reference's too
         self.policy = modeling.init_distributed_model(
             self, policy, spec, resources=cfg.resources,
@@ -191,9 +189,6 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     def _trained_model(self):
         return self.policy
-
-    def _frozen_base(self) -> dict | None:
-        return self.base_identity
 
     def _after_load(self) -> None:
         self.sync_weights()  # the engine must generate with the restored weights

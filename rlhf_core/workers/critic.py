@@ -8,7 +8,7 @@ from rlhf_core.algorithms import compute_value_loss, masked_mean
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
-from rlhf_core.workers import devices, modeling
+from rlhf_core.workers import devices, lora, modeling
 from rlhf_core.workers.trainable import TrainableWorker
 
 
@@ -25,10 +25,14 @@ class CriticWorker(TrainableWorker):
         reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)  # rank 0 alone under FSDP
         value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding, empty=not reads)
         modeling.check_micro_batch_memory(cfg, value_model.backbone.config)
+        if cfg.critic.lora_rank:  # adapters over the frozen backbone; every rank's are filled from rank 0's
+            value_model = lora.apply_critic_lora(value_model, cfg.critic, cfg.model.path,
+                                                 seed=cfg.trainer.seed + self.seed_offset)
+            self._note_frozen_base(cfg.model.path, path)
         source = sharding.FullWeights.of(value_model) if reads and sharding.loads_from_rank0(
             spec.strategy, self.world_size) else None
         self.critic = modeling.init_distributed_model(self, value_model, spec, resources=cfg.resources, source=source)
-        self.optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
+        self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.critic), lr=cfg.critic.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
 

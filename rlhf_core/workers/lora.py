@@ -1,4 +1,5 @@
-"""LoRA adapters on the actor (``model.lora_rank`` > 0 or ``model.lora_adapter_path``).
+"""LoRA adapters on the actor (``model.lora_rank`` > 0 or ``model.lora_adapter_path``) and
+the critic (``critic.lora_rank`` > 0), and the adapter's copy in the vLLM engine.
 
 peft's ``LoraConfig`` over the causal LM, applied before FSDP2 shards it (FSDP2 shards
 per parameter, so frozen base weights and trainable adapters share a layer's unit, as in
@@ -36,14 +37,15 @@ def linear_names(model: torch.nn.Module) -> list[str]:
                    if isinstance(module, torch.nn.Linear)})
 
 
-def lora_config(model_cfg):
-    """The peft ``LoraConfig`` of ``model.lora_rank`` / ``lora_alpha`` / ``target_modules``
-    / ``exclude_modules``."""
+def lora_config(settings, task_type: str | None = "CAUSAL_LM"):
+    """The peft ``LoraConfig`` of a section's ``lora_rank`` / ``lora_alpha`` /
+    ``target_modules`` / ``exclude_modules`` (``model.*``, or ``critic.*`` with no task:
+    the critic's backbone has no output head)."""
     from peft import LoraConfig
 
-    targets = model_cfg.target_modules.strip()
-    exclude = _names(model_cfg.exclude_modules)
-    return LoraConfig(task_type="CAUSAL_LM", r=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, bias="none",
+    targets = settings.target_modules.strip()
+    exclude = _names(settings.exclude_modules)
+    return LoraConfig(task_type=task_type, r=settings.lora_rank, lora_alpha=settings.lora_alpha, bias="none",
                       target_modules="all-linear" if targets == "all-linear" else _names(targets),
                       exclude_modules=exclude or None)
 
@@ -72,7 +74,7 @@ def apply_lora(model: torch.nn.Module, model_cfg, resolved_path: str, seed: int 
 
 
 def _with_adapters(model: torch.nn.Module, model_cfg, resolved_path: str):
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel
 
     if model_cfg.lora_adapter_path:
         path = model_cfg.lora_adapter_path
@@ -90,14 +92,30 @@ def _with_adapters(model: torch.nn.Module, model_cfg, resolved_path: str):
             raise LoraError(f"model.lora_adapter_path: expected a LoRA adapter; found peft_type="
                             f"{saved.get('peft_type') if isinstance(saved, dict) else saved!r} in {path}")
         return PeftModel.from_pretrained(model, path, is_trainable=True)
+    return _adapted(model, model_cfg, "model", model_cfg.path, "CAUSAL_LM")
+
+
+def _adapted(model: torch.nn.Module, settings, section: str, where: str, task_type: str | None):
+    from peft import get_peft_model
+
     try:
-        return get_peft_model(model, lora_config(model_cfg))
+        return get_peft_model(model, lora_config(settings, task_type))
     except ValueError as exc:
         if "not found in the base model" not in str(exc) and "did not match" not in str(exc):
             raise
-        raise LoraError(f"model.target_modules: expected names of modules in {model_cfg.path} (its Linear modules: "
-                        f"{', '.join(linear_names(model))}); found {model_cfg.target_modules!r}, which matches "
+        raise LoraError(f"{section}.target_modules: expected names of modules in {where} (its Linear modules: "
+                        f"{', '.join(linear_names(model))}); found {settings.target_modules!r}, which matches "
                         f"none") from None
+
+
+def apply_critic_lora(value_model: torch.nn.Module, critic_cfg, model_path: str, seed: int = 0):
+    """``value_model`` (``modeling.ValueModel``) with LoRA adapters on its backbone
+    (``critic.lora_rank`` ...), the backbone's own weights frozen; the value head, new
+    to this model, trains whole."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        value_model.backbone = _adapted(value_model.backbone, critic_cfg, "critic", model_path, None)
+    return value_model
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:

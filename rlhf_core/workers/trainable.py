@@ -128,9 +128,17 @@ class TrainableWorker(Worker):
 
     def _frozen_base(self) -> dict | None:
         """The identity ({"path", "sha256"}) of the frozen model under trained adapters,
-        which a checkpoint records and its load checks (this rank's; None: nothing frozen,
-        or another rank records it)."""
-        return None
+        which a checkpoint records and its load checks (rank 0's; None: nothing frozen,
+        or another rank)."""
+        return getattr(self, "base_identity", None)
+
+    def _note_frozen_base(self, configured: str, folder: str) -> None:
+        """Record the frozen base's identity (``model.path`` as configured, the content
+        hash of the folder loaded) on rank 0, whose rank file carries it."""
+        if self.rank == 0:
+            from rlhf_core.workers.modeling import content_sha256
+
+            self.base_identity = {"path": configured, "sha256": content_sha256(folder)}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
