@@ -209,6 +209,11 @@ class RolloutConfig:
                                  "wake up around training; no-op on CPU)")
     enforce_eager: bool | None = _f(None, "vLLM without CUDA graphs (None: CUDA graphs on GPU, where they "
                                     "make decoding several times faster; eager on CPU)", hashed=False)
+    lora_merge: bool | None = _f(None, "how vLLM serves a LoRA policy: true, the adapter merged into the weights "
+                                 "(a full sync each update, generation at the base model's speed); false, the "
+                                 "adapter as a LoRA request (verl's FSDP path: a small sync, LoRA kernels while "
+                                 "generating); None: false on GPU, true on CPU, where vLLM's LoRA kernels "
+                                 "generated 4x slower (benchmarks/lora.py)", hashed=False)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
 
 

@@ -92,6 +92,8 @@ TABLE: dict[str, Rule] = {
                                                  note="all-linear or a list of module names, as in verl"),
     "actor_rollout_ref.model.exclude_modules": _m("model.exclude_modules"),
     "actor_rollout_ref.model.lora_adapter_path": _m("model.lora_adapter_path"),
+    "actor_rollout_ref.model.lora.merge": _m("rollout.lora_merge", note="vLLM serves the adapter merged into the "
+                                                                        "weights"),
     "actor_rollout_ref.model.use_shm": _note("no effect: model and adapter folders are read where they are (an "
                                              "object-store folder is fetched once per node into the cache)"),
     "critic.model.lora_rank": _m("critic.lora_rank"),

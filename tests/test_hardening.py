@@ -53,11 +53,19 @@ def test_store_uris_are_checked():
         assert validate_store_uri(uri) == uri
     for uri, why in (("http://evil/x", "expected a scheme among"), ("ftp://h/x", "expected a scheme among"),
                      ("", "expected a path or a URI"), ("s3://b/\nx", "printable characters only"),
-                     ("://x", "expected a path or scheme")):
+                     ("://x", "expected a path or scheme"),
+                     # fsspec chains: each '::' part is a filesystem of its own (reference:: made a request)
+                     ("zip::s3://b/x.zip", "no fsspec '::' chain"), ("reference::s3://b/r.json", "no fsspec '::'"),
+                     ("s3://b/x::memory://y", "no fsspec '::' chain"), ("simplecache::s3://b/x", "no fsspec")):
         with pytest.raises(StoreUriError, match=why):
             validate_store_uri(uri)
     with pytest.raises(SystemExit, match="rlhf: --store: expected a scheme among"):
         main(["run", "--direct", "--store", "http://example.invalid/x", "--run-id", "ok"])
+    from rlhf_core.snapshot import fs as sfs
+
+    with pytest.raises(ValueError, match=r"^expected one filesystem's URI \(no fsspec '::' chain\); found "
+                                         r"'http::127.0.0.1:9/a'$"):
+        sfs.resolve("http::127.0.0.1:9/a")  # refused before fsspec sees it, for a URI no entry point checked
 
 
 def test_the_session_entrypoint_is_quoted_for_the_shell(tmp_path):

@@ -372,9 +372,10 @@ QWEN2_5_3B_GRPO_LORA = [
 def test_verls_lora_script_scaled_to_a_tiny_model_trains_the_adapter_through_vllm(tmp_path, ray_local):
     """The script's keys, every one, values scaled to a tiny model on one CPU rank (the
     learning rate raised so that one update moves the policy measurably), and a reward
-    file: vLLM samples
-    with the adapter the actor sends after each update, so in bypass mode the update's
-    first ratio is 1 (the engine's log-probs are the actor's); the adapter moves away from
+    file: vLLM samples with the policy the actor sends after each update (on CPU, by
+    default, its weights with the adapter merged in; the adapter request path is tested
+    above), so in bypass mode the update's first ratio is 1 (the engine's log-probs are the
+    actor's); the adapter moves away from
     the base (the reference); the checkpoints hold the adapter and its AdamW moments, not
     the base's weights (nor the output head tied to its embeddings)."""
     from rlhf_core.cli import main
@@ -559,3 +560,25 @@ def test_the_critics_lora_adapts_its_backbone_and_trains_its_value_head_whole(tm
     with pytest.raises(lora.LoraError, match=r"^critic.target_modules: expected names of modules in .*tiny \(its "
                                              r"Linear modules: .*q_proj.*\); found 'query', which matches none$"):
         lora.apply_critic_lora(modeling.ValueModel(folder), CriticConfig(lora_rank=4, target_modules="query"), folder)
+
+
+def test_the_merged_stream_is_peft_merge_and_unload_one_module_at_a_time():
+    """rollout.lora_merge: the weights the engine is sent are the base's own names with
+    each adapter folded in, as peft's merge_and_unload gives them."""
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import lora
+
+    model = lora.apply_lora(_model(), replace(LORA, target_modules="q_proj,down_proj"), "tiny")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    sent = dict(lora.merged_stream(model, sharding.stream_full_parameters(model)))
+    expected = lora.apply_lora(_model(), replace(LORA, target_modules="q_proj,down_proj"), "tiny")
+    expected.load_state_dict(model.state_dict())
+    expected = expected.merge_and_unload().state_dict()
+    assert sorted(sent) == sorted(expected)  # (a module's bias comes before its merged weight)
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
+                           _model().state_dict()["model.layers.0.self_attn.q_proj.weight"])

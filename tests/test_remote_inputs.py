@@ -176,3 +176,36 @@ def test_a_cached_copy_changed_after_the_fetch_is_refused(remote):
     with pytest.raises(DatasetError, match=r"the cached copy .*train.parquet has \d+ bytes, expected \d+; it was "
                                                r"changed after the fetch: remove .* and run again"):
         load_rows(remote["data"])
+
+
+@pytest.mark.parametrize("key", ["../escaped.txt", "a/../../escaped.txt", "a//b.txt", "./c.txt", "/abs.txt"])
+def test_an_object_key_that_leaves_the_folder_is_refused_and_nothing_is_written(key, tmp_path, monkeypatch):
+    """A key under a model prefix with '..', '.', an empty part or a leading '/' (anyone
+    who can add an object to a shared bucket can make one) is refused in one line before
+    anything is downloaded; nothing appears outside the cache (an in-memory filesystem
+    stands in for the bucket: it keeps such keys as they are)."""
+    import fsspec
+
+    from rlhf_core.record import run_ids
+
+    monkeypatch.setenv("RLHF_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(run_ids, "validate_store_uri", lambda uri, field: None)
+    memory = fsspec.filesystem("memory")
+    root = f"/bucket-{uuid.uuid4().hex[:8]}/model"
+    memory.pipe(f"{root}/config.json", b"{}")
+    memory.store[f"{root}/{key}"] = memory.store[f"{root}/config.json"]  # the raw key, as a store would list it
+    with pytest.raises(fetch.FetchError, match=r"^model.path: expected object keys under memory://.* that name "
+                                               r"files inside it; found .*nothing was fetched$"):
+        fetch.fetch(f"memory://{root}", "model.path")
+    assert not list(tmp_path.rglob("*escaped*")) and not list((tmp_path / "cache" / "inputs").glob("*-*/config.json"))
+
+
+def test_a_cached_file_with_its_size_but_other_bytes_is_refused(remote):
+    """Reuse checks the sha256 each file had when it arrived, not only its size."""
+    path = Path(fetch.fetch(remote["data"], "data.train_files"))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(DatasetError, match=r"the cached copy .*train.parquet does not have the sha256 its fetch "
+                                           r"recorded \(\.rlhf-fetch\.json\); it was changed after the fetch: remove"):
+        load_rows(remote["data"])

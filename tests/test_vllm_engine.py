@@ -334,7 +334,7 @@ def test_a_lora_policy_on_a_gpu_engine_sends_its_base_after_each_sleep_and_its_a
     rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=True, response_length=4), seed=0,
                           max_model_len=64, dtype="bfloat16", lora_rank=lora.settings(policy).r)
     assert (inits[0]["enable_lora"], inits[0]["max_loras"], inits[0]["max_lora_rank"]) == (True, 1, 16)
-    actor = SimpleNamespace(rollout=rollout, policy=policy, sync_dtype=torch.bfloat16,
+    actor = SimpleNamespace(rollout=rollout, policy=policy, sync_dtype=torch.bfloat16, serves_adapter=True,
                             config=SimpleNamespace(model=model_cfg))
     actor.sync_weights = lambda: ActorRolloutRefWorker.sync_weights(actor)
     base_names = [name for name in policy.get_base_model().state_dict() if ".lora_" not in name]
@@ -353,3 +353,16 @@ def test_a_lora_policy_on_a_gpu_engine_sends_its_base_after_each_sleep_and_its_a
     sent = load_file(os.path.join(rollout._adapter_dir, "adapter_model.safetensors"))
     assert sorted(sent) == sorted(lora.saved_name(n) for n, p in policy.named_parameters() if p.requires_grad)
     assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+
+    # rollout.lora_merge: an engine without LoRA, sent the merged weights under the base's names every sync
+    log.clear()
+    inits.clear()
+    merged = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=True, response_length=4), seed=0,
+                         max_model_len=64, dtype="bfloat16")
+    assert "enable_lora" not in inits[0]
+    actor.rollout, actor.serves_adapter = merged, False
+    ActorRolloutRefWorker.generate_sequences(actor, prompts())
+    assert [e[0] for e in log if e[0] in ("collective_rpc", "add_lora", "lora_request", "generate")] == [
+        "collective_rpc", "generate"]
+    assert sorted(next(e for e in log if e[0] == "collective_rpc")[2]) == sorted(
+        n.replace(".base_layer", "") for n in base_names)

@@ -90,6 +90,7 @@ def listing(uri: str, field: str = "input", storage_options: dict | None = None,
         name = key.rsplit("/", 1)[-1] if single else key[len(base) + 1:]
         if not name or info.get("type") == "directory" or (not weights and name.endswith(WEIGHT_SUFFIXES)):
             continue
+        _check_name(name, uri, field)
         etag = str(info.get("ETag") or info.get("etag") or "").strip('"')
         md5 = etag.lower() if _MD5.fullmatch(etag.lower()) else ""
         if not md5 and info.get("md5Hash"):  # GCS: base64 of the MD5
@@ -98,6 +99,16 @@ def listing(uri: str, field: str = "input", storage_options: dict | None = None,
     if not entries:
         raise FetchError(f"{field}: expected an object or a folder of objects at {uri}; found nothing there")
     return loc, single, entries
+
+
+def _check_name(name: str, uri: str, field: str) -> None:
+    """An object's key below the URI names a file inside the cache folder, nothing else:
+    no empty, ``.`` or ``..`` part, no absolute name, no backslash or NUL (a key such as
+    ``model/../../x`` would otherwise be written outside the cache)."""
+    parts = name.split("/")
+    if name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+        raise FetchError(f"{field}: expected object keys under {uri} that name files inside it; found {name!r} "
+                         f"(an empty, '.' or '..' part, or an absolute name); nothing was fetched")
 
 
 def fetch(uri: str, field: str = "input", storage_options: dict | None = None, weights: bool = True) -> str:
@@ -124,8 +135,9 @@ def fetch(uri: str, field: str = "input", storage_options: dict | None = None, w
             tmp = root / f"{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             tmp.mkdir()
             try:
-                download(loc, single, entries, tmp, uri)
-                (tmp / RECORD).write_text(json.dumps({"uri": loc.uri, "objects": [e.__dict__ for e in entries]}))
+                digests = download(loc, single, entries, tmp, uri)
+                (tmp / RECORD).write_text(json.dumps({"uri": loc.uri, "objects": [e.__dict__ for e in entries],
+                                                      "sha256": digests}))
                 os.rename(tmp, target)  # atomic: readers see the whole folder or none
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -134,9 +146,9 @@ def fetch(uri: str, field: str = "input", storage_options: dict | None = None, w
     return str(result)
 
 
-def download(loc, single: bool, entries: list[Entry], into: Path, uri: str, threads: int = 4) -> None:
+def download(loc, single: bool, entries: list[Entry], into: Path, uri: str, threads: int = 4) -> dict[str, str]:
     """Every entry into ``into``, each checked (size, ETag, MD5 or SHA256SUMS); FetchError
-    naming the first object that fails."""
+    naming the first object that fails. Returns {name: sha256} of what was written."""
     def source(entry: Entry) -> str:
         return loc.path if single else f"{loc.path.rstrip('/')}/{entry.name}"
 
@@ -146,8 +158,12 @@ def download(loc, single: bool, entries: list[Entry], into: Path, uri: str, thre
         sums = {line.split(None, 1)[1].lstrip("*").strip(): line.split(None, 1)[0].lower()
                 for line in text.splitlines() if len(line.split(None, 1)) == 2}
 
-    def one(entry: Entry) -> None:
+    inside = into.resolve()
+
+    def one(entry: Entry) -> dict:
         path = into / entry.name
+        if not path.resolve().is_relative_to(inside):  # (listing checked the names; this is the last guard)
+            raise FetchError(f"{uri}: the object {entry.name!r} would be written outside {into}; nothing was cached")
         path.parent.mkdir(parents=True, exist_ok=True)
         md5, sha, size = hashlib.md5(), hashlib.sha256(), 0
         where = f"{uri.rstrip('/')}/{entry.name}" if not single else uri
@@ -162,8 +178,7 @@ def download(loc, single: bool, entries: list[Entry], into: Path, uri: str, thre
                 while chunk := src.read(CHUNK):
                     out.write(chunk)
                     md5.update(chunk)
-                    if sums:
-                        sha.update(chunk)
+                    sha.update(chunk)
                     size += len(chunk)
             except OSError as exc:
                 if exc.errno == errno.EBUSY or type(exc).__name__ == "FileExpired":
@@ -177,19 +192,42 @@ def download(loc, single: bool, entries: list[Entry], into: Path, uri: str, thre
         if not sums and entry.md5 and md5.hexdigest() != entry.md5:
             raise FetchError(f"{where}: expected MD5 {entry.md5} (its ETag), found {md5.hexdigest()}; nothing was "
                              f"cached (a store whose ETags are not MD5s needs a {SUMS} file in the folder)")
+        return {entry.name: sha.hexdigest()}
 
+    digests = {}
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(entries)))) as pool:
         for done in [pool.submit(one, e) for e in entries]:
-            done.result()
+            digests.update(done.result())
+    return digests
 
 
 def _checked_copy(target: Path, entries: list[Entry], uri: str, result: Path) -> Path:
-    """``result`` when the cached folder still holds every listed file at its size (a
-    cheap check on every reuse; the bytes were checked when they arrived)."""
+    """``result`` when the cached folder still holds every listed file with the sha256 its
+    fetch recorded (every reuse reads the files again: about 1 s per GB; the bytes were
+    checked against the store when they arrived)."""
+    try:
+        recorded = json.loads((target / RECORD).read_text()).get("sha256") or {}
+    except (OSError, ValueError, AttributeError):
+        recorded = {}
     for entry in entries:
         path = target / entry.name
-        found = path.stat().st_size if path.is_file() else None
+        found = path.stat().st_size if path.is_file() and not path.is_symlink() else None
         if found != entry.size:
             raise FetchError(f"{uri}: the cached copy {path} has {found} bytes, expected {entry.size}; it was changed "
                              f"after the fetch: remove {target} and run again")
+        digest = recorded.get(entry.name) if isinstance(recorded, dict) else None
+        if digest is None:
+            raise FetchError(f"{uri}: the cached copy {target} records no sha256 of {entry.name} (fetched by an "
+                             f"earlier version, or its {RECORD} changed): remove {target} and run again")
+        if _sha256(path) != digest:
+            raise FetchError(f"{uri}: the cached copy {path} does not have the sha256 its fetch recorded "
+                             f"({RECORD}); it was changed after the fetch: remove {target} and run again")
     return result
+
+
+def _sha256(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(CHUNK):
+            sha.update(block)
+    return sha.hexdigest()

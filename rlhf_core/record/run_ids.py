@@ -64,6 +64,8 @@ def store_uri_problem(uri) -> str | None:
         return f"expected a path or a URI ({', '.join(s + '://' for s in STORE_SCHEMES)}); found {uri!r}"
     if any(ord(c) < 32 or ord(c) == 127 for c in uri):
         return f"expected printable characters only; found {uri!r}"
+    if "::" in uri:  # fsspec would chain filesystems (zip::, reference::, http::...), each its own access
+        return f"expected one filesystem's URI (no fsspec '::' chain); found {uri!r}"
     m = _SCHEME.match(uri)
     if m and m.group(1).lower() not in STORE_SCHEMES:
         return f"expected a scheme among {', '.join(STORE_SCHEMES)}; found {m.group(1)!r} in {uri!r}"

@@ -74,6 +74,8 @@ def resolve(uri: str, storage_options: dict | None = None) -> Location:
     """Turn a URI (or a plain local path) into a :class:`Location`."""
     if not isinstance(uri, str) or not uri:
         raise ValueError(f"snapshot uri must be a non-empty string; found {uri!r}")
+    if "::" in uri:  # the last guard for URIs that skipped validate_store_uri: no fsspec chains
+        raise ValueError(f"expected one filesystem's URI (no fsspec '::' chain); found {uri!r}")
     protocol = uri.split("://", 1)[0] if "://" in uri else "file"
     if protocol == "s3":
         opts = s3_options_from_env(storage_options)

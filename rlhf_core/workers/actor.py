@@ -73,13 +73,18 @@ class ActorRolloutRefWorker(TrainableWorker):
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
         max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
         self.sync_dtype = None  # HF generation runs on the policy itself: nothing is synced
+        self.serves_adapter = False
         if cfg.rollout.name == "vllm":
             dtype = cfg.rollout.dtype
             if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
                 dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
+            # a LoRA policy: its adapter as a LoRA request, or merged into weights the engine serves as a full policy's
+            self.serves_adapter = cfg.model.lora and not (
+                cfg.rollout.lora_merge if cfg.rollout.lora_merge is not None else not torch.cuda.is_available())
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
                                        max_model_len=max(64, max_len), dtype=dtype,
-                                       lora_rank=lora.settings(sharding.unwrap(self.policy)).r if cfg.model.lora else 0)
+                                       lora_rank=lora.settings(sharding.unwrap(self.policy)).r if self.serves_adapter
+                                       else 0)
             self.sync_dtype = getattr(torch, dtype)  # what the engine keeps: gather no more bytes
         else:
             self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
@@ -172,11 +177,15 @@ class ActorRolloutRefWorker(TrainableWorker):
         """Stream the policy's weights into the generation engine, one whole tensor at a
         time; returns seconds taken and the peak bytes of gathered tensors alive at once.
         A LoRA policy sends its adapter (verl's LoRA request path), and its frozen base
-        only when the engine holds none."""
+        only when the engine holds none; or (``rollout.lora_merge``) its weights with the
+        adapter merged in."""
         t0 = time.perf_counter()
         meter = sharding.GatherMeter()
         if not self.config.model.lora:
             self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter, self.sync_dtype))
+        elif not self.serves_adapter:
+            self.rollout.update_weights(lora.merged_stream(sharding.unwrap(self.policy), sharding.stream_full_parameters(
+                self.policy, meter, self.sync_dtype)))
         else:
             if self.rollout.needs_base_weights:
                 self.rollout.update_weights((lora.base_name(name), t) for name, t in sharding.stream_full_parameters(

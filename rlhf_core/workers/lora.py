@@ -171,6 +171,37 @@ def saved_name(name: str) -> str:
     return name.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
 
 
+def merged_stream(model: torch.nn.Module, named):
+    """The base model's own (name, tensor) with every adapter folded in (W + scaling x B A),
+    from ``named``, the peft model's state-dict stream (``sharding.stream_full_parameters``):
+    each base weight is held until its module's A and B have come, so one module's three
+    tensors are alive at once, not a model copy."""
+    scaling = {name: module.scaling["default"] for name, module in model.named_modules()
+               if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling}
+    parts: dict[str, dict] = {}
+    for name, tensor in named:
+        prefix, kind = _lora_part(name)
+        if prefix not in scaling:
+            yield base_name(name), tensor
+            continue
+        parts.setdefault(prefix, {})[kind] = tensor
+        got = parts[prefix]
+        if len(got) == 3:
+            del parts[prefix]
+            weight = got["W"]
+            delta = (got["B"].float() @ got["A"].float()) * scaling[prefix]
+            yield base_name(f"{prefix}.base_layer.weight"), (weight.float() + delta).to(weight.dtype)
+
+
+def _lora_part(name: str) -> tuple[str, str]:
+    """(module, W | A | B) of a LoRA module's weight tensors; (name, "") for any other."""
+    for suffix, kind in ((".base_layer.weight", "W"), (".lora_A.default.weight", "A"),
+                         (".lora_B.default.weight", "B")):
+        if name.endswith(suffix):
+            return name[:-len(suffix)], kind
+    return name, ""
+
+
 def write_adapter_folder(folder: str, tensors: dict[str, torch.Tensor], config) -> None:
     """A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) of
     ``tensors`` (saved names) and ``config`` (a peft ``LoraConfig``): what peft and vLLM load."""
