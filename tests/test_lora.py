@@ -582,3 +582,20 @@ def test_the_merged_stream_is_peft_merge_and_unload_one_module_at_a_time():
         torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5)
     assert not torch.equal(sent["model.layers.0.self_attn.q_proj.weight"],
                            _model().state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_an_adapter_on_the_output_head_is_refused_for_vllms_lora_requests_and_merged_instead():
+    """vLLM 0.32 refuses LoRA requests that adapt lm_head (tried on the CPU engine: "expected
+    target modules in {q_proj, ...} but received ['lm_head']"): refused in one line before an
+    engine starts, pointing at rollout.lora_merge=true, whose merged stream folds it in."""
+    from rlhf_core.distributed import sharding
+    from rlhf_core.workers import lora
+
+    lora.check_engine_serves(lora.apply_lora(_model(), LORA, "tiny"))  # all-linear: the head left out
+    with_head = lora.apply_lora(_model(), replace(LORA, target_modules="q_proj,lm_head"), "tiny")
+    with pytest.raises(lora.LoraError, match=r"^model.target_modules: expected modules vLLM serves as a LoRA "
+                                             r"request \(not lm_head, embed_tokens\) with rollout.lora_merge=false; "
+                                             r"found lm_head adapted: set rollout.lora_merge=true"):
+        lora.check_engine_serves(with_head)
+    merged = dict(lora.merged_stream(with_head, sharding.stream_full_parameters(with_head)))
+    assert "lm_head.weight" in merged and not any(".lora_" in n or "base_layer" in n for n in merged)

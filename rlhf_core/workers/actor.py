@@ -81,6 +81,8 @@ class ActorRolloutRefWorker(TrainableWorker):
             # a LoRA policy: its adapter as a LoRA request, or merged into weights the engine serves as a full policy's
             self.serves_adapter = cfg.model.lora and not (
                 cfg.rollout.lora_merge if cfg.rollout.lora_merge is not None else not torch.cuda.is_available())
+            if self.serves_adapter:
+                lora.check_engine_serves(sharding.unwrap(self.policy))
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
                                        max_model_len=max(64, max_len), dtype=dtype,
                                        lora_rank=lora.settings(sharding.unwrap(self.policy)).r if self.serves_adapter

@@ -144,6 +144,21 @@ def engine_max_rank(rank: int) -> int:
                     f"rollout.name=vllm (the largest rank vLLM serves); found rank {rank}")
 
 
+#: Modules a LoRA adapter may adapt that vLLM's LoRA requests do not serve (0.32 refuses
+#: the adapter): such a policy is served merged.
+ENGINE_UNSERVED = ("lm_head", "embed_tokens")
+
+
+def check_engine_serves(model: torch.nn.Module) -> None:
+    """Refuse, in one line, an adapter the engine cannot take as a LoRA request."""
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    unserved = sorted(adapted & set(ENGINE_UNSERVED))
+    if unserved:
+        raise LoraError(f"model.target_modules: expected modules vLLM serves as a LoRA request (not "
+                        f"{', '.join(ENGINE_UNSERVED)}) with rollout.lora_merge=false; found {', '.join(unserved)} "
+                        f"adapted: set rollout.lora_merge=true to serve the merged weights")
+
+
 def settings(model: torch.nn.Module):
     """The adapter's peft ``LoraConfig`` (from ``model.lora_*`` or the saved adapter's own)."""
     return model.peft_config["default"]
