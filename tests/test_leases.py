@@ -405,3 +405,21 @@ def test_a_direct_run_takes_the_iterations_lease_and_leaves_a_held_one_alone(tmp
                                          "nothing was written")
     assert not (tmp_path / "store" / "r" / "iter-000000").exists()
     assert not list((tmp_path / "store" / "r").glob("checkpoints/*"))
+
+
+def test_a_record_dated_in_the_future_or_unreadable_holds_nothing(run):
+    """A record dated beyond the clock-skew margin ahead (it would keep a dead holder's
+    lease forever) is stale; a record that is not a JSON object is skipped with a
+    one-line warning, and the next write numbers itself above it."""
+    log = LeaseLog(run, 0, ttl_s=30)
+    sfs.put_create_only(log.folder.child(lease_module.run_layout.lease_record(1)),
+                        json.dumps({"holder": "kfp:forged/x", "token": 1, "state": "held",
+                                    "at": time.time() + 10 * 365 * 86400, "process": None}).encode())
+    taken = log.acquire("kfp:b/run-iteration")
+    assert isinstance(taken, Lease) and taken.token == 2
+    sfs.put_create_only(log.folder.child(lease_module.run_layout.lease_record(3)), b"not json")
+    assert log.holds(taken)  # the unreadable record is skipped: the holder's own is the newest readable
+    other = LeaseLog(run, 0, ttl_s=30).acquire("kfp:c/run-iteration")
+    assert other == "kfp:b/run-iteration"  # b's lease is live
+    log.release(taken)
+    assert isinstance(LeaseLog(run, 0, ttl_s=30).acquire("kfp:c/run-iteration"), Lease)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -102,9 +103,18 @@ class LeaseLog:
         generations = sorted(g for g in map(run_layout.generation_of_lease_record, names) if g is not None)
         for generation in reversed(generations):
             raw = sfs.read_bytes(self.folder.child(run_layout.lease_record(generation)))
-            if raw is not None:
-                return generation, json.loads(raw)
-        return None
+            if raw is None:
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = None
+            if isinstance(record, dict):
+                # the newest generation numbers the next write, whatever the records below it say
+                return generations[-1], record
+            print(f"rlhf: warning: {self.folder.uri}/{run_layout.lease_record(generation)}: expected a lease record "
+                  f"(a JSON object); found {raw[:40]!r}; skipped", file=sys.stderr)
+        return (generations[-1], {"state": "released"}) if generations else None
 
     def _write(self, generation: int, record: dict) -> bool:
         try:
@@ -120,7 +130,13 @@ class LeaseLog:
         """Whether ``holder`` may take the lease whose latest record is ``record``."""
         if record.get("state") == "released" or record.get("holder") == holder:
             return True
-        if time.time() - float(record.get("at", 0)) >= self.ttl_s + CLOCK_SKEW_MARGIN_S:
+        try:
+            age = time.time() - float(record.get("at", 0))
+        except (TypeError, ValueError):
+            return True  # no time to age it by: it cannot hold anything
+        # dated later than any clock within the skew margin could write it: a forged or broken
+        # record, not a live holder whose clock is ahead (it would hold the lease forever)
+        if age >= self.ttl_s + CLOCK_SKEW_MARGIN_S or age < -CLOCK_SKEW_MARGIN_S:
             return True
         return known_dead(record.get("process"))
 
