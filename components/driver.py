@@ -58,6 +58,16 @@ class Plan:
         return StopRule(self.budget_s, self.stop_at_reward, self.stop_at_val)
 
 
+#: A pipeline parameter's "no target" (KFP floats have no None).
+NO_TARGET = -1.0
+
+
+def score_target(value: float) -> float | None:
+    """A stop target from a pipeline parameter: ``NO_TARGET`` is none; any other value,
+    negative ones too (DAPO's rewards run from -1 to 1), is a score to reach."""
+    return None if value == NO_TARGET else float(value)
+
+
 @dataclass
 class Outcome:
     reason: str

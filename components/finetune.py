@@ -14,8 +14,8 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
                    summary: dsl.Output[dsl.Markdown], metrics: dsl.Output[dsl.Metrics], stop_at_val: float = -1.0,
                    pipelined: bool = True):
     """Iterations until the run has ``iterations`` in all (or ``more`` than it had, when
-    ``more`` > 0), the mean reward of the last five reaches ``stop_at_reward`` (< 0: never),
-    the latest validation's score reaches ``stop_at_val`` (< 0: never)
+    ``more`` > 0), the mean reward of the last five reaches ``stop_at_reward`` (-1: never),
+    the latest validation's score reaches ``stop_at_val`` (-1: never)
     or ``budget_s`` (<= 0: none) is spent. Ends with a report and the last metrics.
     ``pipelined``: submit iteration n+1's run while n's runs, when only the count ends the
     fine-tune (``components.driver.pipelines_ahead``)."""
@@ -24,7 +24,7 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
 
     import kfp
 
-    from components.driver import Plan, drive, report_markdown
+    from components.driver import Plan, drive, report_markdown, score_target
     from rlhf_core.record.run_ids import validate_run_id, validate_store_uri
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.record.run_layout import RunRef
@@ -46,8 +46,7 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
     plan = Plan(run_id, store, {"run_id": run_id, "store": store, "config": config, "config_hash": config_hash,
                                 "kube_spec": dict(kube_spec), "cluster_policy": cluster_policy},
                 iterations=iterations if more <= 0 else None, more=more if more > 0 else None,
-                stop_at_reward=stop_at_reward if stop_at_reward >= 0 else None,
-                stop_at_val=stop_at_val if stop_at_val >= 0 else None,
+                stop_at_reward=score_target(stop_at_reward), stop_at_val=score_target(stop_at_val),
                 budget_s=budget_s if budget_s > 0 else None, max_retries=max_retries, poll_s=15.0,
                 pipelined=pipelined)
     outcome = drive(client, plan, package, experiment_id, stopping=lambda: bool(stop),

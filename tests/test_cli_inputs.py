@@ -430,3 +430,51 @@ def test_a_pipeline_run_is_handed_the_resolved_config_and_refuses_one_that_is_no
     assert main(["config", "--handover", "actor.lr=2e-5", "rollout.n=3", "data.train_batch_size=64"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == given
+
+
+def test_only_the_no_target_value_turns_a_stop_target_off():
+    """A fine-tune's stop_at_reward / stop_at_val: -1 (the pipeline parameter's default)
+    is none; any other value, a negative one too, is a score to reach (before, every
+    negative value silently meant none)."""
+    from components.driver import NO_TARGET, score_target
+
+    assert score_target(NO_TARGET) is None
+    assert [score_target(v) for v in (-0.5, -1.5, 0.0, 0.9)] == [-0.5, -1.5, 0.0, 0.9]
+
+
+def test_snapshots_show_with_object_fields_only(tmp_path):
+    """`rlhf snapshots show URI --fields uid` (no tensor asked for) lists the rows instead
+    of failing on a batch without tensors."""
+    import numpy as np
+    import torch
+
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.record.audit import show
+    from rlhf_core.snapshot.writer import save_snapshot
+
+    dp = DataProto.from_dict({"responses": torch.arange(6).reshape(2, 3)},
+                             non_tensors={"uid": np.array(["a", "b"], dtype=object),
+                                          "data_source": np.array(["x", "y"], dtype=object)})
+    uri = f"file://{tmp_path}/snap"
+    save_snapshot(dp, uri)
+    text = show(uri, uid="b", fields=["uid", "data_source"])
+    assert "uid: b" in text and "data_source: y" in text and "1 row(s) of 2" in text
+
+
+def test_one_broken_snapshot_manifest_does_not_hide_a_stores_listing(tmp_path):
+    """`rlhf snapshots ls`: a snapshot whose manifest is not valid is listed as unreadable,
+    with why, beside the others (it failed the whole listing before)."""
+    import torch
+
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.record.audit import list_store
+    from rlhf_core.snapshot.layout import MANIFEST_NAME
+    from rlhf_core.snapshot.writer import save_snapshot
+
+    for stage in ("rollout", "reward"):
+        save_snapshot(DataProto.from_dict({"responses": torch.arange(6).reshape(2, 3)}),
+                      f"file://{tmp_path}/run/iter-000000/{stage}")
+    (tmp_path / "run" / "iter-000000" / "reward" / MANIFEST_NAME).write_text("{not json")
+    text = list_store(f"file://{tmp_path}/run")
+    assert "iter-000000/rollout" in text and "committed" in text
+    assert "iter-000000/reward" in text and "unreadable" in text and "2 snapshot(s)" in text

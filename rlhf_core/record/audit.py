@@ -43,6 +43,10 @@ def list_store(uri: str) -> str:
         for it, done in iterations.items():
             rel = it[len(uri):].strip("/") or "."
             lines.append(f"{rel:<58}{'committed' if done else 'in progress (no MANIFEST.json)'}")
+    broken = [info for info in infos if info.state == "unreadable"]
+    if broken:
+        lines.append("")
+        lines += [f"unreadable: {info.annotations['error']}" for info in broken]
     total = sum(i.stored_bytes for i in infos)
     lines.append(f"\n{len(infos)} snapshot(s), {_size(total)}")
     return "\n".join(lines)
@@ -90,7 +94,8 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
         raise AuditError(f"no row with uid {uid!r} in {uri}")
     config = run_config_of(uri) if tokenizer_for and {"prompts", "responses"} & set(wanted) else None
     tok = tokenizer_for(config) if config is not None else None
-    mask = dp.batch["response_mask"].bool() if "response_mask" in dp.batch.keys() else None
+    tensors = dp.batch.keys() if dp.batch is not None else ()  # (--fields of object columns only: none)
+    mask = dp.batch["response_mask"].bool() if "response_mask" in tensors else None
     lines = [f"{uri}: uid {uid}, {len(dp)} row(s) of {info.num_rows}, read {len(needed)} of {len(catalog)} fields"]
     for i in range(len(dp)):
         lines.append(f"--- row {i}")

@@ -27,7 +27,7 @@ class SnapshotInfo:
     """What a manifest says about a snapshot (nothing here requires reading data)."""
 
     uri: str
-    state: str                          # "committed" or "incomplete"
+    state: str                          # "committed", "incomplete" or "unreadable" (a listing's)
     num_rows: int = 0
     fields: dict[str, dict] = field(default_factory=dict)
     stored_bytes: int = 0
@@ -350,8 +350,14 @@ def list_snapshots(prefix_uri: str, *, storage_options: dict | None = None,
     out = []
     for rel in sorted(committed):
         child = loc.child(rel) if rel else loc
-        manifest, digest = _open_manifest(child)
-        out.append(_info_from_manifest(child.uri, manifest, digest))
+        try:
+            manifest, digest = _open_manifest(child)
+            out.append(_info_from_manifest(child.uri, manifest, digest))
+        except (CorruptSnapshotError, SnapshotSchemaError) as exc:
+            if not include_incomplete:
+                raise
+            # one broken manifest does not hide the rest of a listing: it is listed as such
+            out.append(SnapshotInfo(uri=child.uri, state="unreadable", annotations={"error": str(exc)}))
     if include_incomplete:
         for rel in sorted(partial - committed):
             out.append(SnapshotInfo(uri=(loc.child(rel) if rel else loc).uri, state="incomplete"))
