@@ -121,8 +121,22 @@ def parse_manifest(raw: bytes, uri: str) -> dict:
             raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: base {base!r} is not a sibling snapshot "
                                       f"reference ({{'path': '../<name>', 'manifest_sha256': ...}})")
     for key in manifest["objects"]:  # every object lies inside the snapshot's data prefix
-        parts = key.split("/") if isinstance(key, str) else [""]
-        if key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+        if not _relative_inside(key):
             raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: object path {key!r} is not a relative path "
                                       f"inside {prefix}/ (absolute paths and '..' are refused)")
+    fields = manifest["fields"]
+    if not isinstance(fields, dict):
+        raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: fields must be a JSON object")
+    for name, info in fields.items():  # each field's array too: a path inside the data prefix
+        array = info.get("array") if isinstance(info, dict) else None
+        if array is not None and not _relative_inside(array):
+            raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: field {name!r}'s array {array!r} is not a relative "
+                                      f"path inside {prefix}/ (absolute paths and '..' are refused)")
     return manifest
+
+
+def _relative_inside(path) -> bool:
+    """Whether ``path`` is a relative path that stays inside its folder (no empty, ``.``
+    or ``..`` part, no backslash)."""
+    return isinstance(path, str) and not path.startswith("/") and "\\" not in path and all(
+        p not in ("", ".", "..") for p in path.split("/"))
