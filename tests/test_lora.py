@@ -233,6 +233,14 @@ def test_a_lora_run_checkpoints_the_adapter_and_resumes_as_if_never_stopped(tmp_
     keys = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/entropy", "critic/vf_loss")
     assert [[r[k] for k in keys] for r in rows("resumed")] == [[r[k] for k in keys] for r in rows("whole")]
 
+    # every stage of iteration 1 replays exactly, the updates from the adapter checkpoints
+    from rlhf_core.trainer.replay import replay
+
+    results = replay(f"{store}/whole/iter-000001", log=lambda *a: None)
+    assert {"update_actor", "update_critic", "ref_log_prob"} <= {r.stage for r in results}
+    for r in results:
+        assert r.ok and r.diffs and all(d.max_abs == 0 for d in r.diffs), (r.stage, r.diffs)
+
     # the export: a PEFT adapter folder over the base, and the merged model, both giving the
     # log-probs the run's policy computed with those weights (iteration 1's, from step 1's checkpoint)
     from peft import PeftModel
