@@ -340,3 +340,22 @@ def _temp_dirs_in(tmp_path: Path, signal) -> None:
     foreign.mkdir()
     assert ray_head.remove_orphan_local_rays(str(tmp_path)) == [str(left[0])]
     assert alive.exists() and foreign.exists() and not left[0].exists()
+
+
+def test_a_reused_run_id_does_not_start_from_another_configs_initial_checkpoint(tmp_path):
+    """INITIAL.json records the config that wrote the step-0 checkpoint; a run that has
+    committed nothing yet, started again with another config under the same id, is refused
+    (it would have loaded the other config's initial weights), naming the differences."""
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.restore import open_run
+
+    first = apply_overrides(RunConfig(), ["actor.lr=1e-4"])
+    istore = IterationStore(RunRef(f"file://{tmp_path}/store", "reused"))
+    istore.commit_initial_checkpoint(f"file://{tmp_path}/store/reused/checkpoints/step-000000-a", {},
+                                     first.to_dict(), first.config_hash())
+    assert open_run(first, istore, log=lambda *a: None).global_step == 0
+    with pytest.raises(ConfigError, match=r"^run reused's initial checkpoint was written with another config; .*"
+                                          r"actor.lr: 0.0001 -> 0.0003"):
+        open_run(RunConfig(), istore, log=lambda *a: None)

@@ -119,6 +119,12 @@ class IterationStore:
         ``commit_initial_checkpoint`` recorded it; None before it is recorded. The record's
         checksums are the ones every load of the step-0 checkpoint checks its bytes against
         (``restore.committed_checksums``); a record that is not one is refused in one line."""
+        record = self.initial_record()
+        return None if record is None else (record["checkpoint"], record["checkpoint_sha256"])
+
+    def initial_record(self) -> dict | None:
+        """INITIAL.json: the step-0 checkpoint's URI and checksums, and the config (and its
+        hash) that wrote it; None before it is recorded."""
         loc = self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT)
         if hasattr(loc.fs, "invalidate_cache"):
             loc.fs.invalidate_cache()
@@ -134,14 +140,17 @@ class IterationStore:
 
                 raise CheckpointRefusedError(f"{loc.uri}: expected the run's initial-checkpoint record (checkpoint, "
                                              f"checkpoint_sha256); found something else")
-            return body["checkpoint"], body["checkpoint_sha256"]
+            return body
         return None
 
-    def commit_initial_checkpoint(self, uri: str, checksums: dict) -> str:
-        """Record ``uri`` (written and complete) as the run's step-0 checkpoint,
-        create-only: of two controllers starting the run, the first record wins (both
-        wrote the same initial state); returns the URI the record names."""
-        body = {"checkpoint": uri, "checkpoint_sha256": checksums}
+    def commit_initial_checkpoint(self, uri: str, checksums: dict, config: dict | None = None,
+                                  config_hash: str | None = None) -> str:
+        """Record ``uri`` (written and complete) as the run's step-0 checkpoint, with the
+        config that wrote it (``restore.open_run`` compares it), create-only: of two
+        controllers starting the run, the first record wins (both wrote the same initial
+        state); returns the URI the record names."""
+        body = {"checkpoint": uri, "checkpoint_sha256": checksums,
+                **({"config": config, "config_hash": config_hash} if config_hash else {})}
         try:
             sfs.put_create_only(self.run.child(run_layout.CHECKPOINTS, run_layout.INITIAL_CHECKPOINT),
                                 json.dumps(body, indent=1, sort_keys=True).encode())

@@ -47,6 +47,16 @@ def open_run(cfg: RunConfig, istore, log=print):
                               f"--run-id or the same overrides.")
         state = TrainerState(global_step=last["global_step"], cursor=last["data_cursor"], kl_coef=last["kl_coef"])
         log(f"[rlhf] run {run_id}: continuing after iteration {committed[-1]}")
+        return state
+    # nothing committed yet, but a start may have written the initial checkpoint: it is this
+    # config's only if that config wrote it (a reused run id would start from another model)
+    initial = istore.initial_record()
+    if initial is not None and initial.get("config_hash", cfg.config_hash()) != cfg.config_hash():
+        recorded = initial.get("config")
+        diff = config_diff(recorded, cfg.to_dict()) if isinstance(recorded, dict) else []
+        raise ConfigError(f"run {run_id}'s initial checkpoint was written with another config; starting from it "
+                          f"would mix them. Differences (recorded -> now): {'; '.join(diff[:10]) or 'unknown'}. "
+                          f"Use a new --run-id or the same overrides.")
     return state
 
 
@@ -143,7 +153,8 @@ def restore_or_init(workers: WorkerSet, istore, state, cfg: RunConfig, workers_a
         load_checkpoint(workers, istore, state.global_step, trainer)
     elif state.global_step == 0:  # a fresh prefix, then the record that makes it the run's
         uri = istore.new_checkpoint_uri(0)
-        istore.commit_initial_checkpoint(uri, save_checkpoint(workers, state, cfg, uri))
+        istore.commit_initial_checkpoint(uri, save_checkpoint(workers, state, cfg, uri), cfg.to_dict(),
+                                         cfg.config_hash())
     else:
         raise FileNotFoundError(f"run {istore.run_id}: step {state.global_step} is committed but the checkpoint it "
                                 f"starts from, {uri}, is missing")
