@@ -27,7 +27,6 @@ cannot go below ``MIN_GRACE_S``: what is younger may be a write still under way.
 from __future__ import annotations
 
 import errno
-
 import os
 import time
 import uuid
@@ -316,8 +315,14 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
         loc = sfs.resolve(key_uri, storage_options)
         bucket, _, key = loc.path.partition("/")
         loc.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+    run = sfs.resolve(run_uri, storage_options)
     for uri in plan.all():
         loc = sfs.resolve(uri, storage_options)
+        link = sfs.link_below(run, loc)
+        if link is not None:  # never a delete through a link: the link itself goes, if it is the item
+            if link == loc.path.rstrip("/"):
+                os.unlink(link)
+            continue
         for marker in (MANIFEST_NAME, TRAINER_STATE_FILE):  # the commit markers go first
             try:
                 loc.fs.rm(loc.child(marker).path)

@@ -21,6 +21,7 @@ from rlhf_core.snapshot.errors import (
     SnapshotError,
     SnapshotExistsError,
     SnapshotSchemaError,
+    SnapshotTooLargeError,
     UnsupportedStoreError,
 )
 
@@ -40,6 +41,6 @@ def __getattr__(name: str):
 __all__ = [
     "save_snapshot", "load_snapshot", "list_snapshots", "snapshot_info", "verify_snapshot", "snapshot_fields",
     "SnapshotInfo", "SnapshotError", "IncompleteSnapshotError", "CorruptSnapshotError",
-    "SnapshotExistsError", "SnapshotSchemaError", "SnapshotAccessError", "CommitConflictError",
+    "SnapshotExistsError", "SnapshotSchemaError", "SnapshotTooLargeError", "SnapshotAccessError", "CommitConflictError",
     "UnsupportedStoreError",
 ]

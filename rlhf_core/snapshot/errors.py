@@ -22,6 +22,10 @@ class SnapshotSchemaError(SnapshotError):
     unknown codec or data type, pickle anywhere)."""
 
 
+class SnapshotTooLargeError(SnapshotError, MemoryError):
+    """A read would decode more bytes than the machine has available; nothing was read."""
+
+
 class SnapshotAccessError(SnapshotError, PermissionError):
     """The storage backend refused the credentials."""
 

@@ -254,6 +254,25 @@ def write_durably(uri: str, files: dict[str, bytes], storage_options: dict | Non
     return digests
 
 
+def link_below(root: Location, loc: Location) -> str | None:
+    """On a local store, the first of ``root`` and the folders and file from it down to
+    ``loc`` that is a symbolic link (None when there is none, or off local disk). A store
+    never follows a link: a linked chunk would be read as this snapshot's data, and a
+    delete through a linked folder would remove another run's objects."""
+    if not loc.is_local:
+        return None
+    base = root.path.rstrip("/")
+    rel = loc.path[len(base):].strip("/") if loc.path.startswith(base) else None
+    if rel is None:
+        return loc.path if os.path.islink(loc.path) else None
+    path = base
+    for part in [""] + (rel.split("/") if rel else []):
+        path = f"{path}/{part}" if part else path
+        if os.path.islink(path):
+            return path
+    return None
+
+
 def read_bytes(loc: Location) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     try:

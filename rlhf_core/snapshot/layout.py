@@ -20,7 +20,9 @@ delta was written against.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import struct
 from typing import Any
 from urllib.parse import quote
 
@@ -39,11 +41,25 @@ SAFE_DATA_TYPES = {
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "string",
 }
-#: zarr v3 codecs a reader accepts. None of them can run code while decoding; anything
-#: else (a pickle or object codec, a custom numcodecs class) is refused before zarr
-#: ever instantiates it.
-SAFE_CODECS = {"bytes", "blosc", "zstd", "gzip", "crc32c", "transpose", "sharding_indexed",
-               "vlen-utf8"}
+#: zarr v3 codecs a reader accepts. None of them can run code while decoding, and each
+#: one's decoded size can be checked against the chunk's declared size before it decodes
+#: (blosc's header states it; gzip and zstd streams may not, and our writer never used
+#: them). Anything else (a pickle or object codec, a custom numcodecs class) is refused
+#: before zarr ever instantiates it.
+SAFE_CODECS = {"bytes", "blosc", "crc32c", "transpose", "sharding_indexed", "vlen-utf8"}
+#: Codecs of a shard's index: fixed-size little-endian (offset, nbytes) pairs.
+SAFE_INDEX_CODECS = {"bytes", "crc32c"}
+
+#: Bounds on what a manifest may declare, so a forged one cannot make a reader allocate
+#: without limit. The writer's shards are at most ~256 MiB and its chunks far smaller;
+#: 2 GiB is also blosc's own limit for one chunk.
+MAX_CHUNK_BYTES = 2 << 30
+#: Rows in one string chunk (the writer uses 4096) and characters of a fixed-width ``<U``
+#: column (its values are decoded into ``rows x width x 4`` bytes).
+MAX_STRING_CHUNK_ROWS = 1 << 20
+MAX_UNICODE_WIDTH = 1 << 20
+#: Elements in one field: beyond any batch a trainer holds, below int64 overflow of x8.
+MAX_FIELD_ELEMENTS = 1 << 44
 
 
 def field_path(layer: str, name: str) -> str:
@@ -52,6 +68,25 @@ def field_path(layer: str, name: str) -> str:
     if encoded.startswith("__") or encoded in ("", ".", ".."):  # reserved in zarr v3
         encoded = "%" + format(ord(encoded[0]) if encoded else 0, "02X") + encoded[1:]
     return f"{layer}/{encoded}"
+
+
+#: A shard index entry for a chunk that was not written (all fill values).
+EMPTY_CHUNK = (1 << 64) - 1
+
+
+def shard_parts(raw: bytes, entries: int) -> list[list]:
+    """``[offset, nbytes, sha256]`` of each inner chunk of a shard and, last, of its index
+    (the final ``16 * entries + 4`` bytes: little-endian (offset, nbytes) pairs and a
+    crc32c). The writer records them so a reader that fetches one chunk checks exactly
+    the bytes it decodes without fetching the whole shard."""
+    index_bytes = 16 * entries + 4
+    if len(raw) < index_bytes:
+        return []
+    index = struct.unpack_from(f"<{2 * entries}Q", raw, len(raw) - index_bytes)
+    parts = sorted([o, n, hashlib.sha256(raw[o:o + n]).hexdigest()]
+                   for o, n in zip(index[::2], index[1::2]) if o != EMPTY_CHUNK)
+    parts.append([len(raw) - index_bytes, index_bytes, hashlib.sha256(raw[len(raw) - index_bytes:]).hexdigest()])
+    return parts
 
 
 def check_array_metadata(doc: Any, where: str) -> dict:
@@ -69,23 +104,64 @@ def check_array_metadata(doc: Any, where: str) -> dict:
             f"{where}: data_type {dtype!r} is not allowed; allowed: {sorted(SAFE_DATA_TYPES)}"
         )
     _check_codecs(doc.get("codecs"), where)
+    shape = doc.get("shape")
+    grid = doc.get("chunk_grid") if isinstance(doc.get("chunk_grid"), dict) else {}
+    chunk_shape = (grid.get("configuration") or {}).get("chunk_shape")
+    if grid.get("name") != "regular" or not _dims(chunk_shape, positive=True) \
+            or not isinstance(shape, list) or len(chunk_shape) != len(shape):
+        raise SnapshotSchemaError(f"{where}: chunk_grid must be regular with one positive chunk size per "
+                                  f"dimension of shape {shape!r}; found {doc.get('chunk_grid')!r}")
+    item = 0 if dtype == "string" else _ITEM_SIZE[dtype]
+    _check_chunk(chunk_shape, item, where)
+    for codec in doc["codecs"]:
+        if isinstance(codec, dict) and codec.get("name") == "sharding_indexed":
+            inner = (codec.get("configuration") or {}).get("chunk_shape")
+            if not _dims(inner, positive=True) or len(inner) != len(chunk_shape) \
+                    or any(s % i for s, i in zip(chunk_shape, inner)):
+                raise SnapshotSchemaError(f"{where}: a shard's inner chunk_shape {inner!r} must divide its "
+                                          f"shard shape {chunk_shape}")
+            if (codec.get("configuration") or {}).get("index_location", "end") != "end":
+                raise SnapshotSchemaError(f"{where}: a shard index must be at the end of its shard")
+            _check_chunk(inner, item, where + " (inner chunk)")
     return doc
 
 
-def _check_codecs(codecs: Any, where: str) -> None:
+_ITEM_SIZE = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "float16": 2,
+              "int32": 4, "uint32": 4, "float32": 4, "int64": 8, "uint64": 8, "float64": 8}
+
+
+def _dims(value: Any, *, positive: bool) -> bool:
+    return isinstance(value, list) and all(
+        type(d) is int and (d > 0 if positive else d >= 0) for d in value)
+
+
+def _check_chunk(chunk_shape: list, item_size: int, where: str) -> None:
+    elements = 1
+    for d in chunk_shape:
+        elements *= d
+    if item_size and elements * item_size > MAX_CHUNK_BYTES:
+        raise SnapshotSchemaError(f"{where}: chunk_shape {chunk_shape} declares {elements * item_size} bytes "
+                                  f"per chunk; at most {MAX_CHUNK_BYTES} are read")
+    if not item_size and chunk_shape and chunk_shape[0] > MAX_STRING_CHUNK_ROWS:
+        raise SnapshotSchemaError(f"{where}: chunk_shape {chunk_shape} declares {chunk_shape[0]} strings per "
+                                  f"chunk; at most {MAX_STRING_CHUNK_ROWS} are read")
+
+
+def _check_codecs(codecs: Any, where: str, allowed: set = SAFE_CODECS) -> None:
     if not isinstance(codecs, list) or not codecs:
         raise SnapshotSchemaError(f"{where}: codecs must be a non-empty list; found {codecs!r}")
     for codec in codecs:
         name = codec.get("name") if isinstance(codec, dict) else codec
-        if name not in SAFE_CODECS:
+        if name not in allowed:
             raise SnapshotSchemaError(
-                f"{where}: codec {name!r} is not allowed (it could execute code or is unknown "
-                f"to this reader); allowed: {sorted(SAFE_CODECS)}"
+                f"{where}: codec {name!r} is not allowed (it could execute code, its decoded size "
+                f"cannot be checked before decoding, or it is unknown to this reader); allowed: "
+                f"{sorted(allowed)}"
             )
         if name == "sharding_indexed":
             config = codec.get("configuration") or {}
-            _check_codecs(config.get("codecs"), where + " (inner codecs)")
-            _check_codecs(config.get("index_codecs"), where + " (index codecs)")
+            _check_codecs(config.get("codecs"), where + " (inner codecs)", SAFE_CODECS - {"sharding_indexed"})
+            _check_codecs(config.get("index_codecs"), where + " (index codecs)", SAFE_INDEX_CODECS)
 
 
 def parse_manifest(raw: bytes, uri: str) -> dict:
@@ -127,12 +203,49 @@ def parse_manifest(raw: bytes, uri: str) -> dict:
     fields = manifest["fields"]
     if not isinstance(fields, dict):
         raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: fields must be a JSON object")
+    num_rows = manifest["num_rows"]
+    if type(num_rows) is not int or num_rows < 0:
+        raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: num_rows must be a non-negative integer; "
+                                  f"found {num_rows!r}")
+    for key, entry in manifest["objects"].items():
+        if not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0 \
+                or not isinstance(entry.get("sha256"), str):
+            raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: object {key!r} must have an integer size and "
+                                      f"a sha256; found {entry!r}")
     for name, info in fields.items():  # each field's array too: a path inside the data prefix
         array = info.get("array") if isinstance(info, dict) else None
         if array is not None and not _relative_inside(array):
             raise SnapshotSchemaError(f"{uri}/{MANIFEST_NAME}: field {name!r}'s array {array!r} is not a relative "
                                       f"path inside {prefix}/ (absolute paths and '..' are refused)")
+        _check_field_shape(uri, name, info, num_rows)
     return manifest
+
+
+def unicode_width(dtype: Any) -> int:
+    """Characters of a fixed-width string dtype (``<U12``: 12); 0 for any other dtype.
+    parse_manifest has bounded the width."""
+    return int(dtype[2:]) if isinstance(dtype, str) and dtype[1:2] == "U" else 0
+
+
+def _check_field_shape(uri: str, name: str, info: Any, num_rows: int) -> None:
+    """A field is ``num_rows`` rows of a bounded shape; a fixed-width string's width is bounded."""
+    where = f"{uri}/{MANIFEST_NAME}: field {name!r}"
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not _dims(shape, positive=False) or not shape or shape[0] != num_rows:
+        raise SnapshotSchemaError(f"{where}: shape must be a list of non-negative integers starting with "
+                                  f"num_rows={num_rows}; found {shape!r}")
+    elements = 1
+    for d in shape:
+        elements *= d
+    if elements > MAX_FIELD_ELEMENTS:
+        raise SnapshotSchemaError(f"{where}: shape {shape} declares {elements} elements; at most "
+                                  f"{MAX_FIELD_ELEMENTS} are read")
+    dtype = info.get("dtype")
+    if isinstance(dtype, str) and dtype[1:2] == "U":
+        width = dtype[2:]
+        if dtype[:1] not in "<>|=" or not width.isdigit() or int(width) > MAX_UNICODE_WIDTH:
+            raise SnapshotSchemaError(f"{where}: fixed-width string dtype {dtype!r} must be <U with a width "
+                                      f"of at most {MAX_UNICODE_WIDTH}")
 
 
 def _relative_inside(path) -> bool:

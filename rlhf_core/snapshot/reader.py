@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -15,10 +16,11 @@ from tensordict import TensorDict
 from rlhf_core.protocol import DataProto
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import (
-    CorruptSnapshotError, IncompleteSnapshotError, SnapshotSchemaError,
+    CorruptSnapshotError, IncompleteSnapshotError, SnapshotSchemaError, SnapshotTooLargeError,
 )
 from rlhf_core.snapshot.layout import (
-    DATA_PREFIX, MANIFEST_NAME, check_array_metadata, parse_manifest,
+    DATA_PREFIX, MANIFEST_NAME, MAX_CHUNK_BYTES, check_array_metadata, parse_manifest, shard_parts,
+    unicode_width,
 )
 
 
@@ -50,7 +52,15 @@ def _info_from_manifest(uri: str, manifest: dict, manifest_sha256: str) -> Snaps
     )
 
 
+def _refuse_link(root: sfs.Location, loc: sfs.Location) -> None:
+    link = sfs.link_below(root, loc)
+    if link is not None:
+        raise CorruptSnapshotError(f"{root.uri}: {link} is a symbolic link; a snapshot is read from regular "
+                                   f"files and folders only (links are never followed)")
+
+
 def _open_manifest(loc: sfs.Location) -> tuple[dict, str]:
+    _refuse_link(loc, loc.child(MANIFEST_NAME))
     raw = sfs.read_bytes(loc.child(MANIFEST_NAME))
     if raw is None:
         try:
@@ -91,6 +101,9 @@ def _verify_objects(loc: sfs.Location, manifest: dict) -> None:
 
     def check(item):
         key, expected = item
+        link = sfs.link_below(data_loc, data_loc.child(key))
+        if link is not None:
+            return f"{key}: a symbolic link ({link}), never followed"
         raw = sfs.read_bytes(data_loc.child(key))
         if raw is None:
             return f"{key}: missing"
@@ -140,24 +153,134 @@ def _resolve_rows(rows: Any, num_rows: int) -> slice | np.ndarray:
     return index % max(num_rows, 1)
 
 
-def _manifest_checked(store, manifest: dict, uri: str):
-    """A read store that turns "object listed in the manifest but gone" into an error.
+@dataclass(frozen=True)
+class _ArrayLayout:
+    """What a reader checks a chunk of one array against before zarr decodes it."""
 
-    zarr treats a missing chunk as fill values (it skips writing all-fill chunks), so
-    without this a chunk deleted after commit would read back as silent zeros.
+    codecs: tuple[str, ...]   # the codecs that encode one (inner) chunk, in order
+    elements: int             # values in one (inner) chunk
+    item_size: int            # bytes per value; 0 for strings
+    shard_entries: int        # inner chunks per shard (0: not sharded)
+
+
+def _array_layout(metadata: dict) -> _ArrayLayout:
+    chunk = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+    codecs = [c if isinstance(c, dict) else {"name": c} for c in metadata["codecs"]]
+    item = 0 if metadata["data_type"] == "string" else np.dtype(metadata["data_type"]).itemsize
+    for codec in codecs:
+        if codec["name"] == "sharding_indexed":
+            config = codec["configuration"]
+            inner = config["chunk_shape"]
+            names = tuple(c if isinstance(c, str) else c["name"] for c in config["codecs"])
+            return _ArrayLayout(names, int(np.prod(inner, dtype=np.int64)), item,
+                                int(np.prod([s // i for s, i in zip(chunk, inner)], dtype=np.int64)))
+    return _ArrayLayout(tuple(c["name"] for c in codecs), int(np.prod(chunk, dtype=np.int64)), item, 0)
+
+
+def _check_chunk_size(chunk: bytes, layout: _ArrayLayout, where: str) -> None:
+    """Refuse a chunk whose encoded header promises more than its declared size, so no
+    codec inflates beyond the buffer the array's metadata declares."""
+    body = chunk[:-4] if layout.codecs and layout.codecs[-1] == "crc32c" else chunk
+    expected = layout.elements * layout.item_size
+    if "blosc" in layout.codecs:
+        if len(body) < 16:
+            raise CorruptSnapshotError(f"{where}: a blosc chunk of {len(body)} bytes has no header")
+        nbytes, cbytes = struct.unpack_from("<I", body, 4)[0], struct.unpack_from("<I", body, 12)[0]
+        if cbytes != len(body) or (nbytes != expected if expected else nbytes > MAX_CHUNK_BYTES):
+            raise CorruptSnapshotError(f"{where}: a blosc chunk declares {nbytes} decoded bytes in {cbytes}; "
+                                       f"the array's chunk is {expected or 'at most ' + str(MAX_CHUNK_BYTES)} "
+                                       f"bytes in {len(body)}")
+    elif layout.codecs and layout.codecs[0] == "vlen-utf8":
+        count = struct.unpack_from("<I", body, 0)[0] if len(body) >= 4 else -1
+        if count != layout.elements:
+            raise CorruptSnapshotError(f"{where}: a string chunk declares {count} values; the array's chunk "
+                                       f"holds {layout.elements}")
+    elif len(body) != expected:
+        raise CorruptSnapshotError(f"{where}: an uncompressed chunk of {len(body)} bytes; the array's chunk "
+                                   f"is {expected}")
+
+
+def _verified_store(data_loc: sfs.Location, manifest: dict, uri: str, layouts: dict[str, _ArrayLayout]):
+    """A read store that hands zarr only bytes it checked against the manifest.
+
+    Every object is read bounded by its listed size and checked against its SHA-256
+    (or, for one chunk of a shard, against that chunk's own recorded digest) before
+    zarr sees it; each chunk's encoded header is checked against the array's declared
+    chunk size. An object the manifest does not list is not part of the snapshot (zarr
+    reads fill values, as it does for a chunk the writer skipped); one listed but gone
+    is an error, never silent zeros.
     """
+    import asyncio
+
+    from zarr.core.buffer import default_buffer_prototype
     from zarr.storage import WrapperStore
+    from zarr.abc.store import OffsetByteRequest, RangeByteRequest, SuffixByteRequest
 
     listed = manifest["objects"]
+    whole: dict[str, bytes] = {}
+    locks: dict[str, asyncio.Lock] = {}
 
-    class ManifestChecked(WrapperStore):
-        async def get(self, key, prototype, byte_range=None):
-            result = await self._store.get(key, prototype, byte_range)
-            if result is None and key in listed:
+    def layout_of(key: str) -> _ArrayLayout | None:
+        return layouts.get(key.split("/c/", 1)[0]) if "/c/" in key else None
+
+    class VerifiedObjects(WrapperStore):
+        async def _fetch(self, key: str, start: int, end: int) -> bytes:
+            _refuse_link(data_loc, data_loc.child(key))
+            got = await self._store.get(key, default_buffer_prototype(), RangeByteRequest(start, end))
+            if got is None:
                 raise CorruptSnapshotError(f"{uri}: {key} is listed in the manifest but missing")
-            return result
+            return got.to_bytes()
 
-    return ManifestChecked(store)
+        async def _whole(self, key: str) -> bytes:
+            async with locks.setdefault(key, asyncio.Lock()):
+                if key not in whole:
+                    size = listed[key]["size"]
+                    raw = await self._fetch(key, 0, size + 1)  # one byte more shows a grown object
+                    if len(raw) != size:
+                        raise CorruptSnapshotError(f"{uri}: {key}: size {len(raw)}{'+' if len(raw) > size else ''} "
+                                                   f"!= {size} in the manifest")
+                    if hashlib.sha256(raw).hexdigest() != listed[key]["sha256"]:
+                        raise CorruptSnapshotError(f"{uri}: {key}: checksum mismatch (altered after commit)")
+                    layout = layout_of(key)
+                    if layout is not None and layout.shard_entries:
+                        for offset, nbytes, _ in shard_parts(raw, layout.shard_entries)[:-1]:
+                            _check_chunk_size(raw[offset:offset + nbytes], layout, f"{uri}: {key}")
+                    elif layout is not None:
+                        _check_chunk_size(raw, layout, f"{uri}: {key}")
+                    whole[key] = raw
+            return whole[key]
+
+        async def get(self, key, prototype, byte_range=None):
+            entry = listed.get(key)
+            if entry is None:
+                return None
+            size = entry["size"]
+            if byte_range is None:
+                start, end = 0, size
+            elif isinstance(byte_range, RangeByteRequest):
+                start, end = byte_range.start, byte_range.end
+            elif isinstance(byte_range, OffsetByteRequest):
+                start, end = byte_range.offset, size
+            elif isinstance(byte_range, SuffixByteRequest):
+                start, end = max(0, size - byte_range.suffix), size
+            else:
+                raise CorruptSnapshotError(f"{uri}: {key}: unsupported byte range {byte_range!r}")
+            if not 0 <= start <= end <= size:
+                raise CorruptSnapshotError(f"{uri}: {key}: bytes {start}..{end} lie outside its {size} bytes")
+            part = next((p for p in entry.get("parts") or () if p[0] == start and p[1] == end - start), None)
+            if (start, end) != (0, size) and part is not None:
+                raw = await self._fetch(key, start, end)
+                if len(raw) != end - start or hashlib.sha256(raw).hexdigest() != part[2]:
+                    raise CorruptSnapshotError(f"{uri}: {key}: bytes {start}..{end} do not match their checksum "
+                                               f"(altered after commit)")
+                layout = layout_of(key)
+                if layout is not None and end != size:  # a chunk, not the index at the end
+                    _check_chunk_size(raw, layout, f"{uri}: {key}")
+            else:
+                raw = (await self._whole(key))[start:end]
+            return prototype.buffer.from_bytes(raw)
+
+    return VerifiedObjects(sfs.zarr_store(data_loc, read_only=True))
 
 
 async def _read_array(store, path: str, metadata: dict, rows):
@@ -249,8 +372,7 @@ def snapshot_fields(uri: str, *, storage_options: dict | None = None) -> dict[st
 def _read_fields(loc: sfs.Location, manifest: dict, names: list[str], selection) -> dict:
     """Decoded fields ``names`` of one snapshot (no chain), rows ``selection``."""
     catalog = manifest["fields"]
-    store = _manifest_checked(sfs.zarr_store(loc.child(manifest["data_prefix"]), read_only=True), manifest, loc.uri)
-    requests = []
+    requests, layouts = [], {}
     for name in names:
         info = catalog[name]
         metadata = check_array_metadata(_checked_metadata(manifest, f"{info['array']}/zarr.json", loc.uri),
@@ -259,8 +381,47 @@ def _read_fields(loc: sfs.Location, manifest: dict, names: list[str], selection)
             raise CorruptSnapshotError(f"{loc.uri}: field {name!r} has shape {metadata.get('shape')} "
                                        f"but the manifest says {info['shape']}")
         requests.append((info["array"], metadata))
+        layouts[info["array"]] = _array_layout(metadata)
+    _check_fits_in_memory(loc.uri, catalog, names, requests, selection, int(manifest["num_rows"]))
+    store = _verified_store(loc.child(manifest["data_prefix"]), manifest, loc.uri, layouts)
     arrays = _read_arrays(store, requests, selection)
     return {name: _decode(catalog[name], data, name, loc.uri) for name, data in zip(names, arrays)}
+
+
+def _check_fits_in_memory(uri: str, catalog: dict, names: list[str], requests: list, selection,
+                          num_rows: int) -> None:
+    """Refuse, before reading, a read whose declared size exceeds the memory available:
+    a manifest declaring 2**42 rows is a one-line refusal, not a MemoryError mid-decode."""
+    rows = len(range(num_rows)[selection]) if isinstance(selection, slice) else len(selection)
+    need = 0
+    for name, (_, metadata) in zip(names, requests):
+        dtype = metadata["data_type"]
+        width = unicode_width(catalog[name].get("dtype"))
+        item = np.dtype(dtype).itemsize if dtype != "string" else (4 * width if width else 8)
+        need += rows * int(np.prod(metadata["shape"][1:], dtype=np.int64)) * item
+    available = available_memory()
+    if need > available:
+        raise SnapshotTooLargeError(
+            f"{uri}: reading {rows} rows of {names} needs {need / 2**30:.1f} GiB as the manifest declares "
+            f"the fields; {available / 2**30:.1f} GiB of memory is available (read fewer rows or fields)")
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: the machine's available memory, or less
+    where a cgroup (a pod's memory limit) caps it."""
+    import psutil
+
+    available = psutil.virtual_memory().available
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - current)
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
 
 
 def load_snapshot(uri: str, *, fields: Sequence[str] | None = None, rows: Any = None,

@@ -24,7 +24,7 @@ from rlhf_core.snapshot import fs as sfs
 from rlhf_core.runtime import probes
 from rlhf_core.snapshot.errors import SnapshotExistsError
 from rlhf_core.snapshot.layout import (
-    DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path,
+    DATA_PREFIX, FORMAT, MANIFEST_NAME, SCHEMA_VERSION, field_path, shard_parts,
 )
 
 if TYPE_CHECKING:
@@ -132,6 +132,8 @@ class _Uploader:
         self.objects: dict[str, dict] = {}
         self.metadata: dict[str, dict] = {}
         self.folders: set[str] = set()
+        #: array path -> entries of its shards' index (set before the array's objects come)
+        self.shard_entries: dict[str, int] = {}
 
     def submit(self, key: str, raw: bytes) -> None:
         if key == "zarr.json" or key.endswith("/zarr.json"):
@@ -155,6 +157,17 @@ class _Uploader:
             except PermissionError as exc:
                 raise sfs.describe_access_error(self.loc, exc) from exc
         self.objects[key] = {"size": len(raw), "sha256": digest}
+        entries = self.shard_entries.get(key.split("/c/", 1)[0]) if "/c/" in key else None
+        if entries:
+            self.objects[key]["parts"] = shard_parts(raw, entries)
+
+    def expect(self, fields: list[EncodedField]) -> None:
+        """Note the shard layout of ``fields`` before their objects are handed over."""
+        for field in fields:
+            if field.info["stored_dtype"] != "string":
+                inner, shard = _chunking(field.data)
+                self.shard_entries[field_path(field.layer, field.name)] = int(
+                    np.prod([-(-s // i) for s, i in zip(shard, inner)], dtype=np.int64))
 
     def drain(self, memory: dict, *, metadata_too: bool) -> None:
         """Hand over what zarr has finished. Metadata documents stay in memory until the
@@ -275,6 +288,7 @@ def save_snapshot(dp: DataProto, uri: str, *, storage_options: dict | None = Non
                    "non_tensor": group.create_group("non_tensor")._async_group}
         for batch_of_fields in _field_groups(fields):  # a large field's objects upload while the next encodes
             _write_fields(parents, batch_of_fields)
+            uploader.expect(batch_of_fields)
             uploader.drain(memory, metadata_too=False)
         uploader.drain(memory, metadata_too=True)
     finally:
