@@ -9,6 +9,9 @@ alternating the two sides every repeat:
 
 * write, read (everything), one-field read, one-sample-by-uid read: ms and ours/torch
 * stored bytes and the ratio
+* what the read checks cost: the same three reads with every object checked against the
+  manifest (size, sha256, chunk headers; what readers always do) and with those checks
+  switched off in this process only, and the ratio
 
 torch has no partial read, so its one-field and one-sample numbers are a full load.
 """
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlhf_core.protocol import DataProto, object_column  # noqa: E402
 from rlhf_core.snapshot import fs as sfs  # noqa: E402
-from rlhf_core.snapshot import load_snapshot, save_snapshot  # noqa: E402
+from rlhf_core.snapshot import load_snapshot, reader, save_snapshot  # noqa: E402
 from rlhf_core.testing.s3server import LocalS3  # noqa: E402
 
 
@@ -93,9 +96,31 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
+class unchecked:
+    """Within the block, snapshot reads hand zarr the store's bytes without checking them
+    against the manifest: the baseline that shows what the checks cost."""
+
+    def __enter__(self):
+        self.real = reader._verified_store
+        reader._verified_store = lambda data_loc, manifest, uri, layouts: sfs.zarr_store(data_loc, read_only=True)
+
+    def __exit__(self, *exc):
+        reader._verified_store = self.real
+
+
+def read_ops(uri: str, options: dict | None, uid: str) -> dict:
+    out = {"read": timed(lambda: load_snapshot(uri, storage_options=options))[0],
+           "one field": timed(lambda: load_snapshot(uri, fields=["old_log_probs"], storage_options=options))[0]}
+    t, one = timed(lambda: load_snapshot(uri, uids=[uid], storage_options=options))
+    assert len(one) == 4
+    out["one sample by uid"] = t
+    return out
+
+
 def bench_backend(name: str, base: str, options: dict | None, dp: DataProto, repeats: int) -> list[tuple]:
     uid = dp.non_tensor_batch["uid"][len(dp) // 2]
     times = {k: {"ours": [], "torch": []} for k in ("write", "read", "one field", "one sample by uid")}
+    checks = {k: {"checked": [], "unchecked": []} for k in ("read", "one field", "one sample by uid")}
     sizes = {}
     for r in range(repeats + 1):  # first round is a warm-up
         ours_uri = f"{base}/ours-{r}"
@@ -111,12 +136,14 @@ def bench_backend(name: str, base: str, options: dict | None, dp: DataProto, rep
                 results[("write", side)], sizes[side] = t, size
         for side in sides:
             if side == "ours":
-                results[("read", side)] = timed(lambda: load_snapshot(ours_uri, storage_options=options))[0]
-                results[("one field", side)] = timed(lambda: load_snapshot(
-                    ours_uri, fields=["old_log_probs"], storage_options=options))[0]
-                t, one = timed(lambda: load_snapshot(ours_uri, uids=[uid], storage_options=options))
-                assert len(one) == 4
-                results[("one sample by uid", side)] = t
+                for op, t in read_ops(ours_uri, options, uid).items():
+                    results[(op, side)] = t
+                with unchecked():
+                    plain = read_ops(ours_uri, options, uid)
+                if r:
+                    for op, t in plain.items():
+                        checks[op]["unchecked"].append(t)
+                        checks[op]["checked"].append(results[(op, side)])
             else:
                 full = timed(lambda: torch_read(torch_loc))[0]
                 results[("read", side)] = full
@@ -130,7 +157,9 @@ def bench_backend(name: str, base: str, options: dict | None, dp: DataProto, rep
         ours, theirs = statistics.median(per["ours"]) * 1e3, statistics.median(per["torch"]) * 1e3
         rows.append((name, op, ours, theirs))
     rows.append((name, "stored MB", sizes["ours"] / 1e6, sizes["torch"] / 1e6))
-    return rows
+    check_rows = [(name, op, statistics.median(per["checked"]) * 1e3, statistics.median(per["unchecked"]) * 1e3)
+                  for op, per in checks.items()]
+    return rows, check_rows
 
 
 def main() -> None:
@@ -140,17 +169,24 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     args = parser.parse_args()
     dp = build_batch(args.batch, args.seq)
-    rows = []
+    rows, check_rows = [], []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-") as tmp:
-        rows += bench_backend("local disk", tmp, None, dp, args.repeats)
+        backend, checks = bench_backend("local disk", tmp, None, dp, args.repeats)
+        rows, check_rows = rows + backend, check_rows + checks
     with LocalS3(bucket="bench") as s3:
-        rows += bench_backend("SeaweedFS S3", f"s3://{s3.bucket}/bench", s3.storage_options, dp, args.repeats)
+        backend, checks = bench_backend("SeaweedFS S3", f"s3://{s3.bucket}/bench", s3.storage_options, dp,
+                                        args.repeats)
+        rows, check_rows = rows + backend, check_rows + checks
 
     print(f"\nSnapshot I/O, B={args.batch}, L={args.seq} (int64 ids, bool mask, 3x float32 "
           f"log-probs, bf16 values, 5 object columns), median of {args.repeats}")
     print(f"{'backend':<14}{'op':<20}{'ours':>10}{'torch':>10}{'ours/torch':>12}")
     for backend, op, ours, theirs in rows:
         print(f"{backend:<14}{op:<20}{ours:>10.1f}{theirs:>10.1f}{ours / theirs:>11.2f}x")
+    print("\nWhat the read checks cost (every object against the manifest, chunk headers), ms")
+    print(f"{'backend':<14}{'op':<20}{'checked':>10}{'unchecked':>10}{'ratio':>12}")
+    for backend, op, checked, plain in check_rows:
+        print(f"{backend:<14}{op:<20}{checked:>10.1f}{plain:>10.1f}{checked / plain:>11.2f}x")
     goals = {("SeaweedFS S3", "write"): 1.0, ("SeaweedFS S3", "read"): 1.0, ("local disk", "write"): 2.0}
     print("goals: " + ", ".join(
         f"{b} {op} <= {g:.1f}x: {'met' if next(o / t for bb, oo, o, t in rows if bb == b and oo == op) <= g else 'NOT met'}"

@@ -233,11 +233,11 @@ def test_a_snapshot_manifest_naming_paths_outside_it_is_refused():
     for key in ("../../etc/passwd", "/etc/passwd", "a/../../b", "a//b"):
         with pytest.raises(SnapshotSchemaError, match="is not a relative path"):
             parse_manifest(json.dumps({**base, "objects": {key: {"size": 1, "sha256": "x"}}}).encode(), "u")
-    assert parse_manifest(json.dumps({**base, "objects": {"zarr.json": {}}}).encode(), "u")
+    assert parse_manifest(json.dumps({**base, "objects": {"zarr.json": {"size": 1, "sha256": "x"}}}).encode(), "u")
     for array in ("../../other-run/data-1/batch/x", "/abs", "batch/../../x", "batch\\x"):  # a field's array too
         with pytest.raises(SnapshotSchemaError, match=r"field 'x''s array .* is not a relative path inside data-1/"):
             parse_manifest(json.dumps({**base, "objects": {}, "fields": {"x": {"array": array}}}).encode(), "u")
-    assert parse_manifest(json.dumps({**base, "objects": {}, "fields": {"x": {"array": "batch/x"}}}).encode(), "u")
+    assert parse_manifest(json.dumps({**base, "objects": {}, "fields": {"x": {"array": "batch/x", "shape": [0]}}}).encode(), "u")
 
 
 def test_local_pipeline_run_folders_are_pruned(tmp_path):

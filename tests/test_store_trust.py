@@ -12,6 +12,7 @@ import pickle
 import re
 import shutil
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
 
@@ -216,3 +217,56 @@ def test_replay_imports_a_stored_reward_function_only_when_vouched_for(stored, t
                         else [])
     check_reward_function(cfg, [], False)  # an installed package registers it
     assert not marker.exists()
+
+
+def test_a_checkpoint_uri_from_a_record_is_checked_before_any_request(stored, tmp_path):
+    """Issue 39 item 5: a manifest naming a metadata endpoint (or another run's folder)
+    as its weights' checkpoint is refused in one line before anything is fetched."""
+    import http.server
+    import threading
+
+    requests = []
+
+    class Recording(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the http.server name
+            requests.append(self.path)
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_port}/latest/meta-data/iam"
+    try:
+        run = copy_with(stored, tmp_path, {})
+        manifest_path = Path(run.removeprefix("file://")) / "iter-000000/MANIFEST.json"
+        manifest = json.loads(manifest_path.read_text())
+        honest = manifest["weights"]["checkpoint"]
+        cases = {
+            "metadata endpoint": endpoint,
+            "another run": honest.replace(f"{tmp_path / 'store'}/run/", f"{stored / 'store'}/run/"),
+            "another step": honest.replace("step-000001-", "step-000002-"),
+            "a chain": f"{honest}::memory://x",
+        }
+        for case, uri in cases.items():
+            manifest["weights"]["checkpoint"] = uri
+            manifest_path.write_text(json.dumps(manifest))
+            with pytest.raises(SystemExit) as exc:
+                main(["run", "--direct", "--run-id", "run", "--store", run.rsplit("/", 1)[0], "--iterations", "2",
+                      "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "rollout.n=4",
+                      "trainer.progress=false", f"trainer.output_dir={tmp_path / 'out'}"])
+            message = one_line_refusal(exc)
+            assert "is not a checkpoint of this run for step 1" in message and "nothing was read" in message, \
+                (case, message)
+        initial = Path(run.removeprefix("file://")) / "checkpoints/INITIAL.json"
+        record = json.loads(initial.read_text())
+        record["checkpoint"] = endpoint
+        initial.write_text(json.dumps(record))
+        with pytest.raises(SystemExit) as exc:
+            main(["replay", f"{run}/iter-000000/update_actor"])
+        assert "INITIAL.json: checkpoint 'http://" in one_line_refusal(exc)
+    finally:
+        server.shutdown()
+    assert requests == [], f"a record's URI was fetched before it was checked: {requests}"

@@ -22,6 +22,24 @@ def iterations_to_run(istore, total: int | None = None, more: int | None = None)
     return committed, (more if more is not None else max(0, total - committed))
 
 
+def checked_checkpoint_uri(istore, uri, step: int, where: str) -> str:
+    """``uri`` when it names a checkpoint folder of this run for ``step``
+    (``{run}/checkpoints/step-SSSSSS[-attempt]``); otherwise refused in one line, before
+    anything reads it. A record is data: a URI taken from one that named another scheme,
+    host or run would be fetched by whoever resumes, replays or exports."""
+    from rlhf_core.record.run_ids import store_uri_problem
+    from rlhf_core.record.run_layout import CHECKPOINTS, step_of_checkpoint_dir
+
+    problem = store_uri_problem(uri)
+    prefix = f"{istore.run_uri.rstrip('/')}/{CHECKPOINTS}/"
+    name = uri[len(prefix):].rstrip("/") if problem is None and uri.startswith(prefix) else ""
+    if problem is not None or "/" in name or step_of_checkpoint_dir(name) != step:
+        raise CheckpointRefusedError(
+            f"{where}: checkpoint {uri!r} is not a checkpoint of this run for step {step} (expected "
+            f"{prefix}step-{step:06d}-<attempt>){'; ' + problem if problem else ''}; nothing was read from it")
+    return uri
+
+
 def committed_checksums(istore, step: int) -> dict:
     """{file: sha256} of the checkpoint after ``step`` iterations as its commit recorded
     it: the manifest of iteration ``step - 1`` (which wrote it), or for step 0 the run's
@@ -64,7 +82,9 @@ def weights_checkpoint(istore, step: int) -> str | None:
     if step == 0:
         initial = istore.initial_checkpoint()
         return initial[0] if initial else None
-    return istore.read_manifest(step - 1)["weights"]["checkpoint"]
+    weights = istore.read_manifest(step - 1)["weights"]
+    return checked_checkpoint_uri(istore, weights["checkpoint"], int(weights["checkpoint_step"]),
+                                  f"{istore.iteration_uri(step - 1)}/MANIFEST.json weights")
 
 
 def checkpoint_plan(cfg: RunConfig, istore):
@@ -84,4 +104,7 @@ def announced_weights_checkpoint(istore, iteration: int, ttl_s: float) -> str | 
         return None
     if istore.lease_log(iteration, ttl_s).is_free(latest[1], holder=""):
         return None  # its holder is gone: whoever takes it over announces anew
-    return latest[1]["checkpoint"] or weights_checkpoint(istore, iteration) or ""
+    announced = latest[1]["checkpoint"]
+    if announced:
+        return checked_checkpoint_uri(istore, announced, iteration + 1, f"the lease of iteration {iteration}")
+    return weights_checkpoint(istore, iteration) or ""

@@ -119,8 +119,13 @@ class IterationStore:
         ``commit_initial_checkpoint`` recorded it; None before it is recorded. The record's
         checksums are the ones every load of the step-0 checkpoint checks its bytes against
         (``restore.committed_checksums``); a record that is not one is refused in one line."""
+        from rlhf_core.record.checkpoints import checked_checkpoint_uri
+
         record = self.initial_record()
-        return None if record is None else (record["checkpoint"], record["checkpoint_sha256"])
+        if record is None:
+            return None
+        where = f"{self.run.uri}/{run_layout.CHECKPOINTS}/{run_layout.INITIAL_CHECKPOINT}"
+        return checked_checkpoint_uri(self, record["checkpoint"], 0, where), record["checkpoint_sha256"]
 
     def initial_record(self) -> dict | None:
         """INITIAL.json: the step-0 checkpoint's URI and checksums, and the config (and its

@@ -30,6 +30,7 @@ import torch
 
 from rlhf_core.record import run_layout
 from rlhf_core.record.run_layout import RunRef
+from rlhf_core.record.checkpoints import checked_checkpoint_uri
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, fields_where
 from rlhf_core.protocol import DataProto
 
@@ -201,6 +202,8 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     state = TrainerState(global_step=n, cursor=dict(parent["data_cursor"]) if parent else {"epoch": 0, "position": 0},
                          kl_coef=parent["kl_coef"] if parent else cfg.algorithm.kl_ctrl.kl_coef)
     end_ckpt = manifest["checkpoint"]
+    if end_ckpt:
+        end_ckpt = checked_checkpoint_uri(istore, end_ckpt, n + 1, f"{istore.iteration_uri(n)}/{run_layout.MANIFEST}")
 
     replayable = [stage.name for stage in stage_table.side_plan(cfg, n) + stage_table.plan(cfg) if stage.persisted]
     wanted = stages or ([uri_stage] if uri_stage else replayable)
