@@ -83,6 +83,8 @@ def weights_checkpoint(istore, step: int) -> str | None:
         initial = istore.initial_checkpoint()
         return initial[0] if initial else None
     weights = istore.read_manifest(step - 1)["weights"]
+    if not weights["checkpoint"]:  # "": the run had no checkpoint yet (a record written before its first)
+        return weights["checkpoint"]
     return checked_checkpoint_uri(istore, weights["checkpoint"], int(weights["checkpoint_step"]),
                                   f"{istore.iteration_uri(step - 1)}/MANIFEST.json weights")
 
