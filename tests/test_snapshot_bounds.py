@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-import uuid
 
 import numpy as np
 import pytest
@@ -26,14 +25,7 @@ from rlhf_core.snapshot import (
     verify_snapshot,
 )
 from rlhf_core.snapshot import fs as sfs
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return str(tmp_path / "store"), None
-    server = request.getfixturevalue("s3_server")
-    return f"s3://{server.bucket}/{uuid.uuid4().hex}", server.storage_options
+from tests.test_snapshot import store  # noqa: F401 (the local-disk and S3 fixture)
 
 
 def _batch(n=512, seq=4096) -> DataProto:
