@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from rlhf_core.record import run_layout
+from rlhf_core.record.checkpoints import checked_checkpoint_uri
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
 
@@ -56,6 +57,7 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
         record = f"{istore.iteration_uri(loc.step - 1)}/{run_layout.MANIFEST}"
         manifest = istore.read_manifest(loc.step - 1)
         named, checksums = manifest.get("checkpoint"), manifest.get("checkpoint_sha256")
+        named = checked_checkpoint_uri(istore, named, loc.step, record) if named else None
     if named is None or sfs.resolve(named, storage_options).uri != sfs.resolve(uri, storage_options).uri:
         raise ExportError(f"{uri}: no committed record names this checkpoint ({record} names {named or 'none'}); "
                           f"only the checkpoint a record commits is exported")

@@ -246,7 +246,7 @@ def test_a_checkpoint_uri_from_a_record_is_checked_before_any_request(stored, tm
         honest = manifest["weights"]["checkpoint"]
         cases = {
             "metadata endpoint": endpoint,
-            "another run": honest.replace(f"{tmp_path / 'store'}/run/", f"{stored / 'store'}/run/"),
+            "another run": honest.replace("/run/checkpoints/", "/victim/checkpoints/"),
             "another step": honest.replace("step-000001-", "step-000002-"),
             "a chain": f"{honest}::memory://x",
         }
@@ -260,6 +260,14 @@ def test_a_checkpoint_uri_from_a_record_is_checked_before_any_request(stored, tm
             message = one_line_refusal(exc)
             assert "is not a checkpoint of this run for step 1" in message and "nothing was read" in message, \
                 (case, message)
+        # the same run copied with its record: what is read is this run's folder of that name
+        from rlhf_core.record.checkpoints import checked_checkpoint_uri
+        from rlhf_core.record.iteration_store import IterationStore
+        from rlhf_core.record.run_layout import RunRef
+
+        istore = IterationStore(RunRef(run.rsplit("/", 1)[0], "run"))
+        written_at = honest.replace(f"{tmp_path / 'store'}/run/", f"{stored / 'store'}/run/")
+        assert written_at != honest and checked_checkpoint_uri(istore, written_at, 1, "test") == honest
         initial = Path(run.removeprefix("file://")) / "checkpoints/INITIAL.json"
         record = json.loads(initial.read_text())
         record["checkpoint"] = endpoint

@@ -23,21 +23,32 @@ def iterations_to_run(istore, total: int | None = None, more: int | None = None)
 
 
 def checked_checkpoint_uri(istore, uri, step: int, where: str) -> str:
-    """``uri`` when it names a checkpoint folder of this run for ``step``
-    (``{run}/checkpoints/step-SSSSSS[-attempt]``); otherwise refused in one line, before
-    anything reads it. A record is data: a URI taken from one that named another scheme,
-    host or run would be fetched by whoever resumes, replays or exports."""
+    """This run's checkpoint folder for ``step`` that ``uri`` names; refused in one line,
+    before anything reads it, unless ``uri`` is ``{run}/checkpoints/step-SSSSSS[-attempt]``.
+    A record is data: a URI taken from one that named another scheme, host or run would be
+    fetched by whoever resumes, replays or exports.
+
+    ``{run}`` is matched by the run id, not the store: a run copied or moved with its
+    record (another bucket, a local folder for an audit) names its checkpoints where they
+    were written, and what is returned, and read, is always the folder of that name in
+    *this* run. The files read are checked against the record's sha256 either way."""
     from rlhf_core.record.run_ids import store_uri_problem
     from rlhf_core.record.run_layout import CHECKPOINTS, step_of_checkpoint_dir
 
     problem = store_uri_problem(uri)
     prefix = f"{istore.run_uri.rstrip('/')}/{CHECKPOINTS}/"
-    name = uri[len(prefix):].rstrip("/") if problem is None and uri.startswith(prefix) else ""
+    written_at = f"/{istore.run_id}/{CHECKPOINTS}/"  # the same run, wherever it was written
+    name = ""
+    if problem is None and uri.startswith(prefix):
+        name = uri[len(prefix):]
+    elif problem is None and written_at in uri:
+        name = uri.rsplit(written_at, 1)[1]
+    name = name.rstrip("/")
     if problem is not None or "/" in name or step_of_checkpoint_dir(name) != step:
         raise CheckpointRefusedError(
             f"{where}: checkpoint {uri!r} is not a checkpoint of this run for step {step} (expected "
             f"{prefix}step-{step:06d}-<attempt>){'; ' + problem if problem else ''}; nothing was read from it")
-    return uri
+    return prefix + name
 
 
 def committed_checksums(istore, step: int) -> dict:

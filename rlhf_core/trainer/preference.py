@@ -269,7 +269,10 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     else:
         curve, start, cut = [dict(row) for row in last["curve"]], last["iteration"], last["cut_sides"]
         if start > 0:
-            load_sharded(last["checkpoint"], ROLE, model, optimizer, scheduler, expected=last["checkpoint_sha256"])
+            from rlhf_core.record.checkpoints import checked_checkpoint_uri
+            uri = checked_checkpoint_uri(record.store, last["checkpoint"], start,
+                                         f"{record.store.iteration_uri(start)}/MANIFEST.json")
+            load_sharded(uri, ROLE, model, optimizer, scheduler, expected=last["checkpoint_sha256"])
         log(f"[rm] run {record.uri}: continuing after epoch {start}")
     t0 = time.perf_counter()
     for epoch in range(start + 1, spec.epochs + 1):
