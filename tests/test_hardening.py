@@ -3,6 +3,7 @@ checked at every entry point; every config field has a range; our own processes 
 recognized by more than a PID; records that point outside themselves are refused."""
 
 import json
+import stat
 import os
 import shlex
 import subprocess
@@ -329,6 +330,9 @@ def _temp_dirs_in(tmp_path: Path, signal) -> None:
         killed.wait(120)
     left = list(tmp_path.glob("rlhf-ray-*"))
     assert len(left) == 1
+    # Ray makes its own folders mode 0777; they sit behind ours, which only this user can enter
+    assert (left[0] / "ray").is_dir()
+    assert stat.S_IMODE(left[0].stat().st_mode) == 0o700
     # its Ray's processes die in a cascade after the kill; the folder is an orphan once none names it
     deadline = time.monotonic() + 120
     while ray_head._pids_with(str(left[0])) and time.monotonic() < deadline:

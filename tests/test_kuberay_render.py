@@ -167,7 +167,8 @@ def test_bad_deployments_are_refused_with_the_field(tmp_path):
     cfg = apply_overrides(RunConfig(), ["resources.gpus_per_node=8", "actor.world_size=8"]).validate()
     with pytest.raises(PoolShapeError, match="resources.gpus_per_node=8 but the node type offers kubernetes.node_gpus=4"):
         render_rayjob(cfg, KubeSpec(node_gpus=4), "r", "s3://b/r")
-    with pytest.raises(DeploySpecError, match="kubernetes.object_store_secret: expected a non-empty name, found ''"):
+    with pytest.raises(DeploySpecError, match="kubernetes.object_store_secret: expected a Kubernetes object name .*, "
+                                              "found ''"):
         KubeSpec(object_store_secret="").validate()
     bad = tmp_path / "deploy.yaml"
     bad.write_text(yaml.safe_dump({"kubernetes": {"node_gpu": 8}}))
@@ -364,7 +365,11 @@ def test_the_policy_decides_which_claims_a_run_may_mount_and_how():
 @pytest.mark.parametrize("volume, field", [
     ({**VOLUME, "mount_path": "models"}, r"volumes\[0\].mount_path: expected an absolute"),
     ({**VOLUME, "mount_path": "/tmp/models"}, r"volumes\[0\].mount_path: .* overlapping /tmp"),
-    ({**VOLUME, "mount_path": "/home"}, r"volumes\[0\].mount_path: .* overlapping /home/rlhf/.cache"),
+    ({**VOLUME, "mount_path": "/home"}, r"volumes\[0\].mount_path: .* overlapping /home/rlhf"),
+    ({**VOLUME, "mount_path": "/opt/rlhf/lib/python3.11/site-packages"},
+     r"volumes\[0\].mount_path: .* overlapping /opt/rlhf$"),
+    ({**VOLUME, "mount_path": "/opt"}, r"volumes\[0\].mount_path: .* overlapping /opt/rlhf$"),
+    ({**VOLUME, "mount_path": "/usr/lib"}, r"volumes\[0\].mount_path: .* overlapping /usr$"),
     ({**VOLUME, "mount_path": "/a/../tmp"}, r"volumes\[0\].mount_path: expected an absolute, normalized"),
     ({**VOLUME, "name": "cache"}, r"volumes\[0\].name: expected a DNS label unused"),
     ({**VOLUME, "name": "Models"}, r"volumes\[0\].name"),
@@ -377,6 +382,54 @@ def test_bad_volumes_are_refused_with_the_field(volume, field):
         KubeSpec(volumes=[volume]).validate()
     with pytest.raises(DeploySpecError, match=r"volumes\[1\].(name|mount_path)"):
         KubeSpec(volumes=[VOLUME, VOLUME]).validate()
+
+
+@pytest.mark.parametrize("setting, refusal", [
+    ({"gpu_resource": "cpu"}, r"kubernetes.gpu_resource: expected an extended resource name .* found 'cpu'"),
+    ({"gpu_resource": "memory"}, r"kubernetes.gpu_resource: .* found 'memory'"),
+    ({"gpu_resource": "kubernetes.io/batteries"}, r"kubernetes.gpu_resource"),
+    ({"head_cpus": -3}, r"kubernetes.head_cpus: expected a number in \(0, 256\], found -3"),
+    ({"head_cpus": True}, r"kubernetes.head_cpus: .* found True"),
+    ({"head_memory_gib": "lots"}, r"kubernetes.head_memory_gib: expected a number in .* found 'lots'"),
+    ({"head_object_store_gib": float("inf")}, r"kubernetes.head_object_store_gib: .* found inf"),
+    ({"session_max_lifetime_s": 10 ** 12}, r"kubernetes.session_max_lifetime_s: expected an integer in \[1, 2592000\]"),
+    ({"session_max_lifetime_s": 0}, r"kubernetes.session_max_lifetime_s"),
+    ({"ttl_after_finished_s": -1}, r"kubernetes.ttl_after_finished_s"),
+    ({"node_gpus": 1000}, r"kubernetes.node_gpus: expected an integer in \[0, 64\], found 1000"),
+    ({"image": "ghcr.io/x/y:1 --privileged"}, r"kubernetes.image: expected an image reference"),
+    ({"image": ""}, r"kubernetes.image"),
+    ({"namespace": "Kube_System"}, r"kubernetes.namespace: expected a namespace name"),
+    ({"service_account": "a/b"}, r"kubernetes.service_account: expected a Kubernetes object name"),
+    ({"priority_class": 3}, r"kubernetes.priority_class"),
+    ({"node_selector": {"pool": "a b"}}, r"kubernetes.node_selector: expected a map of label keys to label values"),
+    ({"node_selector": {"/x": "a"}}, r"kubernetes.node_selector"),
+    ({"tolerations": [{"key": "k", "operator": "Maybe"}]}, r"kubernetes.tolerations\[0\].operator: expected Equal"),
+    ({"tolerations": [{"key": "k", "effect": "Sometimes"}]}, r"kubernetes.tolerations\[0\].effect"),
+    ({"tolerations": [{"key": "k", "tolerationSeconds": "1"}]}, r"kubernetes.tolerations\[0\].tolerationSeconds"),
+    ({"tolerations": [{"key": "k", "nodeName": "n"}]}, r"kubernetes.tolerations\[0\]: expected a map of"),
+    ({"ray_version": "latest"}, r"kubernetes.ray_version: expected a Ray release"),
+    ({"rdma_resources": {"nvidia.com/gpu": 1}}, r"kubernetes.rdma_resources: expected resources other than"),
+])
+def test_every_kube_spec_field_is_typed_and_bounded(setting, refusal):
+    """Issue 39 item 13: a value of the wrong type or out of range is refused in one line
+    naming the field, before anything renders (never a traceback at render time)."""
+    from components.kuberay.spec import spec_from_dict
+
+    with pytest.raises(DeploySpecError, match=refusal) as err:
+        spec_from_dict(setting)
+    assert "\n" not in str(err.value)
+
+
+def test_what_a_gpu_resource_may_name_is_the_policys():
+    from components.kuberay.policy import DeploymentPolicy
+
+    spec = KubeSpec(gpu_resource="amd.com/gpu", node_gpus=8).validate()
+    with pytest.raises(DeploySpecError, match=r"kubernetes.gpu_resource: .* \['nvidia.com/gpu'\]; found 'amd.com/gpu'"):
+        DeploymentPolicy(namespace="rlhf").check(spec)
+    DeploymentPolicy(namespace="rlhf", gpu_resources=("amd.com/gpu",)).check(spec)
+    for good in ("localhost:5000/rlhf-core:dev", "registry.example.com/team/rlhf-core:0.1.0-cuda",
+                 "ghcr.io/rlhf-core/rlhf-core@sha256:" + "0" * 64):
+        KubeSpec(image=good).validate()
 
 
 def test_the_reserved_mounts_are_the_ones_the_pods_use():
@@ -419,5 +472,6 @@ def test_the_heads_object_store_is_its_shm_and_fits_its_memory():
     with pytest.raises(DeploySpecError, match=r"^kubernetes.head_memory_gib: expected at least "
                                               r"head_object_store_gib \+ 6 .*found 8 with head_object_store_gib 4$"):
         KubeSpec(head_memory_gib=8, head_object_store_gib=4).validate()
-    with pytest.raises(DeploySpecError, match=r"^kubernetes.head_object_store_gib: expected a number > 0, found 0$"):
+    with pytest.raises(DeploySpecError,
+                       match=r"^kubernetes.head_object_store_gib: expected a number in \(0, 2048\], found 0$"):
         KubeSpec(head_object_store_gib=0).validate()

@@ -76,7 +76,7 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     before the manifest that makes them visible."""
     import os
 
-    from rlhf_core.checkpoint.reader import CorruptCheckpointError
+    from rlhf_core.checkpoint.reader import CheckpointRefusedError, CorruptCheckpointError
 
     synced = []
     real_fsync = os.fsync
@@ -98,6 +98,21 @@ def test_a_checkpoint_changed_after_its_commit_is_refused_on_resume(tmp_path, mo
     (ckpt / "actor/__0_0.distcp").write_bytes(bytes(weights))
     with pytest.raises(CorruptCheckpointError,
                        match=r"^\S+/actor/__0_0.distcp: sha256 .* is not the .* its iteration committed[^\n]*$"):
+        run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store}", "run"), log=lambda *a: None)
+
+    # the bytes back as committed, but a trainer_state.json of another config whose sha256 the
+    # record was made to list: the checkpoint's own config hash is compared with its record's
+    weights[-1] ^= 0xFF
+    (ckpt / "actor/__0_0.distcp").write_bytes(bytes(weights))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["config_hash"] = "0" * 64
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    manifest["checkpoint_sha256"]["trainer_state.json"] = hashlib.sha256(
+        (ckpt / "trainer_state.json").read_bytes()).hexdigest()
+    (store / "run/iter-000000/MANIFEST.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointRefusedError,
+                       match=r"^\S+/trainer_state.json: config_hash: expected \w+\.\.\., the hash its record names; "
+                             r"found 0000000000000000\.\.\.[^\n]*$"):
         run_direct(small_config(tmp_path / "out"), 1, RunRef(f"file://{store}", "run"), log=lambda *a: None)
 
 

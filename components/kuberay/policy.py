@@ -40,6 +40,7 @@ class DeploymentPolicy:
     volume_claims: tuple = ()            # PVCs a run may mount read-only (kubernetes.volumes)
     writable_volume_claims: tuple = ()   # PVCs a run may also mount writable
     rdma_resources: tuple = ()           # extended resources a run may ask for RDMA (kubernetes.rdma_resources)
+    gpu_resources: tuple = ("nvidia.com/gpu",)  # what kubernetes.gpu_resource may name
 
     @classmethod
     def from_yaml(cls, text: str, namespace: str, source: str = POLICY_KEY) -> "DeploymentPolicy":
@@ -94,6 +95,8 @@ class DeploymentPolicy:
             if not volume["read_only"] and volume["claim"] not in self.writable_volume_claims:
                 refuse("volumes", "writable claims (read_only: false)", self.writable_volume_claims,
                        volume["claim"])
+        if spec.gpu_resource not in self.gpu_resources:
+            refuse("gpu_resource", "GPU resources", self.gpu_resources, spec.gpu_resource)
         for resource in spec.rdma_resources:
             if resource not in self.rdma_resources:
                 refuse("rdma_resources", "RDMA resources", self.rdma_resources, resource)

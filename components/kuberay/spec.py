@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,19 +73,43 @@ class KubeSpec:
     volumes: list = field(default_factory=list)
 
     def validate(self) -> "KubeSpec":
-        for name in ("image", "namespace", "service_account", "object_store_secret", "ray_token_secret"):
+        """Every field typed and bounded, in one line naming the first that is not. What a
+        field may *name* (images, accounts, secrets, nodes, claims) is the deployment
+        policy's to allow (policy.py); this is what any value must look like."""
+        if not isinstance(self.image, str) or len(self.image) > 512 or not _IMAGE.match(self.image):
+            raise DeploySpecError(f"kubernetes.image: expected an image reference (registry/repository[:tag]"
+                                  f"[@digest]), found {self.image!r:.80}")
+        if not isinstance(self.namespace, str) or not _DNS1123_LABEL.match(self.namespace):
+            raise DeploySpecError(f"kubernetes.namespace: expected a namespace name (a DNS-1123 label), "
+                                  f"found {self.namespace!r:.80}")
+        for name in ("service_account", "object_store_secret", "ray_token_secret", "priority_class"):
             value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise DeploySpecError(f"kubernetes.{name}: expected a non-empty name, found {value!r}")
+            if not isinstance(value, str) or not (_is_dns1123_subdomain(value) or
+                                                  (name == "priority_class" and value == "")):
+                raise DeploySpecError(f"kubernetes.{name}: expected a Kubernetes object name (a DNS-1123 "
+                                      f"subdomain){' or empty' if name == 'priority_class' else ''}, "
+                                      f"found {value!r:.80}")
+        if not isinstance(self.gpu_resource, str) or not _is_extended_resource(self.gpu_resource):
+            raise DeploySpecError(f"kubernetes.gpu_resource: expected an extended resource name (domain/name, "
+                                  f"e.g. nvidia.com/gpu; never cpu or memory), found {self.gpu_resource!r:.80}")
         if not isinstance(self.node_selector, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in self.node_selector.items()):
-            raise DeploySpecError(f"kubernetes.node_selector: expected a map of strings, found {self.node_selector!r}")
-        if not isinstance(self.tolerations, list) or not all(isinstance(t, dict) for t in self.tolerations):
+                isinstance(k, str) and _is_label_key(k) and isinstance(v, str) and _LABEL_VALUE.match(v)
+                for k, v in self.node_selector.items()):
+            raise DeploySpecError(f"kubernetes.node_selector: expected a map of label keys to label values, "
+                                  f"found {self.node_selector!r:.120}")
+        if not isinstance(self.tolerations, list):
             raise DeploySpecError(f"kubernetes.tolerations: expected a list of toleration maps, "
-                                  f"found {self.tolerations!r}")
-        for name in ("node_gpus", "session_max_lifetime_s", "ttl_after_finished_s", "worker_idle_timeout_s"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise DeploySpecError(f"kubernetes.{name}: expected an integer >= 0, found {getattr(self, name)!r}")
+                                  f"found {self.tolerations!r:.120}")
+        for i, toleration in enumerate(self.tolerations):
+            _check_toleration(f"kubernetes.tolerations[{i}]", toleration)
+        for name, top in (("node_gpus", MAX_NODE_GPUS), ("session_max_lifetime_s", MAX_LIFETIME_S),
+                          ("ttl_after_finished_s", MAX_LIFETIME_S), ("worker_idle_timeout_s", MAX_LIFETIME_S)):
+            value = getattr(self, name)
+            least = 1 if name == "session_max_lifetime_s" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= top:
+                raise DeploySpecError(f"kubernetes.{name}: expected an integer in [{least}, {top}], found {value!r}")
+        if not isinstance(self.ray_version, str) or not re.fullmatch(r"\d+\.\d+\.\d+", self.ray_version):
+            raise DeploySpecError(f"kubernetes.ray_version: expected a Ray release (X.Y.Z), found {self.ray_version!r}")
         if not isinstance(self.rdma_resources, dict) or not all(
                 isinstance(k, str) and "/" in k and isinstance(v, int) and not isinstance(v, bool) and v > 0
                 for k, v in self.rdma_resources.items()):
@@ -93,10 +118,14 @@ class KubeSpec:
         if self.nccl_debug not in NCCL_DEBUG_LEVELS:
             raise DeploySpecError(f"kubernetes.nccl_debug: expected one of {list(NCCL_DEBUG_LEVELS)}, "
                                   f"found {self.nccl_debug!r}")
-        for name in ("head_cpus", "head_memory_gib", "head_object_store_gib"):
+        if self.rdma_resources and self.gpu_resource in self.rdma_resources:
+            raise DeploySpecError(f"kubernetes.rdma_resources: expected resources other than gpu_resource "
+                                  f"({self.gpu_resource}), found it among them")
+        for name, top in (("head_cpus", MAX_HEAD_CPUS), ("head_memory_gib", MAX_HEAD_MEMORY_GIB),
+                          ("head_object_store_gib", MAX_HEAD_MEMORY_GIB)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise DeploySpecError(f"kubernetes.{name}: expected a number > 0, found {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= top:
+                raise DeploySpecError(f"kubernetes.{name}: expected a number in (0, {top}], found {value!r}")
         if self.head_memory_gib < self.head_object_store_gib + HEAD_PROCESSES_GIB:
             raise DeploySpecError(f"kubernetes.head_memory_gib: expected at least head_object_store_gib + "
                                   f"{HEAD_PROCESSES_GIB:g} (the store lives in the pod's memory, beside Ray's head "
@@ -109,9 +138,61 @@ class KubeSpec:
         return self
 
 
-#: Volume names and mount paths the rendered pods use themselves (render.py).
+#: Bounds on what a deployment may ask for: a node type's GPUs, how long a session or a
+#: finished cluster may live (KubeRay's activeDeadlineSeconds and TTL), a head pod's size.
+MAX_NODE_GPUS = 64
+MAX_LIFETIME_S = 30 * 24 * 3600
+MAX_HEAD_CPUS = 256
+MAX_HEAD_MEMORY_GIB = 2048
+
+_IMAGE = re.compile(r"^([A-Za-z0-9.-]+(:[0-9]{1,5})?/)?[a-z0-9][a-z0-9._/-]*"
+                    r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
+TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+def _is_dns1123_subdomain(name: str) -> bool:
+    return 0 < len(name) <= 253 and all(_DNS1123_LABEL.match(part) for part in name.split("."))
+
+
+def _is_label_key(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return bool(_LABEL_NAME.match(name)) and (prefix == "" and "/" not in key or _is_dns1123_subdomain(prefix))
+
+
+def _is_extended_resource(name: str) -> bool:
+    # domain/name outside kubernetes.io (Kubernetes' own resources: cpu, memory, hugepages-*, ...)
+    domain, _, short = name.partition("/")
+    return _is_dns1123_subdomain(domain) and not (domain == "kubernetes.io" or domain.endswith(".kubernetes.io")) \
+        and bool(_LABEL_NAME.match(short)) and "/" not in short
+
+
+def _check_toleration(where: str, t) -> None:
+    if not isinstance(t, dict) or not set(t) <= set(TOLERATION_KEYS):
+        raise DeploySpecError(f"{where}: expected a map of {list(TOLERATION_KEYS)}, found {t!r:.120}")
+    if t.get("key") not in (None, "") and not (isinstance(t["key"], str) and _is_label_key(t["key"])):
+        raise DeploySpecError(f"{where}.key: expected a label key, found {t['key']!r:.80}")
+    if t.get("operator", "Equal") not in ("Equal", "Exists"):
+        raise DeploySpecError(f"{where}.operator: expected Equal or Exists, found {t['operator']!r:.80}")
+    if t.get("value") not in (None, "") and not (isinstance(t["value"], str) and _LABEL_VALUE.match(t["value"])):
+        raise DeploySpecError(f"{where}.value: expected a label value, found {t['value']!r:.80}")
+    if t.get("effect", "") not in TOLERATION_EFFECTS:
+        raise DeploySpecError(f"{where}.effect: expected one of {list(TOLERATION_EFFECTS)}, found {t['effect']!r:.80}")
+    seconds = t.get("tolerationSeconds")
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int) or seconds < 0):
+        raise DeploySpecError(f"{where}.tolerationSeconds: expected an integer >= 0, found {seconds!r}")
+
+
+#: Volume names and mount paths the rendered pods use themselves (render.py), and the
+#: image's code and system folders: a claim mounted over the virtualenv (/opt/rlhf) or the
+#: app would replace the code the pod runs.
 RESERVED_VOLUMES = ("dshm", "tmp", "cache", "kube-api-access")
-RESERVED_MOUNTS = ("/dev/shm", "/tmp", "/home/rlhf/.cache", "/var/run/secrets")
+RESERVED_MOUNTS = ("/dev/shm", "/tmp", "/home/rlhf", "/var/run/secrets", "/opt/rlhf", "/app",
+                   "/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc", "/proc", "/sys", "/dev", "/run", "/var/run",
+                   "/root", "/boot")
 
 
 def _volume(index: int, v, before: list) -> dict:

@@ -123,7 +123,7 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     token_path = root / "ray-token"
     if not token_path.exists():
         write_private(token_path, secrets.token_hex(32))
-    temp_dir = Path(os.environ.get("RLHF_RAY_TMP", "/tmp")) / f"rlhf-ray-{secrets.token_hex(4)}"
+    temp_dir = Path(tempfile.mkdtemp(prefix=LOCAL_RAY_PREFIX, dir=os.environ.get("RLHF_RAY_TMP", "/tmp")))
     # distinct ports, picked together (separate picks can return one port twice, and Ray
     # refuses to start), none in the range Ray keeps for its workers
     port, dashboard_port, client, agent_http, agent_grpc, metrics, runtime_env = free_ports(
@@ -131,7 +131,7 @@ def start_head(root: str | Path, num_cpus: int | None = None, timeout_s: float =
     env = {**os.environ, **LOOPBACK_ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
     env.pop("RAY_AUTH_TOKEN", None)  # the file is this head's token, not one from our environment
     args = [_ray_binary(), "start", "--head", "--block", f"--port={port}",
-            f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", f"--temp-dir={temp_dir}",
+            f"--num-cpus={num_cpus or max(2, os.cpu_count() or 2)}", f"--temp-dir={ray_temp_dir(temp_dir)}",
             "--disable-usage-stats", f"--ray-client-server-port={client}", "--node-ip-address=127.0.0.1",
             # the dashboard serves the Jobs API; every port of ours is a free one, never a
             # default (another Ray on this machine may hold those)
@@ -344,6 +344,14 @@ LOCAL_RAY_PREFIX = "rlhf-ray-"
 LOCAL_RAY_OWNER = "rlhf-owner.json"
 
 
+def ray_temp_dir(private: str | Path) -> str:
+    """Ray's temp dir inside ``private`` (a ``mkdtemp`` folder, mode 0700). Ray makes its
+    temp dir and every folder in it mode 0777 so other users can share them; one level
+    down, behind a folder only this user can enter, nobody else reaches its sockets,
+    logs or session files."""
+    return str(Path(private) / "ray")
+
+
 def start_local_ray(num_cpus: int | None = None) -> None:
     """A Ray of this process's own (direct runs, replay): loopback only, token auth. Its
     temp dir goes when this process ends; one a killed process left is removed by the
@@ -362,7 +370,7 @@ def start_local_ray(num_cpus: int | None = None) -> None:
     (Path(temp_dir) / LOCAL_RAY_OWNER).write_text(json.dumps(this_process()))
     with _sigterm_handler_kept():
         ray.init(address="local", num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-                 _temp_dir=temp_dir, log_to_driver=False,
+                 _temp_dir=ray_temp_dir(temp_dir), log_to_driver=False,
                  configure_logging=False, _system_config=RAY_SYSTEM_CONFIG)
 
     def end() -> None:  # Ray's processes write into the folder until they are gone

@@ -13,6 +13,7 @@ import json
 
 from rlhf_core.config import ConfigError, RunConfig
 from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE, checkpoint_exists
+from rlhf_core.checkpoint.reader import CheckpointRefusedError
 from rlhf_core.record.checkpoints import committed_checksums, weights_checkpoint, weights_plan
 from rlhf_core.workers.worker_set import WorkerSet
 
@@ -115,7 +116,9 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
     iterations redone."""
     start, redo = weights_plan(istore, step)
     expected = committed_checksums(istore, start)  # refused here when no record names it
-    workers.load_checkpoint(weights_checkpoint(istore, step), expected=expected)
+    uri = weights_checkpoint(istore, step)
+    check_checkpoint_config(istore, start, uri, expected)
+    workers.load_checkpoint(uri, expected=expected)
     if redo and trainer is None:
         raise ValueError(f"step {step} is checkpoint step {start} plus a redo of iterations {redo}: pass the trainer")
     for iteration in redo:
@@ -123,6 +126,24 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
     if redo:
         trainer.actor.sync_weights()  # the engine generates with the redone weights
     return redo
+
+
+def check_checkpoint_config(istore, start: int, uri: str, expected: dict[str, str]) -> None:
+    """The checkpoint after ``start`` iterations was written with the config its record
+    names: its own trainer_state.json (checked against the committed sha256) carries the
+    config hash, compared with the manifest's (or INITIAL.json's) before any weights load."""
+    from rlhf_core.checkpoint.reader import CheckedFiles
+    from rlhf_core.snapshot import fs as sfs
+
+    record = istore.initial_record() if start == 0 else istore.read_manifest(start - 1)
+    recorded = (record or {}).get("config_hash")
+    if recorded is None:  # an INITIAL.json from before it recorded one: nothing to compare
+        return
+    state = json.loads(CheckedFiles(sfs.resolve(uri, istore.storage_options), expected).get(TRAINER_STATE_FILE))
+    if state.get("config_hash") != recorded:
+        raise CheckpointRefusedError(
+            f"{uri}/{TRAINER_STATE_FILE}: config_hash: expected {recorded[:16]}..., the hash its record names; "
+            f"found {str(state.get('config_hash'))[:16]}...: the checkpoint was written with another config")
 
 
 def redo_updates(trainer, istore, iteration: int) -> None:
