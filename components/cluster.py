@@ -15,17 +15,22 @@ from components.iteration import IMAGE
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
-def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, timeout_s: int) -> NamedTuple(
+def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, timeout_s: int,
+                   cluster_policy: str = "keep", kfp_run_id: str = "") -> NamedTuple(
         "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
     """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
-    with the pods' phases and events); outputs its Ray Client and Jobs API addresses."""
+    with the pods' phases and events); outputs its Ray Client and Jobs API addresses. The
+    cluster is labelled with the profile namespace this pod runs in and the KFP run; one
+    created from another profile is never reused."""
     from collections import namedtuple
 
-    from components.kuberay.launcher import Launcher, kube_apis
+    from components.kuberay.launcher import Launcher, check_cluster_policy, kube_apis, pod_namespace, with_owner
     from components.kuberay.render import render_raycluster
     from components.kuberay.spec import spec_from_dict
     from rlhf_core.config import config_from_handover
 
+    check_cluster_policy(cluster_policy)  # before anything runs, not first at teardown
+    owner = pod_namespace()
     cfg = config_from_handover(config, config_hash)
     spec = spec_from_dict(kube_spec)
     custom, core = kube_apis()
@@ -33,7 +38,7 @@ def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, 
     # kube_spec is a run parameter: its namespace, image, account, secrets and node choices
     # only among what that namespace's policy (set by the platform, not the run) allows
     launcher.policy().check(spec)
-    address = launcher.ensure(render_raycluster(cfg, spec, run_id), timeout_s)
+    address = launcher.ensure(with_owner(render_raycluster(cfg, spec, run_id), owner, kfp_run_id), timeout_s)
     return namedtuple("Cluster", ["name", "ray_address", "dashboard_url"])(
         address.name, address.ray_address, address.dashboard_url)
 
@@ -41,13 +46,15 @@ def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def teardown_cluster(run_id: str, kube_spec: dict, policy: str, status: dsl.PipelineTaskFinalStatus):
     """keep (default: the session serves the next iteration and ends itself when idle),
-    delete, or delete-on-success (a failed run's cluster stays for debugging)."""
-    from components.kuberay.launcher import Launcher, kube_apis
-    from components.kuberay.names import cluster_name
+    delete, or delete-on-success (a failed run's cluster stays for debugging). Deletes only
+    a cluster of this run id created from this pod's profile namespace."""
+    from components.kuberay.launcher import OWNER_NAMESPACE_LABEL, Launcher, kube_apis, pod_namespace
+    from components.kuberay.names import cluster_name, label_value
     from components.kuberay.spec import spec_from_dict
 
     spec = spec_from_dict(kube_spec)
     custom, core = kube_apis()
+    labels = {"rlhf.io/run-id": label_value(run_id), OWNER_NAMESPACE_LABEL: pod_namespace()}
     outcome = Launcher(custom, core, spec.namespace).teardown(cluster_name(run_id), policy,
-                                                              succeeded=status.state == "SUCCEEDED")
+                                                              succeeded=status.state == "SUCCEEDED", labels=labels)
     print(f"RayCluster {cluster_name(run_id)}: {outcome} (policy {policy}, pipeline {status.state})")

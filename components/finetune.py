@@ -32,7 +32,10 @@ def drive_finetune(run_id: str, store: str, iterations: int, more: int, stop_at_
 
     from rlhf_core.config import config_from_handover
 
+    from components.kuberay.launcher import check_cluster_policy
+
     validate_run_id(run_id, "run_id")  # before the KFP client or the store is touched
+    check_cluster_policy(cluster_policy)
     validate_store_uri(store, "store")
     config_from_handover(config, config_hash)  # a config its runs would refuse is refused here, once
     stop = []

@@ -18,6 +18,7 @@ from components.cluster import launch_cluster, teardown_cluster
 from components.finetune import drive_finetune
 from components.reward_model import train_reward_model, with_reward_model
 from components.iteration import run_iteration
+from components.kuberay.launcher import POD_NAMESPACE_ENV
 from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
 
 HERE = Path(__file__).parent
@@ -50,6 +51,12 @@ def _pod_settings(task, small: bool) -> None:
     kubernetes.set_security_context(task, run_as_user=1000, run_as_group=1000, run_as_non_root=True)
     kubernetes.add_node_selector(task, label_key="rlhf.io/pool", label_value="controller")
     kubernetes.add_toleration(task, key="rlhf.io/dedicated", operator="Equal", value="rlhf", effect="NoSchedule")
+
+
+def _owner_namespace(task) -> None:
+    """The pod's own namespace (its Kubeflow profile), from the API server through the
+    downward API: what a cluster's owner label says, never a run parameter."""
+    kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
 
 
 def _iteration(run_id, store, config, config_hash, head_root, ray_address="", dashboard_url="", lease_holder="",
@@ -108,10 +115,13 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
                           follows: int = -1):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
+    _owner_namespace(teardown)
     with dsl.ExitHandler(teardown, name="iteration"):
         cluster = launch_cluster(run_id=run_id, config=config, config_hash=config_hash, kube_spec=kube_spec,
-                                 timeout_s=launch_timeout_s)
+                                 timeout_s=launch_timeout_s, cluster_policy=cluster_policy,
+                                 kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
         _pod_settings(cluster, small=True)
+        _owner_namespace(cluster)
         # what kube_spec may choose is not given to this pod: launch_cluster reads the policy
         # from the Ray namespace (where profile users cannot edit it), not from the profile's
         controllers = _iteration(run_id, store, config, config_hash, "", cluster.outputs["ray_address"],

@@ -65,8 +65,10 @@ def pipeline_arguments(run_id: str, store: str, cfg, kube_spec, cluster_policy: 
     resolved config ``cfg`` as data and its hash (``rlhf_core.config.handover``)."""
     import dataclasses
 
+    from components.kuberay.launcher import check_cluster_policy
     from rlhf_core.config import handover
 
+    check_cluster_policy(cluster_policy)
     return {"run_id": run_id, "store": store, **handover(cfg),
             "kube_spec": dataclasses.asdict(kube_spec), "cluster_policy": cluster_policy}
 

@@ -161,8 +161,12 @@ class FakeKubeAPI:
                 _merge(self.clusters[key], body)
                 return 200, self.clusters[key]
             if method == "DELETE" and name:
-                if self.clusters.pop(key, None) is None:
+                if key not in self.clusters:
                     return 404, _status(404, "NotFound", f'rayclusters.ray.io "{name}" not found')
+                want = ((body or {}).get("preconditions") or {}).get("uid")
+                if want is not None and self.clusters[key]["metadata"].get("uid") != want:
+                    return 409, _status(409, "Conflict", f"Precondition failed: UID in precondition: {want}")
+                del self.clusters[key]
                 return 200, _status(200, "Success", "deleted")
         if m := CORE.match(route):
             namespace, kind = m.groups()

@@ -94,9 +94,18 @@ def test_a_cluster_of_another_run_is_not_reused():
         other = body()
         other["metadata"]["labels"]["rlhf.io/run-id"] = "someone-else"
         fake.clusters[("rlhf", "rlhf-nightly")] = other
-        with pytest.raises(ClusterLaunchError, match="belongs to run 'someone-else', not 'nightly'"):
+        with pytest.raises(ClusterLaunchError, match="belongs to run 'someone-else', not 'nightly'; it is not reused"):
             launcher(fake).ensure(body(), timeout_s=5)
         assert not fake.verbs("POST") and not fake.verbs("DELETE")
+
+
+OURS = {"rlhf.io/run-id": "nightly", "rlhf.io/owner-namespace": "team-a"}
+
+
+def owned_body(run_id="nightly", profile="team-a"):
+    from components.kuberay.launcher import with_owner
+
+    return with_owner(body(run_id), profile, "kfp-run-1")
 
 
 @pytest.mark.parametrize("policy, succeeded, outcome", [
@@ -105,17 +114,100 @@ def test_a_cluster_of_another_run_is_not_reused():
 def test_teardown_policy(policy, succeeded, outcome):
     with FakeKubeAPI(ready_after_polls=0) as fake:
         run = launcher(fake)
-        run.ensure(body(), timeout_s=5)
-        assert run.teardown("rlhf-nightly", policy, succeeded) == outcome
+        run.ensure(owned_body(), timeout_s=5)
+        assert run.teardown("rlhf-nightly", policy, succeeded, OURS) == outcome
         assert (("rlhf", "rlhf-nightly") in fake.clusters) == (outcome == "kept")
         if outcome == "deleted":
-            assert run.teardown("rlhf-nightly", policy, succeeded) == "already gone"
+            assert run.teardown("rlhf-nightly", policy, succeeded, OURS) == "already gone"
 
 
 def test_unknown_policy_is_refused():
     with FakeKubeAPI() as fake:
-        with pytest.raises(ValueError, match="cluster policy: expected one of .* found 'remove'"):
-            launcher(fake).teardown("rlhf-nightly", "remove", True)
+        with pytest.raises(ValueError, match="cluster_policy: expected one of .* found 'remove'"):
+            launcher(fake).teardown("rlhf-nightly", "remove", True, OURS)
+
+
+def test_a_cluster_is_reused_and_deleted_only_by_its_own_profile_and_run(monkeypatch):
+    """Issue 39 item 3: a pipeline run in another profile that names a victim's run id,
+    with cluster_policy=delete and a config that fails validation, neither attaches to the
+    victim's cluster nor deletes it in its exit handler; the owner comes from the pod's
+    namespace, not from a parameter."""
+    from types import SimpleNamespace
+
+    from components import cluster
+    from components.kuberay import launcher as module
+
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", POLICY)
+        real = module.kube_apis
+        monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
+        monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")
+        cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec={}, timeout_s=5,
+                                           kfp_run_id="run-of-team-a")
+        labels = fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["labels"]
+        assert labels["rlhf.io/owner-namespace"] == "team-a" and labels["rlhf.io/created-by-kfp-run"] == "run-of-team-a"
+
+        monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-b")  # the attacker's pipeline, same run id
+        with pytest.raises(ClusterLaunchError, match="belongs to profile namespace 'team-a', not 'team-b'"):
+            cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec={}, timeout_s=5)
+        bad_config = dict(handover(RunConfig()), config_hash="0" * 64)  # fails before any launch
+        with pytest.raises(Exception, match="config_hash"):
+            cluster.launch_cluster.python_func(run_id="nightly", **bad_config, kube_spec={}, timeout_s=5)
+        for policy in ("delete", "delete-on-success"):
+            cluster.teardown_cluster.python_func(run_id="nightly", kube_spec={}, policy=policy,
+                                                 status=SimpleNamespace(state="SUCCEEDED"))
+        assert ("rlhf", "rlhf-nightly") in fake.clusters and not fake.verbs("DELETE")
+
+        monkeypatch.delenv("RLHF_POD_NAMESPACE")  # nobody says which profile: nothing is guessed
+        monkeypatch.setattr(module, "_SERVICE_ACCOUNT_NAMESPACE", "/nonexistent/namespace")
+        with pytest.raises(ClusterLaunchError, match="RLHF_POD_NAMESPACE: expected the namespace this pipeline pod"):
+            cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec={}, timeout_s=5)
+
+        monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")  # the owner's teardown deletes it
+        cluster.teardown_cluster.python_func(run_id="nightly", kube_spec={}, policy="delete",
+                                             status=SimpleNamespace(state="FAILED"))
+        assert ("rlhf", "rlhf-nightly") not in fake.clusters
+
+
+def test_teardown_deletes_only_the_cluster_it_checked():
+    """A cluster deleted and created again (another owner) between the check and the
+    delete is left alone: the delete carries the checked object's uid as a precondition."""
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        run = launcher(fake)
+        run.ensure(owned_body(), timeout_s=5)
+        real_get = Launcher.get
+
+        def swapped_after_the_check(self, name):
+            found = real_get(self, name)
+            other = owned_body(profile="team-b")
+            fake.clusters[("rlhf", name)] = dict(other, metadata=dict(other["metadata"], uid="uid-other"))
+            return found
+
+        Launcher.get = swapped_after_the_check
+        try:
+            assert run.teardown("rlhf-nightly", "delete", True, OURS) == "replaced meanwhile: left alone"
+        finally:
+            Launcher.get = real_get
+        assert fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"] == "uid-other"
+
+
+def test_an_unknown_cluster_policy_is_refused_before_anything_runs(monkeypatch):
+    from components import cluster
+    from components.kuberay import launcher as module
+    from pipelines import remote
+    from components.kuberay.spec import KubeSpec as Spec
+
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        real = module.kube_apis
+        monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
+        monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")
+        with pytest.raises(ValueError, match=r"^cluster_policy: expected one of \['keep', 'delete', "
+                                             r"'delete-on-success'\], found 'delete-everything'$"):
+            cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec={}, timeout_s=5,
+                                               cluster_policy="delete-everything")
+        assert fake.requests() == []
+    with pytest.raises(ValueError, match="cluster_policy: expected one of"):
+        remote.pipeline_arguments("nightly", "s3://b/runs", RunConfig(), Spec(), "delete-everything")
 
 
 def test_gpu_workers_scaled_to_zero_while_idle_come_back_at_the_next_launch():
@@ -181,6 +273,7 @@ def launch_component(fake, monkeypatch, kube_spec, env=None):
 
     real = module.kube_apis
     monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
+    monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
     return cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec=kube_spec,
@@ -263,3 +356,17 @@ def test_workers_that_do_not_come_back_time_out_with_the_count_and_the_pods():
     text = str(err.value)
     assert "not ready after 0s (state ready, 0 of 1 worker pods ready)" in text
     assert "pod rlhf-nightly-train-worker-xyz12: Pending (ray-worker: ContainerCreating)" in text
+
+
+def test_the_compiled_pipeline_gives_the_cluster_steps_their_namespace_from_the_api_server():
+    """The owner label's value comes from the pod's metadata.namespace (the downward API),
+    which the API server sets; and the launch gets the policy and the KFP run id."""
+    docs = list(yaml.safe_load_all((Path(__file__).resolve().parents[1] / "pipelines/ppo_iteration_kuberay.yaml")
+                                   .read_text()))
+    executors = docs[1]["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    for step in ("exec-launch-cluster", "exec-teardown-cluster"):
+        assert {"fieldPath": "metadata.namespace", "name": "RLHF_POD_NAMESPACE"} in executors[step]["fieldPathAsEnv"]
+    launch = docs[0]["root"]["dag"]["tasks"]["exit-handler-1"]["componentRef"]["name"]
+    inputs = docs[0]["components"][launch]["dag"]["tasks"]["launch-cluster"]["inputs"]["parameters"]
+    assert inputs["kfp_run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
+    assert inputs["cluster_policy"]["componentInputParameter"] == "pipelinechannel--cluster_policy"

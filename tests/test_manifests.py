@@ -77,6 +77,7 @@ def _component_calls(monkeypatch) -> list[tuple[str, str]]:
         fake.set_policy("rlhf", policy)
         real = launcher.kube_apis
         monkeypatch.setattr(launcher, "kube_apis", lambda: real(host=fake.url))
+        monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")
         launch = lambda run_id, timeout_s=30: cluster.launch_cluster.python_func(
             run_id=run_id, **handover(RunConfig()), kube_spec={}, timeout_s=timeout_s)
         launch("nightly")

@@ -24,6 +24,54 @@ class ClusterLaunchError(RuntimeError):
     """The cluster did not come up; the message carries pod phases and events."""
 
 
+#: Labels that say who created a RayCluster: the namespace of the pipeline pod that created
+#: it (the Kubeflow profile, from the downward API, not from any run parameter) and its
+#: KFP run. Only a launch from the same profile reuses the cluster, and only its teardown
+#: deletes it.
+OWNER_NAMESPACE_LABEL = "rlhf.io/owner-namespace"
+CREATED_BY_RUN_LABEL = "rlhf.io/created-by-kfp-run"
+#: The pipeline sets it from the pod's metadata.namespace (kfp-kubernetes field path).
+POD_NAMESPACE_ENV = "RLHF_POD_NAMESPACE"
+_SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def check_cluster_policy(policy) -> str:
+    """``policy`` when it is one of POLICIES; else a one-line ValueError. Checked where a
+    run starts (submission, the driver, the cluster's launch), not first at teardown."""
+    if policy not in POLICIES:
+        raise ValueError(f"cluster_policy: expected one of {list(POLICIES)}, found {policy!r}")
+    return policy
+
+
+def pod_namespace() -> str:
+    """The namespace this pipeline pod runs in (its Kubeflow profile): the downward API's
+    value the pipeline puts in RLHF_POD_NAMESPACE, else the service account's namespace
+    file. Refused when neither says: a cluster's owner is never guessed."""
+    import os
+    import re
+
+    found = os.environ.get(POD_NAMESPACE_ENV, "").strip()
+    if not found:
+        try:
+            with open(_SERVICE_ACCOUNT_NAMESPACE) as f:
+                found = f.read().strip()
+        except OSError:
+            found = ""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", found):
+        raise ClusterLaunchError(f"{POD_NAMESPACE_ENV}: expected the namespace this pipeline pod runs in (the "
+                                 f"downward API's metadata.namespace); found {found!r}")
+    return found
+
+
+def with_owner(body: dict, owner_namespace: str, kfp_run_id: str) -> dict:
+    """``body`` (a rendered RayCluster) labelled with who creates it."""
+    from components.kuberay.names import label_value
+
+    labels = {**body["metadata"]["labels"], OWNER_NAMESPACE_LABEL: owner_namespace,
+              CREATED_BY_RUN_LABEL: label_value(kfp_run_id or "unknown")}
+    return {**body, "metadata": {**body["metadata"], "labels": labels}}
+
+
 @dataclass
 class ClusterAddress:
     name: str
@@ -109,11 +157,10 @@ class Launcher:
         name = body["metadata"]["name"]
         existing = self.get(name)
         if existing is not None:
-            want = body["metadata"]["labels"]["rlhf.io/run-id"]
-            found = (existing["metadata"].get("labels") or {}).get("rlhf.io/run-id")
-            if found != want:
-                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} exists but belongs to run {found!r}, "
-                                         f"not {want!r}; delete it or choose another run id")
+            problem = self.not_ours(existing, body["metadata"]["labels"])
+            if problem:
+                raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} exists but {problem}; it is not "
+                                         f"reused: choose another run id")
             self.log(f"reusing RayCluster {self.namespace}/{name}")
             self.restore_workers(existing, body)
             created = existing
@@ -131,6 +178,16 @@ class Launcher:
             self.ensure_head_account(created, body["metadata"]["labels"])
         workers = sum(int(g["replicas"]) for g in body["spec"]["workerGroupSpecs"])
         return self.wait_ready(name, timeout_s, reused=existing is not None, workers=workers)
+
+    @staticmethod
+    def not_ours(cluster: dict, labels: dict) -> str | None:
+        """Why ``cluster`` is not the one a launch labelled ``labels`` may reuse or tear
+        down (another run id, or created from another profile), or None."""
+        found = cluster["metadata"].get("labels") or {}
+        for key, what in (("rlhf.io/run-id", "run"), (OWNER_NAMESPACE_LABEL, "profile namespace")):
+            if key in labels and found.get(key) != labels[key]:
+                return f"belongs to {what} {found.get(key)!r}, not {labels[key]!r}"
+        return None
 
     def ensure_head_account(self, cluster: dict, labels: dict) -> None:
         """The head's own account, Role and RoleBinding (head_account.py), owned by the
@@ -218,19 +275,32 @@ class Launcher:
 
     # ---------------------------------------------------------------- teardown
 
-    def teardown(self, name: str, policy: str, succeeded: bool) -> str:
+    def teardown(self, name: str, policy: str, succeeded: bool, labels: dict) -> str:
         """Apply the run's policy: keep (the session lives on for the next iteration),
-        delete, or delete-on-success (keep a failed run's cluster to debug it)."""
+        delete, or delete-on-success (keep a failed run's cluster to debug it). Only a
+        cluster whose labels match ``labels`` (this run id, this profile) is deleted, and
+        only the object that was checked (a precondition on its uid)."""
+        from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        if policy not in POLICIES:
-            raise ValueError(f"cluster policy: expected one of {POLICIES}, found {policy!r}")
+        check_cluster_policy(policy)
         if policy == "keep" or (policy == "delete-on-success" and not succeeded):
             return "kept"
-        try:
-            self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, name)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        cluster = self.get(name)
+        if cluster is None:
             return "already gone"
+        problem = self.not_ours(cluster, labels)
+        if problem:
+            self.log(f"RayCluster {self.namespace}/{name} {problem}: left alone")
+            return "not this run's: left alone"
+        try:
+            self.custom.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, name,
+                body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=cluster["metadata"].get("uid"))))
+        except ApiException as exc:
+            if exc.status == 404:
+                return "already gone"
+            if exc.status == 409:  # another cluster of that name replaced the one checked
+                return "replaced meanwhile: left alone"
+            raise
         return "deleted"
