@@ -232,6 +232,12 @@ def test_namespace_enforces_restricted_pods_and_admits_only_the_pipeline(overlay
     binding = next(o for o in objects if o["kind"] == "RoleBinding")
     assert expression["key"] == "kubernetes.io/metadata.name" and expression["operator"] == "In"
     assert set(expression["values"]) == {s["namespace"] for s in binding["subjects"]}
+    # the KubeRay operator reaches the Jobs API only (a RayJob's status, shutdownAfterJobFinishes)
+    (rule,) = policies["rlhf-ray-head-from-operator"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [8265]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+    assert set(source["namespaceSelector"]["matchLabels"]) == {"kubernetes.io/metadata.name"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -241,13 +247,30 @@ def test_ray_pods_egress_is_limited_and_never_reaches_the_metadata_address(overl
     assert {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]} in egress  # nothing else leaves
     rules = [rule for spec in egress for rule in spec.get("egress", [])]
     assert rules and all(rule.get("to") for rule in rules)  # a rule without `to` opens everything
-    blocks = [peer["ipBlock"] for rule in rules for peer in rule["to"] if "ipBlock" in peer]
-    for block in blocks:  # every open range leaves the metadata address out
-        if block["cidr"] in ("0.0.0.0/0", "169.254.0.0/16"):
-            assert "169.254.169.254/32" in block.get("except", []), block
-        if block["cidr"] == "::/0":
-            assert "fd00:ec2::254/128" in block.get("except", []), block
-    assert {b["cidr"] for b in blocks} == {"0.0.0.0/0", "::/0"}
+    import ipaddress
+
+    inside = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                                                "169.254.0.0/16", "fc00::/7", "fe80::/10")]
+    metadata = [ipaddress.ip_address(a) for a in ("169.254.169.254", "169.254.170.2", "100.100.100.200",
+                                                  "fd00:ec2::254")]
+    for spec in egress:
+        for rule in spec.get("egress", []):
+            for peer in rule["to"]:
+                if "ipBlock" not in peer:
+                    continue
+                block = peer["ipBlock"]
+                net, left_out = ipaddress.ip_network(block["cidr"]), [ipaddress.ip_network(e)
+                                                                      for e in block.get("except", [])]
+                # no open range reaches a metadata address (AWS, ECS, Alibaba, AWS IPv6) at all
+                for address in metadata:
+                    assert address not in net or any(address in e for e in left_out), (block, address)
+                # the pods' own and the cluster's private ranges only from the head, only to the API server's ports
+                reaches_inside = any(net.overlaps(r) and not any(r.subnet_of(e) for e in left_out
+                                                                 if e.version == r.version)
+                                     for r in inside if r.version == net.version)
+                if reaches_inside:
+                    assert spec["podSelector"]["matchLabels"].get("ray.io/node-type") == "head", spec
+                    assert {p["port"] for p in rule["ports"]} == {443, 6443}, rule
     dns = [rule for rule in rules if {p.get("port") for p in rule.get("ports", [])} == {53}]
     assert dns and dns[0]["to"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
 
