@@ -101,17 +101,16 @@ def test_a_live_holder_slower_than_the_ttl_keeps_its_lease(run):
         keeper.close()
 
 
-class _Later:
-    """The ``time`` module as seen ``seconds`` later (for the lease module only)."""
+def _ahead_while_latest_is(log, token: int, seconds: float):
+    """``store_now`` for the lease module: ``seconds`` ahead of the store's clock while the
+    log's newest record is generation ``token`` (a dead holder's), the store's own after:
+    the dead record is that old, every record written since is fresh."""
+    real = lease_module.store_now
 
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def time(self) -> float:
-        return time.time() + self.seconds
-
-    def __getattr__(self, name):
-        return getattr(time, name)
+    def now(folder):
+        latest = log.latest()
+        return real(folder) + (seconds if latest is not None and latest[0] == token else 0.0)
+    return now
 
 
 def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run, monkeypatch):
@@ -119,36 +118,35 @@ def test_a_holder_that_died_on_another_host_is_taken_over_after_the_ttl(run, mon
     dead = LeaseLog(run, 0, ttl_s=900).acquire("local:another-host:4242")  # it never renews: that host is gone
     assert isinstance(dead, Lease)
     assert LeaseLog(run, 0, ttl_s=900).acquire("local:this-host-b:1") == "local:another-host:4242"  # fresh: not yet
-    # the contenders come 1000 s later (their clock, not a sleep): the dead record is past
-    # the TTL, and the winner's own record is fresh for every contender
-    monkeypatch.setattr(lease_module, "time", _Later(1000.0))
+    # the contenders come when the dead record is 1000 s old by the store's clock (no sleep)
+    monkeypatch.setattr(lease_module, "store_now", _ahead_while_latest_is(LeaseLog(run, 0, 900), dead.token, 1000.0))
     outcome = race(run, ["kfp:a/run-iteration", "kfp:b/run-iteration"], ttl_s=900)
     assert sorted(outcome.values())[0] in ("already committed", "committed") and \
         list(outcome.values()).count("committed") == 1, outcome
     assert committed(run)["token"] > dead.token
 
 
-def test_a_holder_whose_clock_is_behind_keeps_its_lease(run, monkeypatch):
-    """A record's time is its writer's clock, its age is read on the reader's. A holder
-    whose clock is behind by more than the TTL has just written its record, which looks
-    older than the TTL to a contender: within the skew margin it keeps its lease; a
-    record older than TTL + margin is stale and taken."""
+def test_lease_ages_are_the_stores_and_no_clock_of_a_writer_counts(run, monkeypatch):
+    """Issue 39 item 10: a record's age is the store's stamp against the store's clock. A
+    holder whose own clock is hours behind (or ahead) keeps its lease, and what a record
+    says of its own time ("at") is not believed either way."""
     ttl, real = 30.0, time.time
-
-    def written_with_clock_behind(skew: float, change):
-        monkeypatch.setattr(lease_module, "time", SimpleNamespace(time=lambda: real() - skew))
-        try:
-            return change()
-        finally:
-            monkeypatch.setattr(lease_module, "time", time)
-
-    log = LeaseLog(run, 0, ttl)
-    behind = written_with_clock_behind(ttl + CLOCK_SKEW_MARGIN_S / 2, lambda: log.acquire("kfp:behind/run-iteration"))
+    monkeypatch.setattr(lease_module, "time", SimpleNamespace(time=lambda: real() - 10 * 3600))
+    behind = LeaseLog(run, 0, ttl).acquire("kfp:behind/run-iteration")
+    monkeypatch.setattr(lease_module, "time", SimpleNamespace(time=lambda: real() + 10 * 3600))
     assert isinstance(behind, Lease)
-    assert LeaseLog(run, 0, ttl).acquire("kfp:other/run-iteration") == "kfp:behind/run-iteration"
-    assert written_with_clock_behind(ttl + CLOCK_SKEW_MARGIN_S + 1, lambda: log.renew(behind))
-    taken = LeaseLog(run, 0, ttl).acquire("kfp:other/run-iteration")
-    assert isinstance(taken, Lease) and not log.holds(behind)
+    assert LeaseLog(run, 0, ttl).acquire("kfp:ahead/run-iteration") == "kfp:behind/run-iteration"
+    monkeypatch.setattr(lease_module, "time", time)
+    log = LeaseLog(run, 1, ttl)
+    for generation, at in ((1, 0.0), (2, real() + 10 * 365 * 86400)):  # dated 1970, then ten years ahead
+        sfs.put_create_only(log.folder.child(lease_module.run_layout.lease_record(generation)),
+                            json.dumps({"holder": "kfp:live/x", "token": 1, "state": "held", "at": at,
+                                        "process": None}).encode())
+        assert log.acquire("kfp:other/run-iteration") == "kfp:live/x"  # just written: live, whatever it says
+    # a record the store stamped longer ago than TTL + margin is stale
+    monkeypatch.setattr(lease_module, "store_now", _ahead_while_latest_is(log, 2, ttl + CLOCK_SKEW_MARGIN_S + 1))
+    taken = log.acquire("kfp:other/run-iteration")
+    assert isinstance(taken, Lease) and taken.token == 3
 
 
 def test_a_retried_task_takes_over_at_once_and_the_old_pod_cannot_commit(run):
@@ -407,14 +405,20 @@ def test_a_direct_run_takes_the_iterations_lease_and_leaves_a_held_one_alone(tmp
     assert not list((tmp_path / "store" / "r").glob("checkpoints/*"))
 
 
-def test_a_record_dated_in_the_future_or_unreadable_holds_nothing(run):
-    """A record dated beyond the clock-skew margin ahead (it would keep a dead holder's
-    lease forever) is stale; a record that is not a JSON object is skipped with a
-    one-line warning, and the next write numbers itself above it."""
+def test_a_record_stamped_in_the_future_or_unreadable_holds_nothing(tmp_path):
+    """A record the store stamped later than its own clock's margin (a file whose time was
+    touched forward: it would keep a dead holder's lease forever) is stale; a record that
+    is not a JSON object is skipped with a one-line warning, and the next write numbers
+    itself above it. (On disk: an S3 server stamps its objects itself.)"""
+    import os
+
+    run = sfs.resolve(str(tmp_path / "run"))
     log = LeaseLog(run, 0, ttl_s=30)
-    sfs.put_create_only(log.folder.child(lease_module.run_layout.lease_record(1)),
-                        json.dumps({"holder": "kfp:forged/x", "token": 1, "state": "held",
-                                    "at": time.time() + 10 * 365 * 86400, "process": None}).encode())
+    forged = log.folder.child(lease_module.run_layout.lease_record(1))
+    sfs.put_create_only(forged, json.dumps({"holder": "kfp:forged/x", "token": 1, "state": "held",
+                                            "at": time.time(), "process": None}).encode())
+    ahead = time.time() + 10 * 365 * 86400
+    os.utime(forged.path, (ahead, ahead))
     taken = log.acquire("kfp:b/run-iteration")
     assert isinstance(taken, Lease) and taken.token == 2
     sfs.put_create_only(log.folder.child(lease_module.run_layout.lease_record(3)), b"not json")

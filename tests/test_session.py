@@ -150,6 +150,7 @@ def test_overlapping_trigger_leaves_a_leased_iteration_alone(tmp_path, head_root
     # a stale lease (its holder stopped renewing long ago) is taken over
     (leases / "00000002.json").write_text(json.dumps({"holder": "kfp:other/run-iteration", "token": 1,
                                                       "state": "held", "at": time.time() - 7200}))
+    os.utime(leases / "00000002.json", (time.time() - 7200, time.time() - 7200))  # the store's stamp is its age
     out = iterate(tmp_path, head_root).stdout
     assert "iteration 0:" in out
     records = [json.loads(p.read_text()) for p in sorted(leases.iterdir())]

@@ -44,18 +44,22 @@ from rlhf_core.record import run_layout
 from rlhf_core.runtime.processes import known_dead, this_process
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
+from rlhf_core.snapshot.fs import store_now
 
 
 #: How long a controller's lease lasts without a renewal (it renews every third of it):
 #: a controller that died where nobody can see its process is taken over after this.
 CONTROLLER_TTL_S = 900.0
 
-#: "Older than the TTL" means older than TTL + this margin. A record's time ("at") is its
-#: writer's clock and its age is read on the reader's, so a writer whose clock is behind
-#: looks older than it is: renewed every TTL/3, it keeps its lease while the skew stays
-#: below TTL * 2/3 + this margin. The scheme assumes hosts' clocks agree that well (NTP
-#: keeps them within far less); docs/kubeflow.md, "Leases".
+#: "Older than the TTL" means older than TTL + this margin. A record's age is the store's:
+#: the time the store stamped on it (LastModified on S3, mtime on disk) against the
+#: store's present time (``sfs.store_now``), so neither the writer's clock nor the
+#: reader's enters it, and nothing a record says about its own time is believed. The
+#: margin covers the stamps' granularity (1 s on S3) and a store whose servers' clocks
+#: differ a little; docs/kubeflow.md, "Leases".
 CLOCK_SKEW_MARGIN_S = 60.0
+#: The key ``LeaseLog.latest`` puts the store's stamp under (whatever the record held there).
+STORED_AT = "stored_at"
 
 
 class LeaseLost(RuntimeError):
@@ -97,10 +101,11 @@ class LeaseLog:
         if hasattr(fs, "invalidate_cache"):
             fs.invalidate_cache(self.folder.path)
         try:
-            names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(self.folder.path, detail=False)]
+            listed = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info
+                      for info in fs.ls(self.folder.path, detail=True)}
         except FileNotFoundError:
             return None
-        generations = sorted(g for g in map(run_layout.generation_of_lease_record, names) if g is not None)
+        generations = sorted(g for g in map(run_layout.generation_of_lease_record, listed) if g is not None)
         for generation in reversed(generations):
             raw = sfs.read_bytes(self.folder.child(run_layout.lease_record(generation)))
             if raw is None:
@@ -110,8 +115,9 @@ class LeaseLog:
             except ValueError:
                 record = None
             if isinstance(record, dict):
-                # the newest generation numbers the next write, whatever the records below it say
-                return generations[-1], record
+                # the newest generation numbers the next write, whatever the records below it say;
+                # the record's age is the store's stamp, never what its writer put in it
+                return generations[-1], {**record, STORED_AT: sfs.stamp(listed[run_layout.lease_record(generation)])}
             print(f"rlhf: warning: {self.folder.uri}/{run_layout.lease_record(generation)}: expected a lease record "
                   f"(a JSON object); found {raw[:40]!r}; skipped", file=sys.stderr)
         return (generations[-1], {"state": "released"}) if generations else None
@@ -130,12 +136,12 @@ class LeaseLog:
         """Whether ``holder`` may take the lease whose latest record is ``record``."""
         if record.get("state") == "released" or record.get("holder") == holder:
             return True
-        try:
-            age = time.time() - float(record.get("at", 0))
-        except (TypeError, ValueError):
-            return True  # no time to age it by: it cannot hold anything
-        # dated later than any clock within the skew margin could write it: a forged or broken
-        # record, not a live holder whose clock is ahead (it would hold the lease forever)
+        stored = record.get(STORED_AT)
+        if not isinstance(stored, float) or stored <= 0:
+            return True  # no store time to age it by: it cannot hold anything
+        age = store_now(self.folder) - stored
+        # stamped later than the store's own clock: a record whose time was forged (a touched
+        # file), not a live holder (it would hold the lease forever)
         if age >= self.ttl_s + CLOCK_SKEW_MARGIN_S or age < -CLOCK_SKEW_MARGIN_S:
             return True
         return known_dead(record.get("process"))

@@ -29,9 +29,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
-from email.utils import parsedate_to_datetime
 
 from rlhf_core.checkpoint.layout import TRAINER_STATE_FILE
 from rlhf_core.record import run_layout
@@ -89,30 +87,6 @@ class GcPlan:
         return self.checkpoints + self.snapshots + self.orphans + self.leases + self.scratch
 
 
-def store_now(run: sfs.Location) -> float:
-    """The store's present time, as the clock that stamps its objects has it: on S3 the
-    ``Date`` of its answer to a HEAD of the bucket; on disk the mtime of a scratch file
-    made in the run's folder (a network filesystem stamps with the server's clock). This
-    machine's clock only when the store gives none."""
-    try:
-        if run.protocol == "s3":
-            answer = run.fs.call_s3("head_bucket", Bucket=run.path.split("/", 1)[0])
-            date = (answer.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
-            if date:
-                return parsedate_to_datetime(date).timestamp()
-        elif run.is_local and os.path.isdir(run.path):
-            probe = os.path.join(run.path, f"{TMP_PREFIX}clock-{uuid.uuid4().hex}")
-            with open(probe, "wb"):
-                pass
-            try:
-                return os.stat(probe).st_mtime
-            finally:
-                os.unlink(probe)
-    except OSError:
-        pass
-    return time.time()
-
-
 def _age_s(loc: sfs.Location, now: float) -> float:
     """Seconds since the newest object under ``loc`` was written (0 when unknown)."""
     newest = 0.0
@@ -121,7 +95,7 @@ def _age_s(loc: sfs.Location, now: float) -> float:
     except FileNotFoundError:
         return 0.0
     for info in infos.values():
-        newest = max(newest, _stamp(info))
+        newest = max(newest, sfs.stamp(info))
     return now - newest if newest else 0.0
 
 
@@ -185,7 +159,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     run = sfs.resolve(run_uri, storage_options)
     if hasattr(run.fs, "invalidate_cache"):
         run.fs.invalidate_cache()
-    now = store_now(run) if now is None else now
+    now = sfs.store_now(run) if now is None else now
     istore = IterationStore(run_layout.RunRef.from_uri(run.uri), storage_options)
     committed = istore.committed_iterations()
     committed_set = set(committed)
@@ -255,11 +229,6 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     return plan
 
 
-def _stamp(info: dict) -> float:
-    stamp = info.get("mtime") or info.get("LastModified") or info.get("Initiated") or info.get("created")
-    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp or 0)
-
-
 def _stale_scratch(run: sfs.Location, grace_s: float, now: float) -> list[str]:
     """Writers' ``.tmp-*`` objects under the run (a create-only write's temp file, a
     create-only probe) older than the grace period: their writer died before removing them."""
@@ -268,7 +237,7 @@ def _stale_scratch(run: sfs.Location, grace_s: float, now: float) -> list[str]:
     except FileNotFoundError:
         return []
     return sorted(run.child(path[len(run.path):]).uri for path, info in found.items()
-                  if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX) and now - _stamp(info) >= grace_s)
+                  if path.rsplit("/", 1)[-1].startswith(TMP_PREFIX) and now - sfs.stamp(info) >= grace_s)
 
 
 def _stale_uploads(run: sfs.Location, grace_s: float, now: float) -> list[tuple[str, str]]:
@@ -282,7 +251,7 @@ def _stale_uploads(run: sfs.Location, grace_s: float, now: float) -> list[tuple[
     while True:
         answer = run.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix.rstrip("/") + "/", **markers)
         for upload in answer.get("Uploads") or []:
-            if now - _stamp(upload) >= grace_s:
+            if now - sfs.stamp(upload) >= grace_s:
                 out.append((f"s3://{bucket}/{upload['Key']}", upload["UploadId"]))
         if not answer.get("IsTruncated"):
             return sorted(out)

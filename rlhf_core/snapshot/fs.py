@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import fsspec
@@ -324,3 +325,34 @@ def _close_async_filesystems() -> None:
                 pass
             fs._s3 = None
     _ASYNC_FS.clear()
+
+
+def store_now(run: "Location") -> float:
+    """The store's present time, as the clock that stamps its objects has it: on S3 the
+    ``Date`` of its answer to a HEAD of the bucket; on disk the mtime of a scratch file
+    made in the run's folder (a network filesystem stamps with the server's clock). This
+    machine's clock only when the store gives none."""
+    try:
+        if run.protocol == "s3":
+            answer = run.fs.call_s3("head_bucket", Bucket=run.path.split("/", 1)[0])
+            date = (answer.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date")
+            if date:
+                return parsedate_to_datetime(date).timestamp()
+        elif run.is_local and os.path.isdir(run.path):
+            probe = os.path.join(run.path, f"{TMP_PREFIX}clock-{uuid.uuid4().hex}")
+            with open(probe, "wb"):
+                pass
+            try:
+                return os.stat(probe).st_mtime
+            finally:
+                os.unlink(probe)
+    except OSError:
+        pass
+    return time.time()
+
+
+def stamp(info: dict) -> float:
+    """When the store wrote an object, by its own clock (mtime on disk, LastModified on S3),
+    from a listing's or ``info``'s entry; 0 when it says nothing."""
+    stamp = info.get("mtime") or info.get("LastModified") or info.get("Initiated") or info.get("created")
+    return stamp.timestamp() if hasattr(stamp, "timestamp") else float(stamp or 0)
