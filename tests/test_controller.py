@@ -295,3 +295,63 @@ def test_detached_group_can_be_reattached(ray_local):
     finally:
         wg.kill()
         pool.release()
+
+
+class Counter(Worker):
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def step(self):
+        self.steps += 1
+        return self.steps
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def steps_taken(self):
+        return self.steps
+
+
+def test_a_controller_whose_claim_was_replaced_has_every_later_call_refused_on_every_rank(ray_local):
+    """Issue 39 item 6: two controllers drive one detached group at the same time. The old
+    one keeps calling (as a controller that lost its lease would, its queued updates
+    included); the new one fences the workers with a higher claim. Once the fence has
+    returned, not one call of the old controller runs on any rank, and it is refused in
+    one line naming both claims; the new controller's calls run."""
+    import threading
+
+    from rlhf_core.controller import StaleClaimError
+
+    pool = RayResourcePool([2], use_gpu=False, name_prefix="fenced", cpus_per_process=0.5, detached=True)
+    old = RayWorkerGroup(pool, RayClassWithInitArgs(Counter), name_prefix="fenced_counter", detached=True)
+    try:
+        old.fence_claim = 1
+        old.fence()
+        new = RayWorkerGroup.from_detached(old.worker_names, RayClassWithInitArgs(Counter))
+        running, refused = threading.Event(), []
+
+        def old_controller():
+            try:
+                while True:
+                    old.step()
+                    running.set()
+            except WorkerError as exc:
+                refused.append(exc)
+
+        thread = threading.Thread(target=old_controller)
+        thread.start()
+        assert running.wait(60)
+        new.fence_claim = 2
+        new.fence()  # returns once every rank has seen claim 2
+        fenced_at = new.steps_taken()
+        thread.join(60)
+        assert not thread.is_alive() and len(refused) == 1
+        assert new.steps_taken() == fenced_at and len(set(fenced_at)) == 1  # nothing of the old ran after
+        assert isinstance(refused[0].__cause__, StaleClaimError), refused[0]
+        assert "carries claim 1 and claim 2 drives these workers now" in str(refused[0].__cause__)
+        assert new.step() == [fenced_at[0] + 1] * 2
+        with pytest.raises(WorkerError, match="StaleClaimError"):  # its reads too: it drives nothing now
+            old.steps_taken()
+    finally:
+        old.kill()
+        pool.release()

@@ -8,6 +8,7 @@ ported workers keep working; the implementation is this project's own.
 from rlhf_core.controller.dispatch import (
     Dispatch,
     Execute,
+    StaleClaimError,
     get_dispatch_mode,
     make_nd_compute_dataproto_dispatch_fn,
     register,
@@ -28,5 +29,5 @@ __all__ = [
     "Dispatch", "Execute", "register", "register_dispatch_mode", "get_dispatch_mode",
     "make_nd_compute_dataproto_dispatch_fn", "ResourcePool", "RayResourcePool",
     "ResourcePoolError", "Worker", "RayClassWithInitArgs", "RayWorkerGroup", "WorkerError",
-    "WorkerDiedError", "create_colocated_worker_cls", "ray_get_ranked",
+    "WorkerDiedError", "create_colocated_worker_cls", "ray_get_ranked", "StaleClaimError",
 ]

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -84,6 +86,46 @@ def get_dispatch_mode(mode: Any) -> DispatchMode:
     return _DISPATCH_MODES[name]
 
 
+# ------------------------------------------------------------------ fencing
+
+#: The keyword a fenced group call carries to every rank: the claim of the controller that
+#: sends it (a session's claim number, raised by each controller that attaches).
+FENCE_KWARG = "_rlhf_claim"
+
+
+class StaleClaimError(RuntimeError):
+    """A call from a controller whose claim on the workers another controller replaced."""
+
+
+class _Fence:
+    """The highest claim this worker process has seen. A call carrying a lower one is
+    refused before it runs; the check and the raise are one step under a lock, so two
+    controllers' calls cannot both pass on one rank."""
+
+    def __init__(self) -> None:
+        self.claim, self._lock = 0, threading.Lock()
+
+    def admit(self, claim, method: str) -> None:
+        if isinstance(claim, bool) or not isinstance(claim, int) or claim < 0:
+            raise StaleClaimError(f"{method}: {FENCE_KWARG}: expected a claim number >= 0; found {claim!r}")
+        with self._lock:
+            if claim < self.claim:
+                raise StaleClaimError(f"{method}: refused: the call carries claim {claim} and claim {self.claim} "
+                                      f"drives these workers now (another controller took them over)")
+            self.claim = claim
+
+
+#: One per worker process (colocated roles share it: they share the weights' process).
+FENCE = _Fence()
+
+
+def _with_fence_keyword(sig: inspect.Signature) -> inspect.Signature:
+    params = [p for p in sig.parameters.values() if p.name != FENCE_KWARG]
+    fence = inspect.Parameter(FENCE_KWARG, inspect.Parameter.KEYWORD_ONLY, default=None)
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    return sig.replace(parameters=params[:at] + [fence] + params[at:])
+
+
 # ------------------------------------------------------------------ the decorator
 
 
@@ -103,6 +145,9 @@ def register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, execute_mode: Execute = E
     def decorator(func):
         @functools.wraps(func)
         def inner(self, *args, **kwargs):
+            claim = kwargs.pop(FENCE_KWARG, None)
+            if claim is not None:  # before anything of the call runs (its futures included)
+                FENCE.admit(claim, func.__name__)
             if materialize_futures:
                 args, kwargs, trim = _materialize(args, kwargs)
             else:
@@ -118,6 +163,10 @@ def register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, execute_mode: Execute = E
                 metrics["timing_worker_s"] = time.perf_counter() - start
             return output
 
+        # Ray checks a call's arguments against the method's signature, unwrapped: the
+        # wrapper's own signature (with the fence keyword) is what it must see
+        inner.__signature__ = _with_fence_keyword(inspect.signature(func))
+        del inner.__wrapped__
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
                                     "blocking": blocking})
         return inner

@@ -12,6 +12,7 @@ import datetime
 import os
 import tempfile
 
+from rlhf_core.controller.dispatch import Dispatch, register
 from rlhf_core.runtime.gpus import local_device_index
 
 
@@ -77,6 +78,11 @@ class Worker:
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def fence(self) -> None:
+        """Nothing but the claim the call carries: once every rank ran it, every rank
+        refuses the calls of an earlier claim (``WorkerSet.fence``)."""
 
     def _register_dispatch_collect_info(self, mesh_name: str, dp_rank: int, is_collect: bool) -> None:
         """Declare this rank's place in an nd mesh: its dp rank (which data chunk it gets)

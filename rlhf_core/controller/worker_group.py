@@ -17,7 +17,7 @@ import inspect
 import uuid
 
 from rlhf_core.controller.dispatch import (
-    MAGIC_ATTR, PADDING_KWARG, Execute, get_dispatch_mode,
+    FENCE_KWARG, MAGIC_ATTR, PADDING_KWARG, Execute, get_dispatch_mode,
 )
 from rlhf_core.controller.resource_pool import RayResourcePool
 from rlhf_core.controller.worker import RENDEZVOUS_ENV
@@ -137,6 +137,8 @@ class RayWorkerGroup:
         self._worker_names: list[str] = []
         self._dispatch_cache: dict[str, list[int]] = {}
         self._collect_cache: dict[str, list[bool]] = {}
+        # the claim every registered call of this handle carries (``set_fence``); None: unfenced
+        self.fence_claim: int | None = None
         if worker_names is not None:
             self._attach(worker_names, namespace)
         else:
@@ -245,6 +247,8 @@ class RayWorkerGroup:
         def call(*args, **kwargs):
             args, kwargs = mode.dispatch_fn(self, *args, **kwargs)
             padding = kwargs.pop(PADDING_KWARG, 0)
+            if self.fence_claim is not None:
+                kwargs = {**kwargs, FENCE_KWARG: [self.fence_claim] * self.world_size}
             refs, ranks = self._execute(remote_name, execute_mode, args, kwargs)
             if blocking:
                 outputs = ray_get_ranked(refs, self.role, remote_name, ranks)

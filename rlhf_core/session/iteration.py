@@ -121,6 +121,9 @@ def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_sta
         # so no computing ahead can start on them once it is on them, and a controller
         # before it can no longer mark them clean
         claimed = ray.get(attached.record.claim.remote(leases.me))
+        # and the workers obey this controller alone: a controller before it (its lease lost,
+        # its pod still running) has every later call refused by every rank
+        attached.workers.fence(claimed["claim"])
         ahead = (SessionPrefetch(cfg, run_id, attached.prefetcher, claimed.get("step"), info["generation"], log,
                                  claimed["claim"]) if attached.prefetcher is not None else None)
         attachment = SessionAttachment(attached, ahead, on_stage, claimed)

@@ -101,7 +101,11 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     bar = tqdm(total=iterations, desc="iteration", disable=not cfg.trainer.progress, file=sys.stderr, leave=False)
     progress = ProgressLine(iterations)
 
+    current: list[IterationCommit] = []  # the iteration under way's lease
+
     def stage_hook(name: str) -> None:
+        if current:
+            current[-1].check()  # no stage starts on workers whose lease this controller lost
         bar.set_description(f"stage {name:<13}")
         for hook in (attachment.stage_started if attachment else None, on_stage):
             if hook is not None:
@@ -120,6 +124,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
                 iteration = trainer.state.global_step
                 this = IterationCommit(keeper=leases.for_iteration(iteration) if leases else None,
                                        force_checkpoint=checkpoint_last and k == iterations - 1)
+                current[:] = [this]
                 trainer.on_updated = partial(this.start_checkpoint, cfg, workers, istore, iteration + 1)
                 try:
                     metrics = trainer.run_iteration()

@@ -221,6 +221,17 @@ class WorkerSet:
         for pool in self.pools:
             pool.release()
 
+    def fence(self, claim: int) -> None:
+        """Make this handle the only one the workers obey: every call it makes from now on
+        carries ``claim``, and once this returns every rank has seen it, so each refuses
+        the calls of an earlier claim (a controller that lost the workers to this one, its
+        queued updates included). A worker runs one call at a time, so a call of the
+        earlier claim already running has finished by then."""
+        for group in [*self.groups, *self.roles.values()]:
+            group.fence_claim = claim
+        for group in self.groups:
+            group.fence()
+
     # ------------------------------------------------------------------ checkpoints
 
     def start_checkpoint(self, uri: str, storage_options: dict | None = None) -> None:
