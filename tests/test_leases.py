@@ -149,12 +149,27 @@ def test_lease_ages_are_the_stores_and_no_clock_of_a_writer_counts(run, monkeypa
     assert isinstance(taken, Lease) and taken.token == 3
 
 
-def test_a_retried_task_takes_over_at_once_and_the_old_pod_cannot_commit(run):
-    """KFP retries a task in a new pod with the same run and task ids: it takes the lease
-    at once (no waiting for the TTL); the old pod, if it still runs, finds it lost."""
+def _elsewhere(monkeypatch):
+    """This process's records as a pod on another host would write them (its process
+    cannot be seen from here: only its renewals tell whether it lives)."""
+    real = lease_module.this_process
+    monkeypatch.setattr(lease_module, "this_process", lambda: {**real(), "host": "pod-elsewhere"})
+    return lambda: monkeypatch.setattr(lease_module, "this_process", real)
+
+
+def test_a_retried_task_takes_over_only_from_a_pod_that_missed_its_renewal(run, monkeypatch):
+    """KFP retries a task in a new pod with the same run and task ids (the same holder).
+    Issue 39 item 6: while the pod before it renews, it keeps the lease (it may be cut off
+    from KFP, not dead); once it missed a renewal, the retry takes over at once (no waiting
+    for the TTL), and the old pod, if it still runs, finds its lease lost."""
     log = LeaseLog(run, 0, ttl_s=900)
+    back = _elsewhere(monkeypatch)
     old = log.acquire("kfp:run-7/run-iteration")
+    back()
     old_keeper = LeaseKeeper(log, old)
+    assert log.acquire("kfp:run-7/run-iteration") == "kfp:run-7/run-iteration"  # renewing: still its
+    missed = 900 / lease_module.RENEWALS_PER_TTL + CLOCK_SKEW_MARGIN_S + 1
+    monkeypatch.setattr(lease_module, "store_now", _ahead_while_latest_is(log, old.token, missed))
     retry = log.acquire("kfp:run-7/run-iteration")
     assert isinstance(retry, Lease) and retry.token > old.token
     with pytest.raises(LeaseLost, match="taken over"):
@@ -165,7 +180,23 @@ def test_a_retried_task_takes_over_at_once_and_the_old_pod_cannot_commit(run):
     assert log.acquire("kfp:other/run-iteration") == "kfp:run-7/run-iteration"
 
 
-def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
+def test_a_retried_task_takes_over_at_once_from_a_pod_known_dead(run):
+    """On one machine (a local pipeline run's retry) the process before is known to have
+    ended: no renewal period is waited for."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rlhf_core.snapshot import fs as sfs; from rlhf_core.record.lease import LeaseLog; "
+            "run = sfs.resolve(sys.argv[1], __import__('json').loads(sys.argv[2]));"
+            "print(LeaseLog(run, 0, ttl_s=900).acquire('kfp:run-9/run-iteration').token)")
+    done = subprocess.run([sys.executable, "-c", code, run.uri, json.dumps(run.storage_options or {})],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    retry = LeaseLog(run, 0, ttl_s=900).acquire("kfp:run-9/run-iteration")
+    assert isinstance(retry, Lease) and retry.token == int(done.stdout.split()[-1]) + 1
+
+
+def test_a_retry_racing_its_still_running_predecessor_commits_once(run, monkeypatch):
     """Both pods of one task run at the same time (the first was partitioned away, not
     dead) and go for the commit together, several rounds: whatever the interleaving,
     exactly one commits, under a token it still held; the other finds its lease lost or
@@ -173,7 +204,12 @@ def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
     for round_ in range(4):
         where = run.child(f"round-{round_}")
         log = LeaseLog(where, 0, ttl_s=900)
+        back = _elsewhere(monkeypatch)
         first = log.acquire("kfp:run-8/run-iteration")
+        back()
+        # its renewals stopped reaching the store (partitioned away) a renewal period ago
+        missed = 900 / lease_module.RENEWALS_PER_TTL + CLOCK_SKEW_MARGIN_S + 1
+        monkeypatch.setattr(lease_module, "store_now", _ahead_while_latest_is(log, first.token, missed))
         barrier = threading.Barrier(2)
         outcome = {}
 
@@ -197,7 +233,7 @@ def test_a_retry_racing_its_still_running_predecessor_commits_once(run):
 
         def retry_pod():
             barrier.wait()
-            lease = log.acquire("kfp:run-8/run-iteration")  # the same task: taken over at once
+            lease = log.acquire("kfp:run-8/run-iteration")  # the same task, its renewal missed: taken over
             assert isinstance(lease, Lease) and lease.token > first.token
             if sfs.read_bytes(where.child("iter-000000", "MANIFEST.json")) is not None:
                 outcome["retry"] = "already committed"

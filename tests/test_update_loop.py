@@ -94,7 +94,7 @@ def test_actor_and_critic_update_through_the_shared_loop():
     from rlhf_core.workers.critic import CriticWorker
 
     for method in (ActorRolloutRefWorker.update_actor, CriticWorker.update_critic):
-        source = inspect.getsource(inspect.unwrap(method))
+        source = inspect.getsource(method.__registered__)
         assert "self._ppo_update(" in source and "optimizer.step" not in source, method
     assert CriticWorker.seed_offset != ActorRolloutRefWorker.seed_offset
 

@@ -167,6 +167,7 @@ def register(dispatch_mode: Any = Dispatch.ALL_TO_ALL, execute_mode: Execute = E
         # wrapper's own signature (with the fence keyword) is what it must see
         inner.__signature__ = _with_fence_keyword(inspect.signature(func))
         del inner.__wrapped__
+        inner.__registered__ = func  # the method as written (its source, for reading and tests)
         setattr(inner, MAGIC_ATTR, {"dispatch_mode": dispatch_mode, "execute_mode": execute_mode,
                                     "blocking": blocking})
         return inner

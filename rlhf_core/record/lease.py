@@ -17,7 +17,8 @@ latest record names its holder and token and is not released. No read-modify-wri
 delete: it is correct on S3 (strongly consistent LIST and create-only PUT) and on disk.
 
 A lease is free to take when its latest record is released, older than the TTL, held by
-the same holder id (a KFP retry of the same task: the pod before it is gone), or written
+the same holder id and older than a renewal period (a KFP retry of the same task: the pod
+before it stopped renewing; one still renewing keeps it, and the retry waits), or written
 by a process that has certainly ended: each record names the process that wrote it (host,
 boot, PID namespace, PID, start time), and a contender that can see that process table
 (the same machine and container: a local ``rlhf run`` and its pipeline runs' controllers)
@@ -58,6 +59,8 @@ CONTROLLER_TTL_S = 900.0
 #: margin covers the stamps' granularity (1 s on S3) and a store whose servers' clocks
 #: differ a little; docs/kubeflow.md, "Leases".
 CLOCK_SKEW_MARGIN_S = 60.0
+#: A holder renews its lease this many times per TTL (``LeaseKeeper``).
+RENEWALS_PER_TTL = 3
 #: The key ``LeaseLog.latest`` puts the store's stamp under (whatever the record held there).
 STORED_AT = "stored_at"
 
@@ -134,8 +137,10 @@ class LeaseLog:
 
     def is_free(self, record: dict, holder: str) -> bool:
         """Whether ``holder`` may take the lease whose latest record is ``record``."""
-        if record.get("state") == "released" or record.get("holder") == holder:
+        if record.get("state") == "released":
             return True
+        if record.get("holder") == holder and record.get("process") == this_process():
+            return True  # this very process's own record: nobody else's to wait for
         stored = record.get(STORED_AT)
         if not isinstance(stored, float) or stored <= 0:
             return True  # no store time to age it by: it cannot hold anything
@@ -143,6 +148,10 @@ class LeaseLog:
         # stamped later than the store's own clock: a record whose time was forged (a touched
         # file), not a live holder (it would hold the lease forever)
         if age >= self.ttl_s + CLOCK_SKEW_MARGIN_S or age < -CLOCK_SKEW_MARGIN_S:
+            return True
+        # the same holder is an earlier attempt of this task (a KFP retry's pod before it):
+        # it is gone once it missed a renewal, not before (it may be cut off from KFP, not dead)
+        if record.get("holder") == holder and age >= self.ttl_s / RENEWALS_PER_TTL + CLOCK_SKEW_MARGIN_S:
             return True
         return known_dead(record.get("process"))
 
@@ -207,7 +216,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
-        period = max(0.05, self.log.ttl_s / 3)
+        period = max(0.05, self.log.ttl_s / RENEWALS_PER_TTL)
         while not self._stop.wait(period):
             try:
                 if not self.log.renew(self.lease):
@@ -244,6 +253,9 @@ class IterationLeases:
         what the holder announces (a session's controller: the checkpoint it will write)."""
         log = self.istore.lease_log(iteration, self.ttl_s)
         lease = log.acquire(self.me, plan=self.plan_for(iteration) if self.plan_for else None)
+        while lease == self.me:  # an earlier attempt of this task holds it: until it ends or misses a renewal
+            time.sleep(min(5.0, self.ttl_s / 30))
+            lease = log.acquire(self.me, plan=self.plan_for(iteration) if self.plan_for else None)
         if isinstance(lease, str):
             raise LeaseHeld(lease)
         if iteration in self.istore.committed_iterations():  # a holder committed it, then released
