@@ -185,7 +185,7 @@ def idle(args) -> None:
                 os.environ["RLHF_SIMULATED_POD_START_S"] = "0"
                 warm = standin.run_pipeline("local", f"{run_id} warm-up", params={
                     **given, "prefetch_next": True,
-                    "lease_holder": f"bench:{run_id}/warm-up"})
+                    "attempt": f"bench:{run_id}/warm-up"})
                 while standin.get_run(warm.run_id).state == "RUNNING":
                     time.sleep(0.2)
                 os.environ["RLHF_SIMULATED_POD_START_S"] = str(latency)

@@ -118,7 +118,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
     istore = IterationStore(RunRef(plan.store, plan.run_id))
     lease_log = LeaseLog(istore.run, -1, ttl_s=max(60.0, 6 * plan.poll_s), name="driver")
     lease = lease_log.acquire(holder_id())
-    # this driver's attempts have lease holders of their own: a driver started again (its
+    # this driver's attempts have tags of their own: a driver started again (its
     # pod retried) must not take over the lease of a child run the one before it left running
     instance = uuid.uuid4().hex[:8]
     if isinstance(lease, str):
@@ -133,24 +133,26 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
     attempts: dict[int, int] = {}
     inflight: dict[int, dict] = {}  # iteration -> the run submitted for it
     no_ahead: set[int] = set()  # iterations whose run started ahead failed before it began: none ahead again
-    holder_of = lambda n, attempt: f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
+    # what each submission carries (``attempt``) into its lease records: which of this driver's
+    # runs a lease is, never who holds it (the holder is the run's KFP task, from KFP itself)
+    tag_of = lambda n, attempt: f"driver:{plan.run_id}/{instance}/iteration-{n}/attempt-{attempt}"
 
     def submit(n: int, parent: str, follows: int) -> None:
         attempt = attempts.get(n, 0)
         name = f"{plan.run_id} iteration {n:06d}" + (f" retry {attempt}" if attempt else "")
-        holder = holder_of(n, attempt)
+        tag = tag_of(n, attempt)
         kwargs = {"service_account": service_account} if service_account else {}
         # the checkpoint it starts from (none before the run's initial one is written),
         # imported by the run (KFP lineage links the runs); the session computes the next
         # iteration ahead unless this is the last one
-        params = {**plan.arguments, "lease_holder": holder, "parent_model": parent,
+        params = {**plan.arguments, "attempt": tag, "parent_model": parent,
                   "prefetch_next": n + 1 < target or plan.prefetch_after_last,
                   **({"follows": follows} if follows >= 0 else {})}
         run = client.run_pipeline(experiment_id=experiment_id, job_name=name, pipeline_package_path=package,
                                   params=params, enable_caching=False, **kwargs)
         log(f"[driver] submitted {name}: {run.run_id}" + (f" (ahead: it waits for iteration {follows})"
                                                           if follows >= 0 else ""))
-        inflight[n] = {"kfp_run_id": run.run_id, "name": name, "holder": holder, "attempt": attempt,
+        inflight[n] = {"kfp_run_id": run.run_id, "name": name, "tag": tag, "attempt": attempt,
                        "t0": time.monotonic(), "ahead": follows >= 0}
 
     def reap(n: int, sub: dict, state: str) -> None:
@@ -162,12 +164,12 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
             return
         iteration_lease = istore.lease_log(n, CONTROLLER_TTL_S)
         latest = iteration_lease.latest()
-        if latest is not None and latest[1].get("holder") != sub["holder"] and \
-                not iteration_lease.is_free(latest[1], sub["holder"]):
+        if latest is not None and latest[1].get("attempt") != sub["tag"] and \
+                not iteration_lease.is_free(latest[1], holder=""):
             log(f"[driver] {sub['name']}: {state}, nothing committed: {latest[1].get('holder')} runs the iteration; "
                 f"waiting for it")  # not this attempt's failure: it is not counted
             return
-        if sub["ahead"] and (latest is None or latest[1].get("holder") != sub["holder"]):
+        if sub["ahead"] and (latest is None or latest[1].get("attempt") != sub["tag"]):
             if state in ("FAILED", "ERROR"):  # before it began its iteration: no more runs ahead for it
                 no_ahead.add(n)
                 log(f"[driver] {sub['name']}: {state} before it began its iteration{_error_of(client, sub)}; it "
@@ -177,8 +179,8 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                     f"began (the iteration before it was not committed as announced, or the driver stopped)")
             return  # it ran nothing of its iteration: not counted
         # the run is over (its state is final), so whatever lease it left is released for
-        # it: the retry, a holder of its own, takes the iteration at once
-        iteration_lease.release_for(sub["holder"])
+        # it: the retry, a run of its own, takes the iteration at once
+        iteration_lease.release_attempt(sub["tag"])
         attempts[n] = sub["attempt"] + 1
         then = "it will be retried" if attempts[n] <= plan.max_retries else "no retries left"
         log(f"[driver] {sub['name']}: {state}{_error_of(client, sub)} (not committed: {then})")
@@ -213,8 +215,7 @@ def drive(client, plan: Plan, package: str, experiment_id: str, log=print, stopp
                     raise DriveError(f"run {plan.run_id}: iteration {n} failed {attempt} times (max_retries="
                                      f"{plan.max_retries}); see its runs: "
                                      f"{[r['kfp_run_id'] for r in runs if r['iteration'] == n]}")
-                holder = holder_of(n, attempt)
-                if _wait_out(istore.lease_log(n, CONTROLLER_TTL_S), holder, istore, n, keeper, plan.poll_s, log):
+                if _wait_out(istore.lease_log(n, CONTROLLER_TTL_S), istore, n, keeper, plan.poll_s, log):
                     continue  # another controller (a child run of a driver before this one) had it
                 submit(n, weights_checkpoint(istore, n) or "", follows=-1)
             elif reason is None and ahead_ok and n + 1 < target and n + 1 not in inflight \
@@ -237,13 +238,13 @@ def _cancel_waiting(client, istore, inflight: dict, log) -> None:
         if not sub["ahead"] or sub.get("cancelled") or not hasattr(client, "terminate_run"):
             continue
         latest = istore.lease_log(n, CONTROLLER_TTL_S).latest()
-        if latest is None or latest[1].get("holder") != sub["holder"]:
+        if latest is None or latest[1].get("attempt") != sub["tag"]:
             client.terminate_run(sub["kfp_run_id"])
             sub["cancelled"] = True
             log(f"[driver] {sub['name']}: started ahead and not begun; terminated (the driver stops)")
 
 
-def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: float, log) -> bool:
+def _wait_out(iteration_lease, istore, n: int, keeper, poll_s: float, log) -> bool:
     """Before a submission: wait while another live controller holds iteration ``n`` (a
     child run a driver before this one left running). False when ``n`` is still to be
     submitted; True when the caller must look again (someone held it, or committed it
@@ -252,7 +253,7 @@ def _wait_out(iteration_lease, holder: str, istore, n: int, keeper, poll_s: floa
     waited = False
     while n not in istore.committed_iterations():
         latest = iteration_lease.latest()
-        if latest is None or iteration_lease.is_free(latest[1], holder):
+        if latest is None or iteration_lease.is_free(latest[1], holder=""):
             return waited or n in istore.committed_iterations()
         if not waited:
             log(f"[driver] iteration {n} is being run by {latest[1].get('holder')}; waiting for it to commit or end")

@@ -26,14 +26,15 @@ def run_iteration(run_id: str, store: str, config: str, config_hash: str, head_r
                   snapshots: dsl.Output[dsl.Dataset], model: dsl.Output[dsl.Model],
                   metrics: dsl.Output[dsl.Metrics], summary: dsl.Output[dsl.Markdown],
                   dashboard_url: str = "", kfp_run_id: str = "",
-                  kfp_task: str = "", lease_holder: str = "", prefetch_next: bool = True, follows: int = -1,
+                  kfp_task: str = "", attempt: str = "", prefetch_next: bool = True, follows: int = -1,
                   parent: dsl.Input[dsl.Model] = None) -> int:
     """One iteration against the session; resumes at the first uncommitted stage, so a
     retry after a failure is safe. Returns the iteration number (-1: another trigger
-    holds the iteration's lease). The lease holder is ``lease_holder`` when given (the
-    fine-tune driver names one per iteration, so its resubmission after a failed run
-    takes over at once), else the KFP run and task (a KFP retry of this task, another
-    pod, takes the lease over at once). ``parent``: the checkpoint this iteration starts
+    holds the iteration's lease). The lease holder is the KFP run and task, as KFP
+    resolves them (no run parameter names it: a cloned run is another holder); a KFP retry
+    of this task, another pod, takes the lease over once the pod before it is known dead
+    or missed a renewal. ``attempt``: the fine-tune driver's tag for this run, carried in
+    its lease records (the driver releases a run's lease by it once the run is over). ``parent``: the checkpoint this iteration starts
     from (imported, so KFP's lineage links the runs); a run that has moved on since the
     submitter looked is refused. ``prefetch_next``: have the session compute the next
     iteration's inference stages ahead (the driver says False for a fine-tune's last).
@@ -83,7 +84,8 @@ def run_iteration(run_id: str, store: str, config: str, config_hash: str, head_r
     if follows < 0 and parent_differs():  # refused before anything else: the submitter looked at a stale store
         raise ValueError(parent_differs())
 
-    if not lease_holder and kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:  # placeholders resolved
+    lease_holder = ""  # this process, when KFP resolved no placeholders (a run outside KFP)
+    if kfp_run_id and kfp_task and "{{" not in kfp_run_id + kfp_task:
         lease_holder = f"kfp:{kfp_run_id}/{kfp_task}"
 
     cfg = config_from_handover(config, config_hash)
@@ -104,7 +106,8 @@ def run_iteration(run_id: str, store: str, config: str, config_hash: str, head_r
         probes.phase("waited")
         result = iterate(cfg, istore, info, 1, log=print, prefetch_next=prefetch_next, attached=attached,
                          only_iteration=follows + 1 if follows >= 0 else
-                         expected.get("iteration") if parent is not None else None, lease_holder=lease_holder)
+                         expected.get("iteration") if parent is not None else None, lease_holder=lease_holder,
+                         attempt=attempt)
     probes.phase("iterated")
     ray_head.disconnect()  # now, not at interpreter exit: a second or so sooner
     probes.phase("disconnected")

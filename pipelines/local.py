@@ -30,7 +30,7 @@ def prune_run_folders(pipeline_root: str, keep: int = KEEP_RUN_FOLDERS) -> list[
 
 
 def run_one_iteration(run_id: str, store: str, cfg, head_root: str, pipeline_root: str,
-                      lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
+                      attempt: str = "", parent_model: str = "", prefetch_next: bool = True,
                       follows: int = -1) -> dict:
     """One run of the per-iteration pipeline on the local runner, in this process (what
     ``python -m pipelines.local`` does); returns its outputs. Which iteration it trains and
@@ -47,7 +47,7 @@ def run_one_iteration(run_id: str, store: str, cfg, head_root: str, pipeline_roo
     from pipelines.ppo_iteration import ppo_iteration_local as ppo_iteration
 
     task = ppo_iteration(run_id=run_id, store=store, **handover(cfg),
-                         head_root=os.path.abspath(head_root), lease_holder=lease_holder, parent_model=parent_model,
+                         head_root=os.path.abspath(head_root), attempt=attempt, parent_model=parent_model,
                          prefetch_next=prefetch_next, follows=follows)
     return {k: getattr(v, "uri", v) for k, v in (task.outputs or {}).items()}
 
@@ -226,7 +226,7 @@ class LocalKfpStandIn:
         runner.start({"run_id": params["run_id"], "store": params["store"],
                       "config": params.get("config", ""), "config_hash": params.get("config_hash", ""),
                       "head_root": self.head_root,
-                      "lease_holder": params.get("lease_holder", ""), "parent_model": params.get("parent_model", ""),
+                      "attempt": params.get("attempt", ""), "parent_model": params.get("parent_model", ""),
                       "prefetch_next": bool(params.get("prefetch_next", True)),
                       "follows": int(params.get("follows", -1))}, env)
         self.runs[kfp_run_id] = {"runner": runner, "result": None}
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipelines.local")
     add_run_arguments(parser, store=REQUIRED, head_root=REQUIRED)
     parser.add_argument("--root", required=True)
-    parser.add_argument("--lease-holder", default="")
+    parser.add_argument("--attempt", default="", help="the driver's tag for this run, kept in its lease records")
     parser.add_argument("--parent-model", default="")
     parser.add_argument("--no-prefetch-next", dest="prefetch_next", action="store_false")
     parser.add_argument("--follows", type=int, default=-1, help="started ahead: wait for this iteration's commit")
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_core.config import RunConfig, apply_overrides
 
     cfg = apply_overrides(RunConfig(), args.overrides).validate()
-    run_one_iteration(args.run_id, args.store, cfg, args.head_root, args.root, args.lease_holder,
+    run_one_iteration(args.run_id, args.store, cfg, args.head_root, args.root, args.attempt,
                       args.parent_model, args.prefetch_next, follows=args.follows)
     return 0
 

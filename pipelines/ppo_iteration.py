@@ -59,7 +59,7 @@ def _owner_namespace(task) -> None:
     kubernetes.use_field_path_as_env(task, env_name=POD_NAMESPACE_ENV, field_path="metadata.namespace")
 
 
-def _iteration(run_id, store, config, config_hash, head_root, ray_address="", dashboard_url="", lease_holder="",
+def _iteration(run_id, store, config, config_hash, head_root, ray_address="", dashboard_url="", attempt="",
                parent_model="", prefetch_next=True, follows=-1, retry_backoff=RETRY_BACKOFF):
     # One controller pod per iteration (plus the cluster's launch, and the parent's import
     # on a server): the controller makes sure the session is up itself (it submits the
@@ -69,7 +69,7 @@ def _iteration(run_id, store, config, config_hash, head_root, ray_address="", da
         step = run_iteration(run_id=run_id, store=store, config=config, config_hash=config_hash, head_root=head_root,
                              ray_address=ray_address, dashboard_url=dashboard_url,
                              kfp_run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER,
-                             kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, lease_holder=lease_holder,
+                             kfp_task=dsl.PIPELINE_TASK_NAME_PLACEHOLDER, attempt=attempt,
                              prefetch_next=prefetch_next, follows=follows, **parent)
         step.set_retry(num_retries=2, backoff_duration=retry_backoff)  # stages are idempotent: a retry resumes
         step.set_display_name("run-iteration")  # one of the two branches runs: the same name in the UI
@@ -92,9 +92,9 @@ def _ppo_iteration(retry_backoff: str):
                   description="One PPO/GRPO iteration of a run on a local Ray head, resumable at the stage where it "
                               "stopped.")
     def ppo_iteration(run_id: str = "demo", store: str = "s3://rlhf/runs", config: str = "", config_hash: str = "",
-                      head_root: str = "/var/run/rlhf", lease_holder: str = "", parent_model: str = "",
+                      head_root: str = "/var/run/rlhf", attempt: str = "", parent_model: str = "",
                       prefetch_next: bool = True, follows: int = -1):
-        _iteration(run_id, store, config, config_hash, head_root, lease_holder=lease_holder, parent_model=parent_model,
+        _iteration(run_id, store, config, config_hash, head_root, attempt=attempt, parent_model=parent_model,
                    prefetch_next=prefetch_next, follows=follows, retry_backoff=retry_backoff)
 
     return ppo_iteration
@@ -111,7 +111,7 @@ ppo_iteration_local = _ppo_iteration(LOCAL_RETRY_BACKOFF)
                           "resumable at the stage where it stopped.")
 def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", config: str = "", config_hash: str = "",
                           kube_spec: dict = {}, cluster_policy: str = "keep", launch_timeout_s: int = 1200,
-                          lease_holder: str = "", parent_model: str = "", prefetch_next: bool = True,
+                          attempt: str = "", parent_model: str = "", prefetch_next: bool = True,
                           follows: int = -1):
     teardown = teardown_cluster(run_id=run_id, kube_spec=kube_spec, policy=cluster_policy)
     _pod_settings(teardown, small=True)
@@ -125,7 +125,7 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         # what kube_spec may choose is not given to this pod: launch_cluster reads the policy
         # from the Ray namespace (where profile users cannot edit it), not from the profile's
         controllers = _iteration(run_id, store, config, config_hash, "", cluster.outputs["ray_address"],
-                                 cluster.outputs["dashboard_url"], lease_holder, parent_model, prefetch_next, follows)
+                                 cluster.outputs["dashboard_url"], attempt, parent_model, prefetch_next, follows)
         for step in controllers:  # they talk to the token-authenticated Ray cluster
             kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET,
                                          secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})

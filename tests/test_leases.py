@@ -326,7 +326,7 @@ class _Contended:
     def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
         from types import SimpleNamespace
 
-        self.submitted.append(params["lease_holder"])
+        self.submitted.append(params["attempt"])
         if len(self.submitted) == 1:
             log = LeaseLog(self.run, 0, ttl_s=900)
             other = log.acquire("kfp:other/run-iteration")
@@ -387,15 +387,15 @@ def test_the_driver_never_submits_an_iteration_committed_while_it_looked(tmp_pat
 
     lease.latest = the_holder_commits_and_releases_first
     keeper = SimpleNamespace(check=lambda: None)
-    assert _wait_out(lease, "driver:r/x/iteration-0/attempt-0", istore, 0, keeper, 0.01, lambda *a: None) is True
+    assert _wait_out(lease, istore, 0, keeper, 0.01, lambda *a: None) is True
     # an iteration nobody holds and nobody committed is the driver's to submit
-    assert _wait_out(istore.lease_log(1, 900.0), "driver:r/x/iteration-1/attempt-0", istore, 1, keeper, 0.01,
-                     lambda *a: None) is False
+    assert _wait_out(istore.lease_log(1, 900.0), istore, 1, keeper, 0.01, lambda *a: None) is False
 
 
-def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):
-    """A retried attempt, and a driver started again, never share a lease holder with an
-    attempt before them (a shared holder takes a live lease over at once). A failed
+def test_every_attempt_of_every_driver_has_a_tag_of_its_own(tmp_path):
+    """A retried attempt, and a driver started again, never share a tag with an attempt
+    before them (the driver releases a finished run's lease by its tag). The holder is the
+    run's KFP task, never a parameter: each submission is a KFP run of its own. A failed
     attempt's lease is released for it, so the retry starts at once."""
     from types import SimpleNamespace
 
@@ -408,9 +408,12 @@ def test_every_attempt_of_every_driver_has_a_lease_holder_of_its_own(tmp_path):
         submitted: list = []
 
         def run_pipeline(self, experiment_id, job_name, pipeline_package_path, params, enable_caching, **_):
-            self.submitted.append(params["lease_holder"])
-            assert isinstance(LeaseLog(run, 0, ttl_s=900).acquire(params["lease_holder"]), Lease)
-            return SimpleNamespace(run_id="x")
+            assert "lease_holder" not in params  # no run parameter names a holder
+            self.submitted.append(params["attempt"])
+            kfp_run_id = f"kfp-run-{len(self.submitted)}"
+            assert isinstance(LeaseLog(run, 0, ttl_s=900).acquire(f"kfp:{kfp_run_id}/run-iteration",
+                                                                  plan={"attempt": params["attempt"]}), Lease)
+            return SimpleNamespace(run_id=kfp_run_id)
 
         def get_run(self, run_id):
             return SimpleNamespace(state="FAILED")

@@ -114,7 +114,8 @@ def test_a_stopping_driver_terminates_runs_started_ahead_that_have_not_begun(tmp
     from components.driver import _cancel_waiting
 
     istore = _istore(tmp_path)
-    istore.lease_log(2, 900.0).acquire("driver:r/x/iteration-2/attempt-0")  # begun: its lease is taken
+    istore.lease_log(2, 900.0).acquire("kfp:begun/run-iteration",  # begun: its lease is taken
+                                       plan={"attempt": "driver:r/x/iteration-2/attempt-0"})
 
     class Client:
         terminated: list = []
@@ -123,10 +124,10 @@ def test_a_stopping_driver_terminates_runs_started_ahead_that_have_not_begun(tmp
             self.terminated.append(run_id)
 
     inflight = {1: {"ahead": True, "kfp_run_id": "waiting", "name": "r iteration 000001",
-                    "holder": "driver:r/x/iteration-1/attempt-0"},
+                    "tag": "driver:r/x/iteration-1/attempt-0"},
                 2: {"ahead": True, "kfp_run_id": "begun", "name": "r iteration 000002",
-                    "holder": "driver:r/x/iteration-2/attempt-0"},
-                0: {"ahead": False, "kfp_run_id": "current", "name": "r iteration 000000", "holder": "h0"}}
+                    "tag": "driver:r/x/iteration-2/attempt-0"},
+                0: {"ahead": False, "kfp_run_id": "current", "name": "r iteration 000000", "tag": "h0"}}
     client = Client()
     _cancel_waiting(client, istore, inflight, log=lambda *a: None)
     _cancel_waiting(client, istore, inflight, log=lambda *a: None)  # once each

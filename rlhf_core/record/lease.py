@@ -192,14 +192,15 @@ class LeaseLog:
                                         "at": time.time()})
 
 
-    def release_for(self, holder: str) -> bool:
-        """Release the lease ``holder`` holds, on its behalf: for whoever knows that holder
-        has ended (the fine-tune driver, once the run it submitted is in a final state)."""
+    def release_attempt(self, attempt: str) -> bool:
+        """Release the lease held by the run tagged ``attempt`` (the ``attempt`` its records
+        carry), on its holder's behalf: for whoever knows that run has ended (the fine-tune
+        driver, once the run it submitted is in a final state)."""
         latest = self.latest()
-        if latest is None or latest[1].get("holder") != holder or latest[1].get("state") != "held":
+        if latest is None or not attempt or latest[1].get("attempt") != attempt or latest[1].get("state") != "held":
             return False
-        return self._write(latest[0] + 1, {"holder": holder, "token": latest[1].get("token"), "state": "released",
-                                           "at": time.time()})
+        return self._write(latest[0] + 1, {"holder": latest[1].get("holder"), "token": latest[1].get("token"),
+                                           "state": "released", "at": time.time()})
 
 
 class LeaseKeeper:
@@ -244,18 +245,21 @@ class IterationLeases:
     controller that lost the race must not restore (reload) weights under the winner's
     running stages."""
 
-    def __init__(self, istore, ttl_s: float, plan_for=None, holder: str = "") -> None:
+    def __init__(self, istore, ttl_s: float, plan_for=None, holder: str = "", attempt: str = "") -> None:
         self.istore, self.ttl_s, self.me, self.plan_for = istore, ttl_s, holder_id(holder), plan_for
+        self.attempt = attempt  # the submitter's tag for this run, carried in every record
         self._first: LeaseKeeper | None = None
 
     def take(self, iteration: int) -> LeaseKeeper:
         """The iteration's lease, or ``LeaseHeld`` naming who has it. ``plan_for(iteration)``:
         what the holder announces (a session's controller: the checkpoint it will write)."""
         log = self.istore.lease_log(iteration, self.ttl_s)
-        lease = log.acquire(self.me, plan=self.plan_for(iteration) if self.plan_for else None)
+        plan = {**(self.plan_for(iteration) if self.plan_for else {}), **({"attempt": self.attempt}
+                                                                         if self.attempt else {})}
+        lease = log.acquire(self.me, plan=plan)
         while lease == self.me:  # an earlier attempt of this task holds it: until it ends or misses a renewal
             time.sleep(min(5.0, self.ttl_s / 30))
-            lease = log.acquire(self.me, plan=self.plan_for(iteration) if self.plan_for else None)
+            lease = log.acquire(self.me, plan=plan)
         if isinstance(lease, str):
             raise LeaseHeld(lease)
         if iteration in self.istore.committed_iterations():  # a holder committed it, then released

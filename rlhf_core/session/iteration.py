@@ -67,7 +67,7 @@ class SessionAttachment:
 def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_stage=None,
             lease_ttl_s: float = CONTROLLER_TTL_S, prefetch_next: bool | None = None,
             attached: session.AttachedSession | None = None, only_iteration: int | None = None,
-            lease_holder: str = "") -> dict:
+            lease_holder: str = "", attempt: str = "") -> dict:
     """Run iterations of the run ``istore`` records against its long-lived session (this process must already be
     connected to the session's Ray cluster ``head``, in the run's namespace). The session
     is (re)started from the last committed checkpoint when it is not there.
@@ -80,7 +80,7 @@ def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_sta
     ``only_iteration``: run that iteration or nothing (a run submitted for one iteration
     must not train the next one when another run committed its own meanwhile).
     ``lease_holder``: who this controller is in the iterations' leases (the KFP task; ""
-    for this process)."""
+    for this process); ``attempt``: the submitter's tag, carried in its lease records."""
     import ray
 
     from rlhf_core.session.prefetch import SessionPrefetch
@@ -101,7 +101,8 @@ def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_sta
             f"{state.global_step}; it does nothing")
         return {"run_id": run_id, "rows": [], "snapshots": istore.run_uri, "metrics": str(run_dir / "metrics.jsonl"),
                 "session": None, "moved_on": state.global_step}
-    leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore), holder=lease_holder)
+    leases = IterationLeases(istore, lease_ttl_s, plan_for=checkpoint_plan(cfg, istore), holder=lease_holder,
+                             attempt=attempt)
     try:
         leases.take_first(state.global_step)
     except LeaseHeld as held:
