@@ -17,7 +17,8 @@ from pathlib import Path
 import yaml
 
 SUPPORTED = {"apiVersion", "kind", "namespace", "labels", "resources", "patches"}
-CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
+CLUSTER_SCOPED = {"Namespace", "PriorityClass", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 
 
 def build(folder: str | Path) -> list[dict]:

@@ -1,0 +1,233 @@
+"""The admission policies the API server enforces (manifests/base/admission-policy.yaml),
+evaluated with cel-python against the objects the launcher really creates and against
+what a pod running as rlhf-pipeline could send instead. No API server runs here: this
+checks the CEL and the policy's logic (matchConstraints, matchConditions, variables,
+validations), not the API server's type checks against the KubeRay CRD schema."""
+
+import copy
+from pathlib import Path
+
+import celpy
+import pytest
+
+import kustomize_lite
+from components.kuberay.head_account import head_account_objects
+from components.kuberay.launcher import with_owner
+from components.kuberay.policy import DeploymentPolicy
+from components.kuberay.render import render_raycluster
+from components.kuberay.spec import load_deployment
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE_A = "system:serviceaccount:team-a:rlhf-pipeline"
+PIPELINE_B = "system:serviceaccount:team-b:rlhf-pipeline"
+RESOURCES = {"RayCluster": ("ray.io", "rayclusters"), "Role": ("rbac.authorization.k8s.io", "roles"),
+             "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "ServiceAccount": ("", "serviceaccounts")}
+
+
+def _objects(overlay="gpu"):
+    return kustomize_lite.build(ROOT / "manifests" / "overlays" / overlay)
+
+
+def _policies() -> dict:
+    return {o["metadata"]["name"]: o for o in _objects() if o["kind"] == "ValidatingAdmissionPolicy"}
+
+
+_env = celpy.Environment()
+
+
+def _eval(expression: str, activation: dict):
+    return _env.program(_env.compile(expression)).evaluate(activation)
+
+
+def admit(operation: str, username: str, obj: dict | None, old: dict | None = None) -> list[str]:
+    """The messages of every validation that refuses the request, over every policy that
+    matches it ([] when admitted), as the API server would evaluate them."""
+    kind = (obj or old)["kind"]
+    group, resource = RESOURCES[kind]
+    request = {"operation": operation, "userInfo": {"username": username},
+               "resource": {"group": group, "version": "v1", "resource": resource}}
+    refused = []
+    for policy in _policies().values():
+        spec = policy["spec"]
+        if not any(group in rule["apiGroups"] and resource in rule["resources"] and operation in rule["operations"]
+                   for rule in spec["matchConstraints"]["resourceRules"]):
+            continue
+        base = {"request": celpy.json_to_cel(request), "object": celpy.json_to_cel(obj),
+                "oldObject": celpy.json_to_cel(old)}
+        if not all(_eval(c["expression"], base) for c in spec.get("matchConditions", [])):
+            continue
+        variables = {}
+        for variable in spec.get("variables", []):
+            activation = {**base, "variables": celpy.json_to_cel({})}
+            activation["variables"] = celpy.celtypes.MapType(
+                {celpy.celtypes.StringType(k): v for k, v in variables.items()})
+            variables[variable["name"]] = _eval(variable["expression"], activation)
+        activation = {**base, "variables": celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()})}
+        for validation in spec["validations"]:
+            outcome = _eval(validation["expression"], activation)
+            assert isinstance(outcome, celpy.celtypes.BoolType), (validation["expression"], outcome)
+            if not outcome:
+                refused.append(validation["message"])
+    return refused
+
+
+def cluster(config="gpu.yaml", owner="team-a", run_id="nightly") -> dict:
+    cfg, spec = load_deployment(ROOT / "manifests" / "configs" / config)
+    return with_owner(render_raycluster(cfg, spec, run_id), owner, "kfp-run-1")
+
+
+CONFIGS = sorted(p.name for p in (ROOT / "manifests" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_what_the_launcher_creates_is_admitted(config):
+    body = cluster(config)
+    assert admit("CREATE", PIPELINE_A, body) == []
+    for obj in head_account_objects(body["metadata"]["name"], "rlhf", body["metadata"]["labels"], owner_uid="u"):
+        assert admit("CREATE", PIPELINE_A, obj) == [], obj["kind"]
+    scaled = copy.deepcopy(body)  # the launcher scales workers back up; the autoscaler scales them down
+    scaled["spec"]["workerGroupSpecs"][0]["replicas"] = 0
+    assert admit("UPDATE", PIPELINE_A, scaled, body) == []
+    head = f"system:serviceaccount:rlhf:{body['metadata']['name']}-head"
+    scaled["spec"]["workerGroupSpecs"][0]["scaleStrategy"] = {"workersToDelete": ["w-1"]}
+    assert admit("UPDATE", head, scaled, body) == []
+    assert admit("DELETE", PIPELINE_A, None, body) == []
+
+
+def _pod(body, group=None):
+    return (body["spec"]["workerGroupSpecs"][group]["template"]["spec"] if group is not None
+            else body["spec"]["headGroupSpec"]["template"]["spec"])
+
+
+def _changed(change):
+    body = cluster()
+    change(body)
+    return body
+
+
+REFUSED_CREATES = {
+    "another image": lambda b: _pod(b, 0)["containers"][0].update(image="docker.io/attacker/miner:latest"),
+    "an image tag with a path": lambda b: _pod(b)["containers"][0].update(
+        image="ghcr.io/rlhf-core/rlhf-core:0.1/../x"),
+    "an init container's image": lambda b: _pod(b, 0).update(
+        initContainers=[{"name": "x", "image": "docker.io/attacker/x:1"}]),
+    "another worker account": lambda b: _pod(b, 0).update(serviceAccountName="default"),
+    "another head account": lambda b: _pod(b).update(serviceAccountName="rlhf-other-head"),
+    "a mounted token": lambda b: _pod(b, 0).update(automountServiceAccountToken=True),
+    "the host network": lambda b: _pod(b, 0).update(hostNetwork=True),
+    "another secret": lambda b: _pod(b, 0)["containers"][0]["env"].append(
+        {"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b-creds", "key": "k"}}}),
+    "a secret as envFrom": lambda b: _pod(b, 0)["containers"][0].update(envFrom=[{"secretRef": {"name": "x"}}]),
+    "a secret volume": lambda b: _pod(b, 0)["volumes"].append({"name": "s", "secret": {"secretName": "x"}}),
+    "a hostPath": lambda b: _pod(b, 0)["volumes"].append({"name": "h", "hostPath": {"path": "/"}}),
+    "another claim": lambda b: _pod(b, 0)["volumes"].append(
+        {"name": "c", "persistentVolumeClaim": {"claimName": "team-b-data", "readOnly": True}}),
+    "a claim writable": lambda b: _pod(b, 0)["volumes"].append(
+        {"name": "c", "persistentVolumeClaim": {"claimName": "rlhf-models"}}),
+    "another Ray token": lambda b: b["spec"]["authOptions"].update(secretName="other-run-token"),
+    "a priority class": lambda b: _pod(b, 0).update(priorityClassName="system-node-critical"),
+    "a node selector": lambda b: _pod(b, 0).update(nodeSelector={"node-role.kubernetes.io/control-plane": ""}),
+    "a toleration": lambda b: _pod(b, 0)["tolerations"].append({"operator": "Exists"}),
+    "a node name": lambda b: _pod(b, 0).update(nodeName="control-plane-1"),
+    "another profile's label": lambda b: b["metadata"]["labels"].update({"rlhf.io/owner-namespace": "team-b"}),
+    "no owner label": lambda b: b["metadata"]["labels"].pop("rlhf.io/owner-namespace"),
+}
+
+
+#: The word of the one validation that refuses each case.
+REFUSED_BY = {"image": "image", "account": "account", "token": "token", "network": "network", "secret": "secret",
+              "hostPath": "volumes", "claim": "volumes", "Ray token": "Ray token", "priority": "priority class",
+              "selector": "node selectors", "toleration": "tolerations", "node name": "node, runtime",
+              "label": "owner-namespace", "secret volume": "volumes"}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_CREATES))
+def test_what_a_pipeline_pod_could_send_instead_is_refused(case):
+    refused = admit("CREATE", PIPELINE_A, _changed(REFUSED_CREATES[case]))
+    word = next(REFUSED_BY[k] for k in sorted(REFUSED_BY, key=len, reverse=True) if k in case)
+    assert len(refused) == 1 and word in refused[0], (case, refused)
+
+
+def test_only_the_owning_profile_changes_or_deletes_a_cluster_and_only_its_replica_counts():
+    body = cluster()
+    assert admit("DELETE", PIPELINE_B, None, body) == [
+        "a RayCluster is created, changed or deleted only by the pipeline of the profile its "
+        "rlhf.io/owner-namespace label names"]
+    scaled = copy.deepcopy(body)
+    scaled["spec"]["workerGroupSpecs"][0]["replicas"] = 2
+    assert admit("UPDATE", PIPELINE_B, scaled, body)
+    for change in (lambda b: _pod(b, 0)["containers"][0].update(image="ghcr.io/rlhf-core/rlhf-core:other"),
+                   lambda b: _pod(b).update(serviceAccountName="x"),
+                   lambda b: b["metadata"]["labels"].update({"rlhf.io/owner-namespace": "team-b"}),
+                   lambda b: b["spec"].update(suspend=True),
+                   lambda b: b["spec"]["workerGroupSpecs"][0].update(maxReplicas=64),
+                   lambda b: b["spec"]["workerGroupSpecs"].append(copy.deepcopy(b["spec"]["workerGroupSpecs"][0]))):
+        changed = copy.deepcopy(body)
+        change(changed)
+        assert "an update changes worker replica counts only (and which workers to delete)" in \
+            admit("UPDATE", PIPELINE_A, changed, body)
+    other_head = "system:serviceaccount:rlhf:rlhf-other-head"
+    assert "a head's account may update its own RayCluster only" in admit("UPDATE", other_head, scaled, body)
+    assert "a cluster's head may only update its RayCluster" in admit(
+        "CREATE", f"system:serviceaccount:rlhf:{body['metadata']['name']}-head", body)
+    # a person (a platform admin) is not what these policies constrain
+    assert admit("UPDATE", "admin@example.com", _changed(lambda b: b["spec"].update(suspend=True)), body) == []
+
+
+def test_the_pipeline_creates_a_heads_account_objects_and_nothing_broader():
+    body = cluster()
+    role, binding, account = head_account_objects(body["metadata"]["name"], "rlhf", body["metadata"]["labels"])
+    wider = copy.deepcopy(role)
+    wider["rules"][1]["resourceNames"] = ["rlhf-someone-else"]
+    everything = copy.deepcopy(role)
+    everything["rules"].append({"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": ["delete"]})
+    to_me = copy.deepcopy(binding)
+    to_me["subjects"] = [{"kind": "ServiceAccount", "name": "rlhf-pipeline", "namespace": "team-a"}]
+    pipeline_role = copy.deepcopy(binding)
+    pipeline_role["roleRef"]["name"] = "rlhf-pipeline"
+    cluster_role = copy.deepcopy(binding)
+    cluster_role["roleRef"]["kind"] = "ClusterRole"
+    other_account = copy.deepcopy(account)
+    other_account["metadata"]["name"] = "rlhf-ray"
+    for obj in (wider, everything, to_me, pipeline_role, cluster_role, other_account):
+        assert admit("CREATE", PIPELINE_A, obj), obj
+    assert admit("UPDATE", PIPELINE_A, binding, binding)  # created once, never changed
+
+
+def test_the_admission_policy_allows_what_the_deployment_policy_allows():
+    """The allow-lists are written twice (CEL cannot read the ConfigMap's YAML): they must
+    say the same for every overlay's deployment policy the admission policy serves."""
+    import re
+
+    variables = {v["name"]: v["expression"] for v in _policies()["rlhf-rayclusters"]["spec"]["variables"]}
+    as_list = lambda name: list(_eval(variables[name], {}))  # noqa: E731 - literals only
+    for overlay in ("gpu", "cpu-dev", "gpu-rdma"):
+        text = next(o for o in _objects(overlay) if o["kind"] == "ConfigMap"
+                    and o["metadata"]["name"] == "rlhf-deployment-policy")["data"]["policy.yaml"]
+        policy = DeploymentPolicy.from_yaml(text, namespace="rlhf")
+        patterns = ["^" + re.escape(r[:-1]).replace(r"\.", "[.]").replace(r"\-", "-").replace(r"\/", "/")
+                    + "[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$" if r.endswith(":*") else "^" + re.escape(r) + "$"
+                    for r in policy.images]
+        assert as_list("images") == patterns, overlay
+        assert as_list("workerAccounts") == list(policy.service_accounts)
+        assert as_list("objectStoreSecrets") == list(policy.object_store_secrets)
+        assert as_list("rayTokenSecrets") == list(policy.ray_token_secrets)
+        assert as_list("priorityClasses") == list(policy.priority_classes)
+        assert as_list("nodeLabels") == list(policy.node_selectors)
+        assert [dict(t) for t in as_list("tolerations")] == list(policy.tolerations)
+        assert as_list("claims") == list(policy.volume_claims)
+        assert as_list("writableClaims") == list(policy.writable_volume_claims)
+
+
+def test_the_policies_bind_to_every_ray_namespace_and_deny():
+    for overlay in ("gpu", "cpu-dev", "gpu-rdma"):
+        objects = _objects(overlay)
+        namespace = next(o for o in objects if o["kind"] == "Namespace")
+        bindings = [o for o in objects if o["kind"] == "ValidatingAdmissionPolicyBinding"]
+        assert {b["spec"]["policyName"] for b in bindings} == set(_policies())
+        for binding in bindings:
+            assert binding["spec"]["validationActions"] == ["Deny"]
+            assert binding["spec"]["matchResources"]["namespaceSelector"]["matchLabels"].items() <= \
+                namespace["metadata"]["labels"].items(), overlay
+    assert all(p["spec"]["failurePolicy"] == "Fail" for p in _policies().values())
