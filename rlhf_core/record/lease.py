@@ -188,8 +188,9 @@ class LeaseLog:
     def release(self, lease: Lease) -> None:
         latest = self.latest()
         if latest is not None and latest[1].get("holder") == lease.holder and latest[1].get("token") == lease.token:
+            # the plan again (its ``attempt`` says which submitted run this was, also once released)
             self._write(latest[0] + 1, {"holder": lease.holder, "token": lease.token, "state": "released",
-                                        "at": time.time()})
+                                        "at": time.time(), **lease.plan})
 
 
     def release_attempt(self, attempt: str) -> bool:
@@ -200,7 +201,7 @@ class LeaseLog:
         if latest is None or not attempt or latest[1].get("attempt") != attempt or latest[1].get("state") != "held":
             return False
         return self._write(latest[0] + 1, {"holder": latest[1].get("holder"), "token": latest[1].get("token"),
-                                           "state": "released", "at": time.time()})
+                                           "state": "released", "at": time.time(), "attempt": attempt})
 
 
 class LeaseKeeper:
