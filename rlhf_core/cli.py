@@ -475,7 +475,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
     except (ConfigError, SnapshotError, ValueError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     print(f"policy: {policy} (grace {args.grace_s:g}s)")
-    print(retention.format_plan(plan, args.dry_run, uri))
+    print(retention.format_plan(plan, args.dry_run, istore.run_uri))  # the plan's URIs are resolved ones
     return 0
 
 

@@ -263,9 +263,10 @@ def test_rlhf_gc_command_prints_what_it_removes(tmp_path, capsys):
     istore = IterationStore(RunRef(f"file://{tmp_path}/store", "run-d"))
     for it in range(4):
         _iteration(istore, it)
-    assert main(["gc", istore.run_uri, "trainer.keep_checkpoints=1", "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "would remove checkpoint: checkpoints/step-000001" in out and "would remove 3 item(s)" in out
+    for given in (istore.run_uri, f"{tmp_path}/store/run-d", f"{tmp_path}/store/run-d/"):  # a URI, a plain path
+        assert main(["gc", given, "trainer.keep_checkpoints=1", "--dry-run"]) == 0
+        out = capsys.readouterr().out
+        assert "would remove checkpoint: checkpoints/step-000001" in out and "would remove 3 item(s)" in out, out
     assert main(["gc", istore.run_uri, "trainer.keep_checkpoints=1"]) == 0
     assert "removed 3 item(s)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"trainer.keep_checkpoints: expected a value >= 0; found -1"):

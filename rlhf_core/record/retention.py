@@ -309,7 +309,8 @@ def collect(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0, dry_
 
 def format_plan(plan: GcPlan, dry_run: bool, run_uri: str) -> str:
     verb = "would remove" if dry_run else "removed"
-    rel = lambda uri: uri[len(run_uri):].lstrip("/") or uri  # noqa: E731
+    base = run_uri.rstrip("/") + "/"
+    rel = lambda uri: uri[len(base):] if uri.startswith(base) else uri  # noqa: E731
     stages: dict[str, list[str]] = {}
     for uri in plan.snapshots:  # one line per iteration: its stages go together
         iteration, _, stage = rel(uri).partition("/")
