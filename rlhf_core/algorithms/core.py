@@ -297,6 +297,88 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
             "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
 
 
+def _clip_metrics(ppo_kl: torch.Tensor, clipfrac: torch.Tensor, clipfrac_lower=None) -> dict[str, torch.Tensor]:
+    return {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl,
+            "pg_clipfrac_lower": torch.zeros_like(ppo_kl) if clipfrac_lower is None else clipfrac_lower}
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                             loss_agg_mode: str = "seq-mean-token-mean", **_) -> dict[str, torch.Tensor]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean of
+    its tokens' ratios ``s_i = exp(mean_t(log pi - log pi_old))``, clipped as PPO's. Each
+    token carries ``s_i`` as its value and its own ``log pi`` as its gradient path
+    (``sg[s_i] * pi / sg[pi]``). Reduced per sequence then over sequences whatever
+    ``loss_agg_mode`` says (verl does the same: the ratio is a sequence's)."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = log_prob - old_log_prob
+    lengths = response_mask.sum(dim=-1).clamp(min=1)
+    seq_log_ratio = (negative_approx_kl * response_mask).sum(dim=-1) / lengths
+    log_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses = torch.maximum(unclipped, clipped)
+    return {"pg_loss": agg_loss(losses, response_mask, "seq-mean-token-mean"),
+            **_clip_metrics(masked_mean(-negative_approx_kl, response_mask),
+                            masked_mean(torch.gt(clipped, unclipped).float(), response_mask))}
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                              response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                              loss_agg_mode: str = "token-mean", **_) -> dict[str, torch.Tensor]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped importance ratio, the
+    weight held constant: ``-sg(clip(r, 1 - low, 1 + high)) * A * log pi``. Every token
+    keeps a gradient (PPO's clip drops the clipped ones)."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    losses = -weight.detach() * advantages * log_prob
+    return {"pg_loss": agg_loss(losses, response_mask, loss_agg_mode),
+            **_clip_metrics(masked_mean(-negative_approx_kl, response_mask),
+                            masked_mean(torch.ne(ratio, weight).float(), response_mask))}
+
+
+@register_policy_loss("gpg")
+def compute_policy_loss_gpg(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                            response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                            **_) -> dict[str, torch.Tensor]:
+    """GPG (Chu et al. 2025): the plain policy gradient, ``-A * log pi``: no ratio, no
+    clip (so no clip fraction; ``ppo_kl`` still reports how far the policy moved)."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    losses = -log_prob * advantages
+    return {"pg_loss": agg_loss(losses, response_mask, loss_agg_mode),
+            **_clip_metrics(masked_mean(old_log_prob - log_prob, response_mask).detach(),
+                            torch.zeros((), dtype=log_prob.dtype))}
+
+
+@register_policy_loss("geo_mean")
+def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2,
+                                 clip_ratio_high: float = 0.2, **_) -> dict[str, torch.Tensor]:
+    """GMPO (Zhao et al. 2025): the geometric mean of the tokens' ratios, each token's log
+    ratio first clipped to ``[-low, high]`` on the side its advantage's sign makes
+    pessimistic; the loss is ``-mean_i(A_i * exp(mean_t(clipped log ratio)))`` with
+    ``A_i`` the sequence's mean advantage, a plain mean over sequences (verl's; its
+    ``loss_agg_mode`` is not used)."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(negative_approx_kl, -clip_ratio_low, clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * negative_approx_kl, sign * clamped)
+    lengths = response_mask.sum(dim=-1)
+    ratio = torch.exp((pessimistic * response_mask).sum(dim=-1) / (lengths + 1e-8))
+    advantage = (advantages * response_mask).sum(dim=-1) / (lengths + 1e-8)
+    clipped = torch.ne(negative_approx_kl, clamped)
+    return {"pg_loss": torch.mean(-advantage * ratio),
+            **_clip_metrics(masked_mean(-negative_approx_kl, response_mask),
+                            masked_mean((clipped & (advantages > 0)).float(), response_mask),
+                            masked_mean((clipped & (advantages < 0)).float(), response_mask))}
+
+
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
                        response_mask: torch.Tensor, cliprange_value: float = 0.5,
                        loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:
