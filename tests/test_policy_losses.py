@@ -96,3 +96,69 @@ def test_verls_loss_mode_names_select_them(name):
 
     cfg = apply_overrides(RunConfig(), [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"]).validate()
     assert cfg.actor.policy_loss == name
+
+
+# ------------------------------------------------------------------ estimators (issue 40, item 2)
+
+#: two prompts: three responses of the first (scores 1, 0, 0.5), two of the second (0, 0),
+#: and one of a third (score 2); lengths 3, 2, 3, 1, 3, 2
+SCORES = [1.0, 0.0, 0.5, 0.0, 0.0, 2.0]
+UIDS = ["a", "a", "a", "b", "b", "c"]
+LENGTHS = [3, 2, 3, 1, 3, 2]
+
+
+def outcome():
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(3)] for n in LENGTHS])
+    rewards = torch.zeros(6, 3)
+    for i, (score, n) in enumerate(zip(SCORES, LENGTHS)):
+        rewards[i, n - 1] = score  # the score sits on the last response token
+    return rewards, mask
+
+
+def estimate(name: str, **kw):
+    from rlhf_core.algorithms import get_adv_estimator_fn
+
+    rewards, mask = outcome()
+    advantages, _ = get_adv_estimator_fn(name)(token_level_rewards=rewards, response_mask=mask, index=UIDS, **kw)
+    assert (advantages * (1 - mask) == 0).all()
+    return advantages, mask
+
+
+def test_reinforce_plus_plus_baseline_centres_per_prompt_then_whitens_over_the_batch_tokens():
+    centred = [1 - 0.5, 0 - 0.5, 0.5 - 0.5, 0.0, 0.0, 2.0]  # the lone response keeps its score
+    tokens = [c for c, n in zip(centred, LENGTHS) for _ in range(n)]
+    mean = sum(tokens) / len(tokens)
+    std = math.sqrt(sum((x - mean) ** 2 for x in tokens) / (len(tokens) - 1))  # torch.var's unbiased
+    advantages, mask = estimate("reinforce_plus_plus_baseline")
+    for i, n in enumerate(LENGTHS):
+        assert advantages[i, :n].tolist() == pytest.approx([(centred[i] - mean) / (std + 1e-8)] * n, rel=1e-5)
+
+
+def test_grpo_passk_rewards_only_each_prompts_best_by_its_margin_over_the_second():
+    with pytest.raises(ValueError, match="grpo_passk: expected at least 2 responses per prompt"):
+        estimate("grpo_passk")  # prompt c has one response
+    from rlhf_core.algorithms import get_adv_estimator_fn
+
+    rewards, mask = outcome()
+    advantages, _ = get_adv_estimator_fn("grpo_passk")(token_level_rewards=rewards[:5], response_mask=mask[:5],
+                                                       index=UIDS[:5])
+    std_a = torch.tensor([1.0, 0.0, 0.5]).std().item()
+    assert advantages[0, :3].tolist() == pytest.approx([(1.0 - 0.5) / (std_a + 1e-6)] * 3, rel=1e-5)
+    assert advantages[1:].abs().sum() == 0  # b's best equals its second: 0; the rest are not the best
+    plain, _ = get_adv_estimator_fn("grpo_passk")(token_level_rewards=rewards[:5], response_mask=mask[:5],
+                                                  index=UIDS[:5], norm_adv_by_std_in_grpo=False)
+    assert plain[0, 0].item() == pytest.approx(0.5)
+
+
+def test_opo_subtracts_the_length_weighted_group_mean():
+    baseline_a = (3 * 1.0 + 2 * 0.0 + 3 * 0.5) / (3 + 2 + 3)
+    expected = [1 - baseline_a, 0 - baseline_a, 0.5 - baseline_a, 0.0, 0.0, 2.0]
+    advantages, _ = estimate("opo")
+    assert [advantages[i, 0].item() for i in range(6)] == pytest.approx(expected, rel=1e-6)
+
+
+def test_gpg_scales_the_centred_score_by_the_share_of_nonzero_rewards():
+    alpha = 6 / 3  # three of six responses scored nonzero
+    expected = [alpha * (1 - 0.5), alpha * (0 - 0.5), 0.0, 0.0, 0.0, alpha * 2.0]
+    advantages, _ = estimate("gpg")
+    assert [advantages[i, 0].item() for i in range(6)] == pytest.approx(expected, rel=1e-6)

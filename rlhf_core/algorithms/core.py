@@ -251,6 +251,79 @@ def compute_reinforce_plus_plus_outcome_advantage(token_level_rewards: torch.Ten
     return advantages, returns
 
 
+@register_adv_est("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_outcome_advantage(token_level_rewards: torch.Tensor,
+                                                           response_mask: torch.Tensor, index,
+                                                           **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a baseline (Hu 2025): each response's score minus its group's mean
+    (a lone response keeps its score), broadcast over its tokens, then whitened over the
+    batch's tokens."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        group, size = _groups(index)
+        mean = _group_sum(scores, group, len(size)) / size.to(scores.dtype)
+        centred = torch.where(size[group] > 1, scores - mean[group], scores)
+        advantages = masked_whiten(centred.unsqueeze(-1) * response_mask, response_mask) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("grpo_passk", needs_group=True)
+def compute_grpo_passk_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                         index, norm_adv_by_std_in_grpo: bool = True, epsilon: float = 1e-6,
+                                         **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, verl's ``grpo_passk``): only each group's best
+    response gets an advantage, its score minus the group's second best (divided by the
+    group's unbiased std with ``norm_adv_by_std_in_grpo``); the others get 0. Of equal
+    best scores the first in the batch is the best."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        group, size = _groups(index)
+        if (size < 2).any():
+            raise ValueError(f"grpo_passk: expected at least 2 responses per prompt (rollout.n >= 2); found a "
+                             f"prompt with {int(size.min())}")
+        out = torch.zeros_like(scores)
+        for g in range(len(size)):
+            rows = torch.nonzero(group == g).flatten()
+            top = torch.topk(scores[rows], 2, sorted=True)
+            best = rows[int(torch.argmax(scores[rows]))]
+            gap = top.values[0] - top.values[1]
+            out[best] = gap / (scores[rows].std() + epsilon) if norm_adv_by_std_in_grpo else gap
+        advantages = out.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("opo")
+def compute_opo_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                  **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): score minus the group's length-weighted mean score, the
+    optimal baseline for a sequence-level reward (a lone response: baseline 0)."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        lengths = response_mask.sum(dim=-1).to(scores.dtype)
+        group, size = _groups(index)
+        baseline = _group_sum(lengths * scores, group, len(size)) / _group_sum(lengths, group, len(size)).clamp(
+            min=1e-12)
+        out = scores - torch.where(size[group] > 1, baseline[group], torch.zeros_like(scores))
+        advantages = out.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_est("gpg")
+def compute_gpg_outcome_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index,
+                                  f_norm: float = 1.0, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG's advantage (Chu et al. 2025): score minus the group's mean, scaled by
+    ``alpha = batch size / responses with a nonzero score`` (so a batch of mostly zero
+    rewards still moves the policy), over ``f_norm``."""
+    with torch.no_grad():
+        scores = _outcome_scores(token_level_rewards)
+        group, size = _groups(index)
+        alpha = len(scores) / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+        mean = _group_sum(scores, group, len(size)) / size.to(scores.dtype)
+        centred = scores - torch.where(size[group] > 1, mean[group], torch.zeros_like(scores))
+        advantages = (alpha * centred / f_norm).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
 @register_adv_est("remax", needs_reward_baseline=True)
 def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_baselines: torch.Tensor,
                                     response_mask: torch.Tensor, **_) -> tuple[torch.Tensor, torch.Tensor]:
