@@ -125,10 +125,34 @@ class FSDPConfig:
                         "across groups (HSDP: one gradient all-reduce between groups)", ge=-1, hashed=False)
 
 
+#: The learning-rate schedule's fields, the same for the actor and the critic (verl's
+#: ``optim.*``; the math: ``rlhf_core/algorithms/schedules.py``).
+_SCHEDULE_FIELDS = {
+    "lr_warmup_steps": (-1, "updates of linear warmup from 0 (one per training step, as verl counts); -1: "
+                            "lr_warmup_steps_ratio of the run's total", {"ge": -1}),
+    "lr_warmup_steps_ratio": (0.0, "warmup as a share of trainer.total_iterations, when lr_warmup_steps is -1",
+                              {"ge": 0, "le": 1}),
+    "lr_scheduler_type": ("constant", "after the warmup: constant, or cosine down to min_lr_ratio by "
+                                      "trainer.total_iterations (verl's warmup_style)",
+                          {"choices": ("constant", "cosine")}),
+    "min_lr_ratio": (0.0, "the cosine schedule's floor, a share of lr", {"ge": 0, "le": 1}),
+    "num_cycles": (0.5, "the cosine schedule's waves (0.5: from lr down to the floor once)", {"ge": 0}),
+}
+
+
+def _schedule(name: str):
+    default, help, bounds = _SCHEDULE_FIELDS[name]
+    return _f(default, help, **bounds)
+
+
 @dataclass
 class ActorConfig:
     lr: float = _f(3e-4, "AdamW learning rate of the policy", **NON_NEGATIVE)
-    lr_warmup_steps: int = _f(0, "linear warmup optimizer steps, then constant", **NON_NEGATIVE)
+    lr_warmup_steps: int = _schedule("lr_warmup_steps")
+    lr_warmup_steps_ratio: float = _schedule("lr_warmup_steps_ratio")
+    lr_scheduler_type: str = _schedule("lr_scheduler_type")
+    min_lr_ratio: float = _schedule("min_lr_ratio")
+    num_cycles: float = _schedule("num_cycles")
     weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
     ppo_mini_batch_size: int = _f(32, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
@@ -221,6 +245,11 @@ class RolloutConfig:
 class CriticConfig:
     enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)", checkpoint=True)
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
+    lr_warmup_steps: int = _schedule("lr_warmup_steps")
+    lr_warmup_steps_ratio: float = _schedule("lr_warmup_steps_ratio")
+    lr_scheduler_type: str = _schedule("lr_scheduler_type")
+    min_lr_ratio: float = _schedule("min_lr_ratio")
+    num_cycles: float = _schedule("num_cycles")
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
     ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
@@ -560,6 +589,10 @@ class RunConfig:
                     parent.pop(part)
         if not self.reward_model.enable:
             data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
+        from rlhf_core.algorithms.schedules import uses_total
+
+        if uses_total(self.actor) or uses_total(self.critic):  # the schedule's total is then what is trained
+            data["lr_schedule_total"] = self.trainer.total_iterations
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def validate(self) -> "RunConfig":

@@ -50,8 +50,8 @@ def _strategy(raw: str) -> str:
     return "fsdp" if raw == "fsdp2" else raw
 
 
-def _non_negative(raw: str) -> str:
-    return "0" if int(raw) < 0 else raw
+def _zero_if_null(raw: str) -> str:
+    return "0.0" if raw.strip().lower() in ("null", "none", "~") else raw
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,18 @@ TABLE: dict[str, Rule] = {
                                                   accepts=lambda raw: raw.strip() == "1"),
     # actor
     A + "optim.lr": _m("actor.lr"),
-    A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps", note="verl's -1 (use the warmup ratio) is 0 here",
-                                    convert=_non_negative),
+    A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps"),
+    A + "optim.lr_warmup_steps_ratio": _m("actor.lr_warmup_steps_ratio"),
+    A + "optim.warmup_style": _m("actor.lr_scheduler_type", note="verl's older name of lr_scheduler_type"),
+    A + "optim.lr_scheduler_type": _m("actor.lr_scheduler_type"),
+    A + "optim.min_lr_ratio": _m("actor.min_lr_ratio", convert=_zero_if_null),
+    A + "optim.num_cycles": _m("actor.num_cycles"),
+    "critic.optim.lr_warmup_steps": _m("critic.lr_warmup_steps"),
+    "critic.optim.lr_warmup_steps_ratio": _m("critic.lr_warmup_steps_ratio"),
+    "critic.optim.warmup_style": _m("critic.lr_scheduler_type", note="verl's older name of lr_scheduler_type"),
+    "critic.optim.lr_scheduler_type": _m("critic.lr_scheduler_type"),
+    "critic.optim.min_lr_ratio": _m("critic.min_lr_ratio", convert=_zero_if_null),
+    "critic.optim.num_cycles": _m("critic.num_cycles"),
     A + "optim.weight_decay": _m("actor.weight_decay"),
     A + "ppo_mini_batch_size": _m("actor.ppo_mini_batch_size", note="prompts per optimizer step, as in verl"),
     A + "ppo_micro_batch_size_per_gpu": _m("actor.ppo_micro_batch_size_per_gpu",

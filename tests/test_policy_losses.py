@@ -162,3 +162,36 @@ def test_gpg_scales_the_centred_score_by_the_share_of_nonzero_rewards():
     expected = [alpha * (1 - 0.5), alpha * (0 - 0.5), 0.0, 0.0, 0.0, alpha * 2.0]
     advantages, _ = estimate("gpg")
     assert [advantages[i, 0].item() for i in range(6)] == pytest.approx(expected, rel=1e-6)
+
+
+# ------------------------------------------------------------------ learning-rate schedules (issue 40, item 4)
+
+def test_verls_constant_and_cosine_schedules_by_training_step():
+    from rlhf_core.algorithms.schedules import lr_factor
+
+    # constant with 4 warmup steps: 0, 1/4, 2/4, 3/4, then 1 (verl's get_constant_schedule_with_warmup)
+    assert [lr_factor(t, 4, 20) for t in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+    # cosine, 2 warmup steps of 12, floor 0.1, half a wave: 1 right after the warmup, the floor at the end
+    expected = [0.0, 0.5] + [max(0.1, 0.45 * math.cos(math.pi * (t - 2) / 10) + 0.55) for t in range(2, 13)]
+    assert [lr_factor(t, 2, 12, "cosine", 0.1) for t in range(13)] == pytest.approx(expected)
+    assert lr_factor(12, 2, 12, "cosine", 0.1) == pytest.approx(0.1) and lr_factor(2, 2, 12, "cosine") == 1.0
+    assert lr_factor(7, 2, 12, "cosine", 0.0, num_cycles=1.0) == pytest.approx(0.0, abs=1e-12)  # a whole wave: 0
+    with pytest.raises(ValueError, match="lr_scheduler_type: expected one of"):
+        lr_factor(0, 0, 1, "linear")
+
+
+def test_verls_optim_keys_set_the_schedule_and_its_total_enters_the_config_hash():
+    from rlhf_core.algorithms.schedules import warmup_steps
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    cfg = apply_overrides(RunConfig(), [
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.1", "actor_rollout_ref.actor.optim.warmup_style=cosine",
+        "actor_rollout_ref.actor.optim.min_lr_ratio=0.2", "critic.optim.lr_warmup_steps=3",
+        "critic.optim.lr_scheduler_type=cosine", "critic.optim.num_cycles=1", "trainer.total_training_steps=50"]).validate()
+    assert (cfg.actor.lr_scheduler_type, cfg.actor.min_lr_ratio, cfg.critic.num_cycles) == ("cosine", 0.2, 1.0)
+    assert warmup_steps(cfg.actor, cfg.trainer.total_iterations) == 5 and warmup_steps(cfg.critic, 50) == 3
+    # a schedule that depends on the run's total: another total is another run
+    before = cfg.config_hash()
+    assert apply_overrides(cfg, ["trainer.total_iterations=60"]).config_hash() != before
+    plain = RunConfig().config_hash()
+    assert apply_overrides(RunConfig(), ["trainer.total_iterations=61"]).config_hash() == plain

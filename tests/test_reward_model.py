@@ -329,10 +329,9 @@ QWEN2_7B_RM = [
     "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.save_freq=20", "trainer.test_freq=5",
     "trainer.total_epochs=15",
 ]
-#: Keys of the script that have no counterpart here yet (the critic's own model section and
-#: the warmup ratio): left out below, and refused when given.
-NOT_YET = ("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", "critic.optim.lr_warmup_steps_ratio",
-           "critic.model.path", "critic.model.enable_gradient_checkpointing",
+#: Keys of the script that have no counterpart here yet (the critic's own model section):
+#: left out below, and refused when given.
+NOT_YET = ("critic.model.path", "critic.model.enable_gradient_checkpointing",
            "critic.model.fsdp_config.param_offload", "critic.model.fsdp_config.optimizer_offload")
 
 

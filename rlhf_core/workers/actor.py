@@ -65,9 +65,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         del weights
         self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.policy), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
-        warmup = max(1, cfg.actor.lr_warmup_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        self.scheduler = self._lr_schedule(cfg.actor)
         # ranks of one tensor-parallel engine get the same prompts; one of them answers
         tp = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
@@ -139,6 +137,9 @@ class ActorRolloutRefWorker(TrainableWorker):
                 lambda part: self._log_probs(reference, part, with_entropy=False),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
         return DataProto.from_dict(devices.to_host({"ref_log_prob": log_probs}))
+
+    def _first_update_step(self) -> int:
+        return max(0, self.config.trainer.critic_warmup - 1)  # verl's critic warmup: the actor waits it out
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:

@@ -33,7 +33,7 @@ class CriticWorker(TrainableWorker):
             spec.strategy, self.world_size) else None
         self.critic = modeling.init_distributed_model(self, value_model, spec, resources=cfg.resources, source=source)
         self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.critic), lr=cfg.critic.lr)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+        self.scheduler = self._lr_schedule(cfg.critic)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
 
     def _values(self, model, data: DataProto) -> torch.Tensor:

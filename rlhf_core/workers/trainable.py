@@ -69,6 +69,26 @@ class TrainableWorker(Worker):
     def _seed_init(self) -> None:
         self._seed_all(self.config.trainer.seed + self.seed_offset + self.rank)
 
+    def _first_update_step(self) -> int:
+        """The iteration (0-based) of the role's first update, where its schedule starts."""
+        return 0
+
+    def _lr_schedule(self, role_cfg) -> torch.optim.lr_scheduler.LambdaLR:
+        """The role's learning-rate schedule (``rlhf_core/algorithms/schedules.py``): a
+        LambdaLR whose factor ``_ppo_update`` sets from the iteration before it steps, so
+        the rate is a function of the iteration alone (the scheduler's own count, one per
+        optimizer step, is what the checkpoint records)."""
+        self._lr_role_cfg = role_cfg
+        self._lr_now = self._lr_at(0)
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: self._lr_now)
+
+    def _lr_at(self, update: int) -> float:
+        from rlhf_core.algorithms.schedules import lr_factor, warmup_steps
+
+        role_cfg, total = self._lr_role_cfg, self.config.trainer.total_iterations
+        return lr_factor(update, warmup_steps(role_cfg, total), total, role_cfg.lr_scheduler_type,
+                         role_cfg.min_lr_ratio, role_cfg.num_cycles)
+
     def _ppo_update(self, data: DataProto, role_cfg, loss_fn: Callable, prefix: str) -> dict[str, list]:
         """PPO epochs over shuffled mini-batches of ``data``, each accumulated over
         micro-batches (token-weighted): ``loss_fn(micro) -> (loss, {metric: 0-dim tensor})``.
@@ -82,6 +102,9 @@ class TrainableWorker(Worker):
         metrics: dict[str, list] = {}
         skipped = 0
         self._seed_update(step_no)
+        self._lr_now = self._lr_at(max(0, step_no - self._first_update_step()))  # verl: one step per update
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self._lr_now
         offload = self.config.actor.fsdp_config.optimizer_offload
         keep_gathered = self.config.actor.fsdp_config.keep_gathered_between_micro_batches
         if offload:
