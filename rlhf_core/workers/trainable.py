@@ -102,9 +102,10 @@ class TrainableWorker(Worker):
         metrics: dict[str, list] = {}
         skipped = 0
         self._seed_update(step_no)
-        self._lr_now = self._lr_at(max(0, step_no - self._first_update_step()))  # verl: one step per update
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
-            group["lr"] = base * self._lr_now
+        if getattr(self, "_lr_role_cfg", None) is not None:  # a role with its own scheduler keeps it
+            self._lr_now = self._lr_at(max(0, step_no - self._first_update_step()))  # verl: one step per update
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs):
+                group["lr"] = base * self._lr_now
         offload = self.config.actor.fsdp_config.optimizer_offload
         keep_gathered = self.config.actor.fsdp_config.keep_gathered_between_micro_batches
         if offload:
