@@ -143,7 +143,8 @@ def test_a_killed_driver_started_again_continues_from_the_committed_iteration(pl
 
 def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_running(place):
     """The driver's pod dies, its child pipeline run does not: the driver started again
-    (its pod retried) has lease holders of its own, so it cannot take over the live
+    (its pod retried) tags its runs anew and its child runs are KFP runs of their own (lease
+    holders of their own), so it cannot take over the live
     child's lease; it waits until the child commits and goes on from there. One
     controller ran each iteration: every iteration's lease was acquired once."""
     store = f"file://{place / 'store'}"
@@ -165,21 +166,21 @@ def test_a_driver_started_again_waits_out_the_child_run_its_predecessor_left_run
         said = []
         for line in second.stdout:
             said.append(line)
-            if "iteration 0 is being run by driver:orphan/" in line:
+            if "iteration 0 is being run by kfp:" in line:  # the child run's KFP task holds it
                 break
         for proc in frozen:
             proc.resume()
         rest, _ = second.communicate(timeout=900)
         output = "".join(said) + rest
         assert second.returncode == 0, output[-5000:]
-        assert "iteration 0 is being run by driver:orphan/" in output
+        assert "iteration 0 is being run by kfp:" in output
         assert IterationStore(RunRef(store, "orphan")).committed_iterations() == [0, 1]
         for iteration in (0, 1):
             records = [json.loads(p.read_text()) for p in sorted(leases.glob(f"iter-{iteration:06d}/*.json"))]
             acquired = [r["holder"] for r in records if r["state"] == "held" and r["token"] == records.index(r) + 1]
             assert len(acquired) == 1, records
-        holders = {json.loads(p.read_text())["holder"] for p in leases.glob("iter-*/*.json")}
-        assert len({h.split("/")[1] for h in holders}) == 2  # two driver instances, each its own holders
+        tags = {json.loads(p.read_text()).get("attempt", "") for p in leases.glob("iter-*/*.json")}
+        assert len({t.split("/")[1] for t in tags if t.startswith("driver:orphan/")}) == 2  # two driver instances
     finally:
         try:
             os.killpg(first.pid, signal.SIGKILL)
