@@ -174,6 +174,8 @@ class ActorConfig:
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
     policy_loss: str = _f("vanilla", "the policy loss", registry="POLICY_LOSSES")
+    tau_pos: float = _f(1.0, "sapo's gate temperature where the advantage is positive", gt=0)
+    tau_neg: float = _f(1.05, "sapo's gate temperature where the advantage is not positive", gt=0)
     loss_agg_mode: str = _f("token-mean", "how the policy loss reduces over tokens and responses",
                             choices=LOSS_AGG_MODES)
     entropy_coeff: float = _f(0.0, "entropy bonus weight (0 disables)")

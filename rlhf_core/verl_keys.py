@@ -148,6 +148,8 @@ TABLE: dict[str, Rule] = {
     A + "grad_clip": _m("actor.grad_clip"),
     A + "strategy": _m("actor.strategy", note="fsdp and fsdp2 are both FSDP2 here", convert=_strategy),
     A + "policy_loss.loss_mode": _m("actor.policy_loss"),
+    A + "tau_pos": _m("actor.tau_pos"),
+    A + "tau_neg": _m("actor.tau_neg"),
     A + "fsdp_config.param_offload": _m("actor.fsdp_config.param_offload"),
     A + "fsdp_config.optimizer_offload": _m("actor.fsdp_config.optimizer_offload"),
     A + "fsdp_config.reshard_after_forward": _m("actor.fsdp_config.reshard_after_forward"),

@@ -90,7 +90,7 @@ def test_negative_advantages_clip_on_the_other_side_for_geo_mean():
     assert out["pg_clipfrac_lower"].item() == pytest.approx(2 / 5)
 
 
-@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "geo_mean"])
+@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "geo_mean", "sapo"])
 def test_verls_loss_mode_names_select_them(name):
     from rlhf_core.config import RunConfig, apply_overrides
 
@@ -195,3 +195,24 @@ def test_verls_optim_keys_set_the_schedule_and_its_total_enters_the_config_hash(
     assert apply_overrides(cfg, ["trainer.total_iterations=60"]).config_hash() != before
     plain = RunConfig().config_hash()
     assert apply_overrides(RunConfig(), ["trainer.total_iterations=61"]).config_hash() == plain
+
+
+def test_sapo_gates_each_token_smoothly_with_its_advantages_temperature():
+    from rlhf_core.algorithms import loss_settings
+
+    tau_pos, tau_neg = 1.0, 1.05
+    gate = lambda r, tau: 4.0 / tau / (1.0 + math.exp(-tau * (r - 1.0)))  # noqa: E731
+    ratios = [[math.exp(d) for d in row] for row in DELTA]
+    per_seq = [sum(-gate(r, tau_pos) * ADV[i] for r in ratios[i]) / len(ratios[i]) for i in range(2)]
+    out, grad = run("sapo", tau_pos=tau_pos, tau_neg=tau_neg)
+    assert out["pg_loss"].item() == pytest.approx(sum(per_seq) / 2, rel=1e-6)
+    assert out["pg_clipfrac"].item() == 0.0 and out["pg_clipfrac_lower"].item() == 0.0
+    # d/dlog pi of -A * gate(r): -A * r * 4 * s(1-s) with s = sigmoid(tau (r - 1)); / |y| / B
+    slope = lambda r, tau: 4 * r / (1 + math.exp(-tau * (r - 1))) * (1 - 1 / (1 + math.exp(-tau * (r - 1))))  # noqa
+    assert grad[0].tolist() == pytest.approx([-ADV[0] * slope(r, tau_pos) / 3 / 2 for r in ratios[0]], rel=1e-5)
+    negative = get_policy_loss_fn("sapo")(OLD, inputs()[0], -inputs()[1], MASK, tau_pos=tau_pos, tau_neg=tau_neg)
+    per_seq = [sum(gate(r, tau_neg) * ADV[i] for r in ratios[i]) / len(ratios[i]) for i in range(2)]
+    assert negative["pg_loss"].item() == pytest.approx(sum(per_seq) / 2, rel=1e-6)
+    # the actor hands a loss only the settings it names: vanilla is called as before
+    assert loss_settings(get_policy_loss_fn("vanilla"), tau_pos=1.0) == {}
+    assert loss_settings(get_policy_loss_fn("sapo"), tau_pos=2.0, tau_neg=3.0) == {"tau_pos": 2.0, "tau_neg": 3.0}

@@ -95,6 +95,16 @@ def get_policy_loss_fn(name: str) -> Callable:
     return _lookup(POLICY_LOSSES, name, "policy loss")
 
 
+def loss_settings(fn: Callable, **settings) -> dict:
+    """Those of ``settings`` that ``fn`` takes by name (a loss's own knobs, such as sapo's
+    temperatures, reach the losses that declare them; a loss without them is called as
+    before)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters  # by name only: a ``**_`` would take anything
+    return {k: v for k, v in settings.items() if k in params}
+
+
 def get_kl_estimator_fn(name: str) -> Callable:
     return _lookup(KL_ESTIMATORS, name, "KL estimator")
 
@@ -396,6 +406,25 @@ def compute_policy_loss_gspo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     return {"pg_loss": agg_loss(losses, response_mask, "seq-mean-token-mean"),
             **_clip_metrics(masked_mean(-negative_approx_kl, response_mask),
                             masked_mean(torch.gt(clipped, unclipped).float(), response_mask))}
+
+
+@register_policy_loss("sapo")
+def compute_policy_loss_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                             response_mask: torch.Tensor, tau_pos: float = 1.0, tau_neg: float = 1.05,
+                             **_) -> dict[str, torch.Tensor]:
+    """SAPO (Gao et al. 2025): a smooth gate instead of a hard clip, ``-A *
+    sigmoid(tau * (r - 1)) * 4 / tau`` per token (``tau_pos`` where A > 0, ``tau_neg``
+    elsewhere; at r = 1 its slope is 1, as PPO's), reduced per sequence then over
+    sequences as verl does. Nothing is clipped: both clip fractions are 0."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=advantages.dtype),
+                      torch.as_tensor(tau_neg, dtype=advantages.dtype))
+    losses = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
+    zero = torch.zeros((), dtype=log_prob.dtype)
+    return {"pg_loss": agg_loss(losses, response_mask, "seq-mean-token-mean"),
+            **_clip_metrics(masked_mean(-negative_approx_kl, response_mask), zero, zero)}
 
 
 @register_policy_loss("cispo")
