@@ -346,10 +346,12 @@ def test_a_controller_whose_claim_was_replaced_has_every_later_call_refused_on_e
         fenced_at = new.steps_taken()
         thread.join(60)
         assert not thread.is_alive() and len(refused) == 1
-        assert new.steps_taken() == fenced_at and len(set(fenced_at)) == 1  # nothing of the old ran after
+        # nothing of the old controller ran after the fence (the one call in flight while it went
+        # out may have reached one rank before the fence and the other after it)
+        assert new.steps_taken() == fenced_at and max(fenced_at) - min(fenced_at) <= 1
         assert isinstance(refused[0].__cause__, StaleClaimError), refused[0]
         assert "carries claim 1 and claim 2 drives these workers now" in str(refused[0].__cause__)
-        assert new.step() == [fenced_at[0] + 1] * 2
+        assert new.step() == [n + 1 for n in fenced_at]
         with pytest.raises(WorkerError, match="StaleClaimError"):  # its reads too: it drives nothing now
             old.steps_taken()
     finally:
