@@ -502,48 +502,86 @@ def _cmd_config(args: argparse.Namespace) -> int:
 def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
     """Preferences from a simulated annotator -> a reward model trained on them -> PPO
     scored by it (the same iterations as ``rlhf run``), the task's own score logged beside
-    the model's. Each phase's output is kept in ``--out`` and reused when it is there."""
-    import json
+    the model's. With ``--rounds R`` (iterated RLHF), each later round asks the annotator
+    about the current policy's own responses, continues the reward model's training on
+    every pair so far, and continues PPO from the round's policy in a run of its own.
+    Each phase's output is kept in ``--out`` and reused when it is there."""
     from pathlib import Path
-
-    from rlhf_core.demo import simulated_preferences
-    from rlhf_core.models.builtin import builtin_model_path
-    from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
-    from rlhf_core.workers.reward_model import PROVENANCE
 
     from rlhf_core.data.preferences import PreferenceDataError
     from rlhf_core.trainer.preference import RewardModelTrainingError
 
     out = Path(args.out or f"runs/rlhf-demo-seed{args.seed}").resolve()  # manifests record the model's path
     out.mkdir(parents=True, exist_ok=True)
-    policy = builtin_model_path(seed=args.seed, progress=True)
-    pairs = out / "preferences.jsonl"
-    if not pairs.exists():
-        rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise,
-                                             degenerate=args.degenerate)
-        pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        print(f"[rlhf-demo] {counts['pairs']} preference pairs from the simulated annotator ({counts['flipped']} "
-              f"labels flipped, {counts['ties_skipped']} ties and {counts['empty_skipped']} empty responses passed "
-              f"on): {pairs}")
-    reward_model = out / "reward-model"
-    if not (reward_model / PROVENANCE).exists():
+    if args.rounds < 1:
+        raise SystemExit(f"rlhf: --rounds: expected at least 1; found {args.rounds}")
+    iterations = args.iterations
+    if args.rounds > 1:
+        iterations = args.iterations or 60
+        if iterations % args.rounds:
+            raise SystemExit(f"rlhf: --iterations: expected a multiple of --rounds ({args.rounds}); found {iterations}")
+    # later rounds name their runs and read the one before: fixed ids and one store
+    base_id = args.run_id or (f"rlhf-demo-seed{args.seed}" if args.rounds > 1 else None)
+    store = args.store or (f"file://{out / 'store'}" if args.rounds > 1 else None)
+    for r in range(args.rounds):
         try:
-            train_reward_model(RewardModelTraining(data=str(pairs), base=policy, out=str(reward_model),
-                                                   epochs=args.rm_epochs, lr=args.rm_lr, batch_size=64,
-                                                   eval_share=0.05, max_length=16, seed=args.seed,
-                                                   store=args.store or str(out / "store"),
-                                                   # continued if killed; apart from other demos' in one store
-                                                   run_id=f"{args.run_id}-rm" if args.run_id else
-                                                   f"rm-demo-seed{args.seed}"))
+            policy, reward_model = _rlhf_demo_round(args, out, r, store, base_id)
         except (PreferenceDataError, RewardModelTrainingError) as exc:
             raise SystemExit(f"rlhf: {exc}") from None
-    run = build_parser().parse_args(
-        ["run", *(["--direct"] if args.direct else []), *(["--iterations", str(args.iterations)]
-                                                            if args.iterations else []),
-         *(["--run-id", args.run_id] if args.run_id else []), *(["--store", args.store] if args.store else []),
-         f"trainer.seed={args.seed}", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
-         "reward_model.log_function_score=true", *args.overrides])
-    return _cmd_run(run)
+        run_id = base_id if args.rounds == 1 else f"{base_id}-round{r}"
+        run = build_parser().parse_args(
+            ["run", *(["--direct"] if args.direct else []),
+             *(["--iterations", str(iterations // args.rounds)] if iterations else []),
+             *(["--run-id", run_id] if run_id else []), *(["--store", store] if store else []),
+             f"trainer.seed={args.seed}", "reward_model.enable=true", f"reward_model.model.path={reward_model}",
+             # a later round's policy starts where the last ended, and is its reference
+             "reward_model.log_function_score=true", *([f"model.path={policy}"] if r else []), *args.overrides])
+        code = _cmd_run(run)
+        if code:
+            return code
+    if args.rounds > 1:
+        from rlhf_core.demo import write_rounds_curve
+
+        print(f"[rlhf-demo] every round's curve: {write_rounds_curve(out, store, base_id, args.rounds)}")
+    return 0
+
+
+def _rlhf_demo_round(args: argparse.Namespace, out, r: int, store: str | None, base_id: str | None):
+    """Round ``r``'s policy to start from and its reward model, made if not there yet."""
+    import json
+
+    from rlhf_core.demo import export_round_policy, simulated_preferences
+    from rlhf_core.models.builtin import builtin_model_path
+    from rlhf_core.trainer.preference import RewardModelTraining, train_reward_model
+    from rlhf_core.workers.reward_model import PROVENANCE
+
+    suffix = f"-round{r}" if r else ""
+    policy = builtin_model_path(seed=args.seed, progress=True) if r == 0 else \
+        export_round_policy(store, f"{base_id}-round{r - 1}", out / f"policy-round{r}")
+    pairs = out / f"preferences{suffix}.jsonl"
+    if not pairs.exists():
+        if r == 0:
+            rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise,
+                                                 degenerate=args.degenerate)
+        else:  # the policy's own responses only, on prompts of the round's own draw
+            rows, counts = simulated_preferences(policy, args.round_prompts, args.seed + 1000 * r,
+                                                 noise=args.noise, other_models=0.0)
+        earlier = (out / (f"preferences-round{r - 1}.jsonl" if r > 1 else "preferences.jsonl")).read_text() \
+            if r else ""
+        pairs.write_text(earlier + "".join(json.dumps(row) + "\n" for row in rows))  # every pair so far
+        print(f"[rlhf-demo] round {r}: {counts['pairs']} new preference pairs from the simulated annotator "
+              f"({counts['flipped']} labels flipped, {counts['ties_skipped']} ties and {counts['empty_skipped']} "
+              f"empty responses passed on): {pairs}")
+    reward_model = out / f"reward-model{suffix}"
+    if not (reward_model / PROVENANCE).exists():
+        rm_id = f"{args.run_id}-rm" if args.run_id else f"rm-demo-seed{args.seed}"
+        train_reward_model(RewardModelTraining(
+            data=str(pairs), base=policy if r == 0 else str(out / f"reward-model{f'-round{r - 1}' if r > 1 else ''}"),
+            out=str(reward_model), epochs=args.rm_epochs if r == 0 else args.round_rm_epochs, lr=args.rm_lr,
+            batch_size=64, eval_share=0.05, max_length=16, seed=args.seed,
+            store=args.store or str(out / "store"),
+            run_id=rm_id + suffix))  # continued if killed; apart from other demos' in one store
+    return policy, reward_model
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -696,7 +734,13 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--rm-lr", type=float, default=3e-4)
     rd.add_argument("--out", default=None, help="where the preferences and the reward model go (default "
                                                 "runs/rlhf-demo-seed<seed>; reused when there)")
-    rd.add_argument("--iterations", type=int, default=None)
+    rd.add_argument("--iterations", type=int, default=None, help="PPO iterations in all (with --rounds: default 60, "
+                                                                 "shared equally by the rounds)")
+    rd.add_argument("--rounds", type=int, default=1, help="iterated RLHF: after each round's PPO, preferences on "
+                    "the policy's own responses, the reward model trained on on every pair so far, PPO continued "
+                    "from that policy (a run per round, <run-id>-round<R>)")
+    rd.add_argument("--round-prompts", type=int, default=4000, help="prompts the annotator sees in each later round")
+    rd.add_argument("--round-rm-epochs", type=int, default=1, help="reward-model epochs in each later round")
     rd.add_argument("--direct", action="store_true", help="as rlhf run --direct")
     from rlhf_core.cli_args import run_id as run_id_type
 

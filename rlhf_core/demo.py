@@ -167,3 +167,80 @@ def simulated_preferences(policy_path: str, count: int, seed: int, noise: float 
             chosen, rejected, flipped = rejected, chosen, flipped + 1
         pairs.append({"prompt": row["prompt"], "chosen": chosen, "rejected": rejected})
     return pairs, {"pairs": len(pairs), "ties_skipped": ties, "empty_skipped": empty, "flipped": flipped}
+
+
+# ---------------------------------------------------------------- iterated RLHF: the rounds
+
+
+def export_round_policy(store: str, run_id: str, folder) -> str:
+    """The policy run ``run_id`` ended with (its last committed checkpoint) as a Hugging
+    Face folder: the next round's starting point. Reused when ``folder`` holds a finished
+    export; a half-written one (the process was killed) is written again."""
+    import shutil
+
+    from rlhf_core.export import export_checkpoint
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+
+    if (folder / "EXPORT.json").exists():  # written last
+        return str(folder)
+    istore = IterationStore(RunRef(store, run_id))
+    committed = istore.committed_iterations()
+    if not committed:
+        raise SystemExit(f"rlhf: {istore.run_uri}: no committed iteration to start the next round from")
+    shutil.rmtree(folder, ignore_errors=True)
+    export_checkpoint(istore.read_manifest(committed[-1])["checkpoint"], str(folder))
+    return str(folder)
+
+
+def rounds_history(store: str, base_id: str, rounds: int) -> list[dict]:
+    """Every round's iterations in order, numbered across rounds (``iteration``) with their
+    ``round``: the reward model's score and the task's own, as each run's manifests hold them."""
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.report import run_history
+
+    rows = []
+    for r in range(rounds):
+        for row in run_history(IterationStore(RunRef(store, f"{base_id}-round{r}"))):
+            rows.append({**row, "round": r, "round_iteration": row["iteration"], "iteration": len(rows)})
+    return rows
+
+
+def write_rounds_curve(out, store: str, base_id: str, rounds: int):
+    """``rounds.png`` in ``out``: the reward model's score (what PPO maximizes) and the
+    task's hidden score over every round's iterations, a line where each round's reward
+    model takes over; ``rounds.jsonl`` beside it with the points."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = rounds_history(store, base_id, rounds)
+    (out / "rounds.jsonl").write_text("".join(json.dumps(
+        {k: row.get(k) for k in ("iteration", "round", "round_iteration", "critic/score/mean",
+                                 "critic/reward_extra/function_score/mean")}) + "\n" for row in rows))
+    fig, task = plt.subplots(figsize=(7, 3.4))
+    model = task.twinx()
+    it = [row["iteration"] for row in rows]
+    task.plot(it, [row.get("critic/reward_extra/function_score/mean", 0.0) for row in rows], color="tab:purple",
+              label="task's score (never trained on)")
+    model.plot(it, [row.get("critic/score/mean", 0.0) for row in rows], color="tab:blue", alpha=0.6,
+               label="reward model's score (trained on)")
+    for row in rows:
+        if row["round_iteration"] == 0 and row["iteration"]:
+            task.axvline(row["iteration"] - 0.5, color="grey", lw=0.8, ls="--")
+    task.set_xlabel("PPO iteration (dashed: a new round's reward model)")
+    task.set_ylabel("task's score")
+    task.set_ylim(0, 1)
+    model.set_ylabel("reward model's score")
+    task.grid(alpha=0.3)
+    lines = task.get_legend_handles_labels(), model.get_legend_handles_labels()
+    task.legend(lines[0][0] + lines[1][0], lines[0][1] + lines[1][1], loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = out / "rounds.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
