@@ -17,9 +17,10 @@ from components.iteration import IMAGE
 @dsl.component(base_image=IMAGE, install_kfp_package=False)
 def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, timeout_s: int,
                    cluster_policy: str = "keep", kfp_run_id: str = "") -> NamedTuple(
-        "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str)]):
+        "Cluster", [("name", str), ("ray_address", str), ("dashboard_url", str), ("token_secret", str)]):
     """Create or reuse the run's RayCluster and wait until it is ready (on timeout, fail
-    with the pods' phases and events); outputs its Ray Client and Jobs API addresses. The
+    with the pods' phases and events); outputs its Ray Client and Jobs API addresses and
+    the Secret, in this pod's namespace, holding the cluster's own Ray token. The
     cluster is labelled with the profile namespace this pod runs in and the KFP run; one
     created from another profile is never reused."""
     from collections import namedtuple
@@ -38,9 +39,13 @@ def launch_cluster(run_id: str, config: str, config_hash: str, kube_spec: dict, 
     # kube_spec is a run parameter: its namespace, image, account, secrets and node choices
     # only among what that namespace's policy (set by the platform, not the run) allows
     launcher.policy().check(spec)
-    address = launcher.ensure(with_owner(render_raycluster(cfg, spec, run_id), owner, kfp_run_id), timeout_s)
-    return namedtuple("Cluster", ["name", "ray_address", "dashboard_url"])(
-        address.name, address.ray_address, address.dashboard_url)
+    if "ray_token_secret" in kube_spec:
+        print(f"kubernetes.ray_token_secret={spec.ray_token_secret!r} has no effect on a pipeline's cluster: each run's "
+              f"cluster gets a token of its own (it is used by `rlhf manifests`)")
+    body = with_owner(render_raycluster(cfg, spec, run_id), owner, kfp_run_id)
+    address = launcher.ensure(body, timeout_s)
+    return namedtuple("Cluster", ["name", "ray_address", "dashboard_url", "token_secret"])(
+        address.name, address.ray_address, address.dashboard_url, body["spec"]["authOptions"]["secretName"])
 
 
 @dsl.component(base_image=IMAGE, install_kfp_package=False)

@@ -19,7 +19,7 @@ from components.finetune import drive_finetune
 from components.reward_model import train_reward_model, with_reward_model
 from components.iteration import run_iteration
 from components.kuberay.launcher import POD_NAMESPACE_ENV
-from components.kuberay.spec import OBJECT_STORE_SECRET, RAY_TOKEN_SECRET
+from components.kuberay.spec import OBJECT_STORE_SECRET
 
 HERE = Path(__file__).parent
 COMPILED = HERE / "ppo_iteration.yaml"
@@ -126,8 +126,8 @@ def ppo_iteration_kuberay(run_id: str = "demo", store: str = "s3://rlhf/runs", c
         # from the Ray namespace (where profile users cannot edit it), not from the profile's
         controllers = _iteration(run_id, store, config, config_hash, "", cluster.outputs["ray_address"],
                                  cluster.outputs["dashboard_url"], attempt, parent_model, prefetch_next, follows)
-        for step in controllers:  # they talk to the token-authenticated Ray cluster
-            kubernetes.use_secret_as_env(step, secret_name=RAY_TOKEN_SECRET,
+        for step in controllers:  # they talk to the cluster with its own token (launch_cluster made it)
+            kubernetes.use_secret_as_env(step, secret_name=cluster.outputs["token_secret"],
                                          secret_key_to_env={"auth_token": "RAY_AUTH_TOKEN"})
 
 

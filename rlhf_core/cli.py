@@ -390,10 +390,10 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:
-    from rlhf_core.record.lineage import LineageError, chain, format_lineage
+    from rlhf_core.record.lineage import LineageError, chain_across_runs, format_runs
 
     try:
-        print(format_lineage(chain(args.uri), args.format))
+        print(format_runs(chain_across_runs(args.uri), args.format))
     except LineageError as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     return 0

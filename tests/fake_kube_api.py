@@ -2,13 +2,15 @@
 
 It is not Kubernetes: it stores ray.io RayClusters in a dict, speaks just the REST paths
 the launcher uses (custom objects get/create/patch/delete, pods and events lists, the
-deployment policy ConfigMap, creating the head's ServiceAccount / Role / RoleBinding), and
+deployment policy ConfigMap, creating the head's ServiceAccount / Role / RoleBinding, the
+run's Ray token Secrets), and
 plays the KubeRay operator by a script: a new cluster turns "ready" after a number of
 polls, or never does while its pods sit Pending with a scheduling event. Like KubeRay 1.x,
 "ready" is sticky (it stays when the worker pods go) and ``status.readyWorkerReplicas``
 (omitted when 0) counts the worker pods: fewer replicas remove them at once, more bring
 them up ``scale_up_polls`` polls later (None: never, their pods stay Pending). Namespaces other
-than ``namespaces`` answer 403, as they do to a pipeline whose Role is bound only there.
+than ``namespaces`` (by default the Ray namespace ``rlhf`` and the profiles ``team-a`` and
+``team-b``) answer 403, as they do to a pipeline whose Role is bound only there.
 It checks no RBAC: tests/test_manifests.py checks each recorded request against the Role.
 It proves the launcher's logic (create vs reuse, wait, timeout with a useful report,
 teardown policy), not that a real API server or operator behaves this way.
@@ -27,18 +29,21 @@ CORE = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|events)$")
 NAMESPACED = re.compile(r"^/apis?/(?:v1|rbac\.authorization\.k8s\.io/v1|ray\.io/v1)/namespaces/([^/]+)/")
 #: the other objects the launcher creates (POST) or reads (GET by name)
 OBJECTS = re.compile(r"^/api(?:s/rbac\.authorization\.k8s\.io)?/v1/namespaces/([^/]+)/"
-                     r"(serviceaccounts|configmaps|roles|rolebindings)(?:/([^/?]+))?$")
+                     r"(serviceaccounts|configmaps|roles|rolebindings|secrets)(?:/([^/?]+))?$")
 
 
 class FakeKubeAPI:
-    def __init__(self, ready_after_polls: int | None = 2, namespaces=("rlhf",),
+    def __init__(self, ready_after_polls: int | None = 2, namespaces=("rlhf", "team-a", "team-b"),
                  scale_up_polls: int | None = 2) -> None:
         self.ready_after_polls = ready_after_polls  # None: never ready
         self.namespaces = set(namespaces)
         self.scale_up_polls = scale_up_polls
         self.clusters: dict[tuple[str, str], dict] = {}
-        #: (plural, namespace, name) -> object: config maps, accounts, roles, role bindings
+        #: (plural, namespace, name) -> object: config maps, accounts, roles, role bindings, secrets
         self.objects: dict[tuple[str, str, str], dict] = {}
+        #: (plural, namespace, name) a DELETE of is refused with 403: what the admission
+        #: policy (manifests/base/admission-policy.yaml) does to another profile's secret
+        self.refused_deletes: set[tuple[str, str, str]] = set()
         self._uids = 0
         self.polls: dict[str, int] = {}
         self.workers: dict[str, int] = {}  # ready worker pods
@@ -140,6 +145,12 @@ class FakeKubeAPI:
                     return 409, _status(409, "AlreadyExists", f'{plural} "{key[2]}" already exists')
                 self.objects[key] = dict(body)
                 return 201, body
+            if method == "DELETE" and name:
+                if (plural, namespace, name) in self.refused_deletes:
+                    return 403, _status(403, "Forbidden", f"ValidatingAdmissionPolicy denied deleting {name}")
+                if self.objects.pop((plural, namespace, name), None) is None:
+                    return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+                return 200, _status(200, "Success", "deleted")
         if m := CLUSTERS.match(route):
             namespace, name = m.groups()
             key = (namespace, name)

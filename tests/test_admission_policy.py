@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_A = "system:serviceaccount:team-a:rlhf-pipeline"
 PIPELINE_B = "system:serviceaccount:team-b:rlhf-pipeline"
 RESOURCES = {"RayCluster": ("ray.io", "rayclusters"), "Role": ("rbac.authorization.k8s.io", "roles"),
-             "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "ServiceAccount": ("", "serviceaccounts")}
+             "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "ServiceAccount": ("", "serviceaccounts"),
+             "Secret": ("", "secrets")}
 
 
 def _objects(overlay="gpu"):
@@ -126,6 +127,8 @@ REFUSED_CREATES = {
     "a claim writable": lambda b: _pod(b, 0)["volumes"].append(
         {"name": "c", "persistentVolumeClaim": {"claimName": "rlhf-models"}}),
     "another Ray token": lambda b: b["spec"]["authOptions"].update(secretName="other-run-token"),
+    "the shared Ray token": lambda b: b["spec"]["authOptions"].update(secretName="rlhf-ray-token"),
+    "no Ray token": lambda b: b["spec"].pop("authOptions"),
     "a priority class": lambda b: _pod(b, 0).update(priorityClassName="system-node-critical"),
     "a node selector": lambda b: _pod(b, 0).update(nodeSelector={"node-role.kubernetes.io/control-plane": ""}),
     "a toleration": lambda b: _pod(b, 0)["tolerations"].append({"operator": "Exists"}),
@@ -195,6 +198,45 @@ def test_the_pipeline_creates_a_heads_account_objects_and_nothing_broader():
     assert admit("UPDATE", PIPELINE_A, binding, binding)  # created once, never changed
 
 
+def _token_secret(owner="team-a", cluster_name="rlhf-nightly") -> dict:
+    """The Ray token secret the launcher writes (read back from the fake API server)."""
+    from fake_kube_api import FakeKubeAPI
+
+    from components.kuberay.launcher import Launcher, kube_apis
+
+    with FakeKubeAPI() as fake:
+        custom, core = kube_apis(host=fake.url)
+        Launcher(custom, core, "rlhf")._create_secret("rlhf", f"{cluster_name}-ray-token", "t" * 64,
+                                                      {"rlhf.io/owner-namespace": owner})
+        return fake.objects[("secrets", "rlhf", f"{cluster_name}-ray-token")]
+
+
+def test_a_pipeline_creates_and_deletes_its_own_runs_ray_token_secrets_only():
+    secret = _token_secret()
+    assert admit("CREATE", PIPELINE_A, secret) == [] and admit("DELETE", PIPELINE_A, None, secret) == []
+    owner_rule = ("a Ray token secret is created or deleted only by the pipeline of the profile its "
+                  "rlhf.io/owner-namespace label names")
+    assert admit("CREATE", PIPELINE_B, secret) == [owner_rule]  # squatting another profile's run
+    assert admit("DELETE", PIPELINE_B, None, secret) == [owner_rule]  # replacing another profile's token
+    assert admit("UPDATE", PIPELINE_A, secret, secret) == [
+        "a pipeline creates or deletes a run's Ray token secret, never changes one"]
+    refused = {
+        "the object-store secret": lambda s: s["metadata"].update(name="rlhf-object-store"),
+        "a name of another shape": lambda s: s["metadata"].update(name="team-b-creds-ray-token-x"),
+        "a second key": lambda s: s["data"].update(AWS_SECRET_ACCESS_KEY="eA=="),
+        "stringData": lambda s: s.update(stringData={"x": "y"}),
+        "a service-account token": lambda s: s.update(type="kubernetes.io/service-account-token"),
+    }
+    for case, change in refused.items():
+        changed = copy.deepcopy(secret)
+        change(changed)
+        assert len(admit("CREATE", PIPELINE_A, changed)) == 1, case
+    other = copy.deepcopy(secret)  # a platform admin's own secret, no owner label: not the pipeline's to delete
+    other["metadata"] = {"name": "rlhf-object-store"}
+    assert len(admit("DELETE", PIPELINE_A, None, other)) == 2
+    assert admit("DELETE", "admin@example.com", None, other) == []
+
+
 def test_the_admission_policy_allows_what_the_deployment_policy_allows():
     """The allow-lists are written twice (CEL cannot read the ConfigMap's YAML): they must
     say the same for every overlay's deployment policy the admission policy serves."""
@@ -212,7 +254,6 @@ def test_the_admission_policy_allows_what_the_deployment_policy_allows():
         assert as_list("images") == patterns, overlay
         assert as_list("workerAccounts") == list(policy.service_accounts)
         assert as_list("objectStoreSecrets") == list(policy.object_store_secrets)
-        assert as_list("rayTokenSecrets") == list(policy.ray_token_secrets)
         assert as_list("priorityClasses") == list(policy.priority_classes)
         assert as_list("nodeLabels") == list(policy.node_selectors)
         assert [dict(t) for t in as_list("tolerations")] == list(policy.tolerations)

@@ -267,16 +267,15 @@ POLICY = yaml.safe_load((Path(__file__).resolve().parents[1] / "manifests/base/d
                         .read_text())["data"]["policy.yaml"]
 
 
-def launch_component(fake, monkeypatch, kube_spec, env=None):
+def launch_component(fake, monkeypatch, kube_spec, env=None, run_id="nightly"):
     from components import cluster
     from components.kuberay import launcher as module
 
-    real = module.kube_apis
-    monkeypatch.setattr(module, "kube_apis", lambda: real(host=fake.url))
+    monkeypatch.setattr(module, "kube_apis", lambda real=kube_apis: real(host=fake.url))
     monkeypatch.setenv("RLHF_POD_NAMESPACE", "team-a")
     for key, value in (env or {}).items():
         monkeypatch.setenv(key, value)
-    return cluster.launch_cluster.python_func(run_id="nightly", **handover(RunConfig()), kube_spec=kube_spec,
+    return cluster.launch_cluster.python_func(run_id=run_id, **handover(RunConfig()), kube_spec=kube_spec,
                                               timeout_s=5)
 
 
@@ -370,3 +369,106 @@ def test_the_compiled_pipeline_gives_the_cluster_steps_their_namespace_from_the_
     inputs = docs[0]["components"][launch]["dag"]["tasks"]["launch-cluster"]["inputs"]["parameters"]
     assert inputs["kfp_run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
     assert inputs["cluster_policy"]["componentInputParameter"] == "pipelinechannel--cluster_policy"
+
+
+# ------------------------------------------------------------------ each run's Ray token
+
+
+def _token(fake, namespace, name="rlhf-nightly-ray-token"):
+    import base64
+
+    secret = fake.objects.get(("secrets", namespace, name))
+    return None if secret is None else base64.b64decode(secret["data"]["auth_token"]).decode()
+
+
+def test_each_cluster_gets_its_own_token_written_before_the_cluster_exists(monkeypatch):
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", POLICY)
+        out = launch_component(fake, monkeypatch, {})
+        token = _token(fake, "rlhf")
+        assert len(token) == 64 and token == _token(fake, "team-a")  # the controllers' copy, in their namespace
+        assert out.token_secret == "rlhf-nightly-ray-token"
+        assert fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["authOptions"] == {
+            "mode": "token", "secretName": "rlhf-nightly-ray-token"}
+        posts = [p for m, p in fake.requests() if m == "POST"]
+        assert posts.index("/api/v1/namespaces/rlhf/secrets") < posts.index(PATH)  # no pod starts with another's
+        launch_component(fake, monkeypatch, {}, run_id="weekly")
+        assert _token(fake, "rlhf", "rlhf-weekly-ray-token") not in (None, token)
+        # the next iteration reuses the cluster and its token: nothing written
+        before = fake.requests()
+        assert launch_component(fake, monkeypatch, {}).token_secret == "rlhf-nightly-ray-token"
+        assert not [p for m, p in fake.requests()[len(before):] if m in ("POST", "DELETE") and "secrets" in p]
+        assert _token(fake, "rlhf") == token == _token(fake, "team-a")
+
+
+def test_a_reused_cluster_whose_token_is_gone_is_refused_in_one_line(monkeypatch):
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", POLICY)
+        launch_component(fake, monkeypatch, {})
+        del fake.objects[("secrets", "team-a", "rlhf-nightly-ray-token")]
+        with pytest.raises(ClusterLaunchError, match=r"^RayCluster rlhf/rlhf-nightly exists but its Ray token secret "
+                                                     r"team-a/rlhf-nightly-ray-token is gone, .* launch again"):
+            launch_component(fake, monkeypatch, {})
+
+
+def test_a_token_left_in_the_ray_namespace_is_replaced_only_when_it_is_the_profiles_own(monkeypatch):
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        fake.set_policy("rlhf", POLICY)
+        run = launcher(fake)
+        # a launch that died after writing the Ray namespace's copy: written again with the profile's token
+        run._create_secret("rlhf", "rlhf-nightly-ray-token", "stale", dict(OURS))
+        run.ensure(owned_body(), timeout_s=5)
+        assert _token(fake, "rlhf") == _token(fake, "team-a") != "stale"
+        # another profile's secret of that name (the admission policy refuses deleting it): nothing is created
+        run._create_secret("rlhf", "rlhf-weekly-ray-token", "theirs", {"rlhf.io/owner-namespace": "team-b"})
+        fake.refused_deletes.add(("secrets", "rlhf", "rlhf-weekly-ray-token"))
+        with pytest.raises(ClusterLaunchError, match=r"^Secret rlhf/rlhf-weekly-ray-token \(the Ray token of "
+                                                     r"RayCluster rlhf-weekly\) exists and could not be replaced: 403"):
+            run.ensure(owned_body("weekly"), timeout_s=5)
+        assert ("rlhf", "rlhf-weekly") not in fake.clusters and _token(fake, "rlhf", "rlhf-weekly-ray-token") == "theirs"
+
+
+def test_two_launches_of_one_run_at_once_end_with_one_token_everywhere():
+    """Both find no cluster and no token, both draw one: the profile's copy decides (the
+    second creator reads the first's), and the Ray namespace's copy ends equal to it."""
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        both_read = threading.Barrier(2)
+        real_read = Launcher._read_token
+        reads = []
+
+        def read_then_wait(self, namespace, secret):
+            found = real_read(self, namespace, secret)
+            reads.append(found)
+            if len(reads) <= 2:
+                both_read.wait(timeout=30)  # neither writes before both found none
+            return found
+
+        Launcher._read_token = read_then_wait
+        errors = []
+
+        def launch():
+            try:
+                launcher(fake).ensure(owned_body(), timeout_s=30)
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+
+        try:
+            threads = [threading.Thread(target=launch) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        finally:
+            Launcher._read_token = real_read
+        assert not errors and reads[:2] == [None, None]
+        assert len(fake.verbs("POST", "rayclusters")) == 2 and len(fake.clusters) == 1
+        assert _token(fake, "rlhf") == _token(fake, "team-a") is not None
+
+
+def test_teardown_deletes_the_runs_tokens_with_its_cluster_and_keep_keeps_them(monkeypatch):
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        run = launcher(fake)
+        run.ensure(owned_body(), timeout_s=5)
+        assert run.teardown("rlhf-nightly", "keep", True, OURS) == "kept" and _token(fake, "team-a")
+        assert run.teardown("rlhf-nightly", "delete", True, OURS) == "deleted"
+        assert _token(fake, "rlhf") is None and _token(fake, "team-a") is None

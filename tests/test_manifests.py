@@ -31,7 +31,11 @@ def test_overlay_builds_and_every_object_validates(overlay):
     assert {o["metadata"].get("namespace") for o in objects if o["kind"] not in kustomize_lite.CLUSTER_SCOPED} \
         == {namespace}
     # the binding names the account pipeline pods run as: in the profile namespace, not this one
-    (profile_account,) = _profile()
+    (profile_account,) = [o for o in _profile() if o["kind"] == "ServiceAccount"]
+    profile_binding = next(o for o in _profile() if o["kind"] == "RoleBinding")  # its own tokens, in its namespace
+    assert profile_binding["subjects"] == [{"kind": "ServiceAccount", "name": profile_account["metadata"]["name"],
+                                            "namespace": profile_account["metadata"]["namespace"]}]
+    assert profile_binding["metadata"]["namespace"] == profile_account["metadata"]["namespace"]
     binding = next(o for o in objects if o["kind"] == "RoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": profile_account["metadata"]["name"],
                                     "namespace": profile_account["metadata"]["namespace"]}]
@@ -91,28 +95,33 @@ def _component_calls(monkeypatch) -> list[tuple[str, str]]:
         calls = fake.requests()
     kinds = {(m, rbac_lite.attributes(m, p)["resource"]) for m, p in calls}
     assert {("PATCH", "rayclusters"), ("DELETE", "rayclusters"), ("GET", "events"), ("GET", "configmaps"),
-            ("POST", "serviceaccounts")} <= kinds, kinds  # every path above was taken
+            ("POST", "serviceaccounts"), ("POST", "secrets"), ("GET", "secrets"),
+            ("DELETE", "secrets")} <= kinds, kinds  # every path above was taken
     return calls
 
 
 def test_the_role_grants_every_call_the_components_make_and_nothing_else(monkeypatch):
     """RBAC matches the code: each request the launcher and the cluster components make
     (recorded by the fake API server, which checks no RBAC itself) is allowed by the
-    pipeline's Role, and the Role grants nothing that no request uses, except what the
-    API server requires of whoever creates the head's Role (it may grant only what its
-    creator holds)."""
+    pipeline's Role of the namespace it goes to (the Ray namespace's, or in its own
+    profile namespace manifests/profile's), and neither Role grants anything no request
+    uses, except what the API server requires of whoever creates the head's Role (it may
+    grant only what its creator holds)."""
     from components.kuberay.head_account import autoscaler_rules
 
-    rules = _role()["rules"]
+    roles = {"rlhf": _role()["rules"],
+             "team-a": next(o for o in _profile() if o["kind"] == "Role")["rules"]}
     calls = _component_calls(monkeypatch)
-    denied = sorted({f"{m} {p.partition('?')[0]}" for m, p in calls
-                     if not rbac_lite.allows(rules, rbac_lite.attributes(m, p))})
+    attrs = [(m, p, rbac_lite.attributes(m, p)) for m, p in calls]
+    assert {a["namespace"] for _, _, a in attrs} == set(roles)
+    denied = sorted({f"{m} {p.partition('?')[0]}" for m, p, a in attrs if not rbac_lite.allows(roles[a["namespace"]], a)})
     assert not denied, f"the Role does not allow {denied}"
-    used = {(a["group"], a["resource"], a["verb"]) for a in (rbac_lite.attributes(m, p) for m, p in calls)}
     escalation = {(g, r, v) for g, r, v, _ in rbac_lite.grants(autoscaler_rules("rlhf-nightly"))}
-    unused = sorted((g, r, v) for g, r, v, _ in rbac_lite.grants(rules) if (g, r, v) not in used | escalation)
-    assert not unused, f"the Role grants what nothing uses: {unused}"
-    assert not rbac_lite.covers(rules, autoscaler_rules("rlhf-nightly"))  # else creating it is refused
+    for namespace, rules in roles.items():
+        used = {(a["group"], a["resource"], a["verb"]) for _, _, a in attrs if a["namespace"] == namespace}
+        unused = sorted((g, r, v) for g, r, v, _ in rbac_lite.grants(rules) if (g, r, v) not in used | escalation)
+        assert not unused, f"the Role in {namespace} grants what nothing uses: {unused}"
+    assert not rbac_lite.covers(roles["rlhf"], autoscaler_rules("rlhf-nightly"))  # else creating it is refused
 
 
 def test_rbac_is_namespaced_and_minimal():
@@ -121,8 +130,10 @@ def test_rbac_is_namespaced_and_minimal():
     rules = _role()["rules"]
     assert "*" not in str(rules)
     granted = rbac_lite.grants(rules)
-    # no secrets, no exec, nothing that changes an RBAC object or an account once created
-    assert not {p for p in granted if p[1] in ("secrets", "pods/exec", "pods/attach", "nodes")}
+    # no reading of secrets (runs' token secrets: create and delete, admission-policy.yaml
+    # limits them), no exec, nothing that changes an RBAC object or an account once created
+    assert {p for p in granted if p[1] == "secrets"} == {("", "secrets", "create", None), ("", "secrets", "delete", None)}
+    assert not {p for p in granted if p[1] in ("pods/exec", "pods/attach", "nodes")}
     assert not {p for p in granted if p[1] in ("roles", "rolebindings", "serviceaccounts") and p[2] != "create"}
     assert not {p for p in granted if p[2] in ("escalate", "bind", "impersonate", "update", "deletecollection")}
     # the policy: read, that one ConfigMap only

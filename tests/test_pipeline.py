@@ -77,7 +77,13 @@ def test_kuberay_pipeline_launches_per_run_and_tears_down_in_an_exit_handler():
     launch = inner["launch-cluster"]["inputs"]["parameters"]
     assert launch["run_id"] == {"componentInputParameter": "pipelinechannel--run_id"}
     assert "rlhf-demo" not in text and "cluster_name(run_id)" in text
-    assert "RAY_AUTH_TOKEN" in json.dumps(platform) and "rlhf-ray-token" in json.dumps(platform)
+    # the controllers read their run's own token, from the secret launch_cluster names
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    tokens = [s for e in executors.values() for s in e.get("secretAsEnv", [])
+              if any(k["envVar"] == "RAY_AUTH_TOKEN" for k in s["keyToEnv"])]
+    assert tokens and all(s["secretNameParameter"] == {"componentInputParameter":
+                                                       "pipelinechannel--launch-cluster-token_secret"} for s in tokens)
+    assert "rlhf-ray-token" not in json.dumps(platform)
 
 
 def test_rlhf_run_runs_iterations_as_local_pipeline_runs(tmp_path):

@@ -64,12 +64,16 @@ def pod_namespace() -> str:
 
 
 def with_owner(body: dict, owner_namespace: str, kfp_run_id: str) -> dict:
-    """``body`` (a rendered RayCluster) labelled with who creates it."""
-    from components.kuberay.names import label_value
+    """``body`` (a rendered RayCluster) labelled with who creates it, and authenticated by
+    a Ray token of its own (``ray_token_secret_name``; ``Launcher.ensure`` makes the
+    secret): a run's reward function sees its token, and with one token for every run it
+    could submit jobs to any other run's cluster."""
+    from components.kuberay.names import label_value, ray_token_secret_name
 
     labels = {**body["metadata"]["labels"], OWNER_NAMESPACE_LABEL: owner_namespace,
               CREATED_BY_RUN_LABEL: label_value(kfp_run_id or "unknown")}
-    return {**body, "metadata": {**body["metadata"], "labels": labels}}
+    auth = {"mode": "token", "secretName": ray_token_secret_name(body["metadata"]["name"])}
+    return {**body, "metadata": {**body["metadata"], "labels": labels}, "spec": {**body["spec"], "authOptions": auth}}
 
 
 @dataclass
@@ -150,8 +154,8 @@ class Launcher:
 
     def ensure(self, body: dict, timeout_s: float = 900.0) -> ClusterAddress:
         """Reuse the run's cluster when it exists (it hosts the run's long-lived session),
-        otherwise create it; then wait until KubeRay reports it ready with the worker pods
-        the run's pools need."""
+        otherwise create it, after its own Ray token (``ensure_run_token``); then wait until
+        KubeRay reports it ready with the worker pods the run's pools need."""
         from kubernetes.client.exceptions import ApiException
 
         name = body["metadata"]["name"]
@@ -162,9 +166,11 @@ class Launcher:
                 raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} exists but {problem}; it is not "
                                          f"reused: choose another run id")
             self.log(f"reusing RayCluster {self.namespace}/{name}")
+            self.ensure_run_token(body, reused=True)
             self.restore_workers(existing, body)
             created = existing
         else:
+            self.ensure_run_token(body, reused=False)
             try:
                 created = self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
                 self.log(f"created RayCluster {self.namespace}/{name}")
@@ -178,6 +184,96 @@ class Launcher:
             self.ensure_head_account(created, body["metadata"]["labels"])
         workers = sum(int(g["replicas"]) for g in body["spec"]["workerGroupSpecs"])
         return self.wait_ready(name, timeout_s, reused=existing is not None, workers=workers)
+
+    # --------------------------------------------------------- the run's Ray token
+
+    def ensure_run_token(self, body: dict, reused: bool) -> str | None:
+        """The Secret ``body``'s Ray token comes from, in the profile namespace (where the
+        pipeline's controllers read it) and, for a new cluster, in the Ray namespace (its
+        pods). The profile's copy is the source: made once with a fresh random token, read
+        back when it is there (a launch that died half way, or two launching at once, end
+        with one token). The Ray copy is written before the cluster exists, so no pod of
+        it ever starts with a token someone else chose: one found there is deleted and
+        written again, which the admission policy allows only to its own profile (another
+        profile's is refused in one line, nothing created). None when ``body`` names no
+        run token (the shared secret of ``kube_spec.ray_token_secret``)."""
+        import secrets
+
+        from components.kuberay.names import ray_token_secret_name
+
+        name = body["metadata"]["name"]
+        secret = ray_token_secret_name(name)
+        if (body["spec"].get("authOptions") or {}).get("secretName") != secret:
+            return None
+        owner = body["metadata"]["labels"][OWNER_NAMESPACE_LABEL]
+        token = self._read_token(owner, secret)
+        if reused:
+            if token is None:
+                raise ClusterLaunchError(
+                    f"RayCluster {self.namespace}/{name} exists but its Ray token secret {owner}/{secret} is gone, so "
+                    f"the controllers cannot connect to it; delete the cluster (cluster_policy=delete, or kubectl "
+                    f"delete raycluster {name} -n {self.namespace}) and launch again for a new one")
+            return secret
+        labels = {k: v for k, v in body["metadata"]["labels"].items()}
+        if token is None:
+            token = secrets.token_hex(32)
+            if not self._create_secret(owner, secret, token, labels):  # another launch of this run was first
+                token = self._read_token(owner, secret)
+        if not self._create_secret(self.namespace, secret, token, labels):
+            self._delete_secret(self.namespace, secret, name)
+            self._create_secret(self.namespace, secret, token, labels)  # (409 again: an equal launch's, same token)
+        return secret
+
+    def _read_token(self, namespace: str, secret: str) -> str | None:
+        import base64
+
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            found = self.core.read_namespaced_secret(secret, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise ClusterLaunchError(f"reading Secret {namespace}/{secret} failed: {exc.status} {exc.reason}") from None
+        value = (found.data or {}).get("auth_token")
+        if not value:
+            raise ClusterLaunchError(f"Secret {namespace}/{secret}: expected the key auth_token; found "
+                                     f"{sorted(found.data or {})}")
+        return base64.b64decode(value).decode()
+
+    def _create_secret(self, namespace: str, secret: str, token: str, labels: dict) -> bool:
+        """Whether it was created (False: one of that name exists)."""
+        import base64
+
+        from kubernetes.client.exceptions import ApiException
+
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": secret, "labels": labels},
+                "data": {"auth_token": base64.b64encode(token.encode()).decode()}}
+        try:
+            self.core.create_namespaced_secret(namespace, body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise ClusterLaunchError(f"creating Secret {namespace}/{secret} failed: {exc.status} {exc.reason}"
+                                     ) from None
+        return True
+
+    def _delete_secret(self, namespace: str, secret: str, cluster: str) -> bool:
+        """Whether one was deleted; refused (403, the admission policy: another profile's
+        secret) in one line."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.delete_namespaced_secret(secret, namespace)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise ClusterLaunchError(
+                f"Secret {namespace}/{secret} (the Ray token of RayCluster {cluster}) exists and could not be "
+                f"replaced: {exc.status} {exc.reason} (another profile's run of that name?); nothing was created: "
+                f"choose another run id") from None
+        return True
 
     @staticmethod
     def not_ours(cluster: dict, labels: dict) -> str | None:
@@ -283,6 +379,8 @@ class Launcher:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
+        from components.kuberay.names import ray_token_secret_name
+
         check_cluster_policy(policy)
         if policy == "keep" or (policy == "delete-on-success" and not succeeded):
             return "kept"
@@ -303,4 +401,8 @@ class Launcher:
             if exc.status == 409:  # another cluster of that name replaced the one checked
                 return "replaced meanwhile: left alone"
             raise
+        secret = ((cluster.get("spec") or {}).get("authOptions") or {}).get("secretName")
+        if secret == ray_token_secret_name(name):  # its own token, in both namespaces: no use without it
+            for namespace in dict.fromkeys((self.namespace, labels[OWNER_NAMESPACE_LABEL])):
+                self._delete_secret(namespace, secret, name)
         return "deleted"

@@ -52,3 +52,10 @@ def label_value(text: str) -> str:
 def head_account_name(cluster: str) -> str:
     """The service account of a cluster's head pod: one per run (at most 45 characters)."""
     return f"{cluster}-head"
+
+
+def ray_token_secret_name(cluster: str) -> str:
+    """The Secret holding a cluster's own Ray token (key ``auth_token``), one per run, of
+    the same name in the Ray namespace (the cluster's pods) and in the profile namespace
+    (the pipeline's controllers): at most 50 characters."""
+    return f"{cluster}-ray-token"

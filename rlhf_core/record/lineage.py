@@ -68,21 +68,100 @@ def chain(uri: str) -> list[dict]:
     return out
 
 
-def format_lineage(rows: list[dict], fmt: str = "table") -> str:
+#: A longer chain of runs started from runs' exports is refused as malformed.
+MAX_RUNS = 1000
+
+
+def started_from(rows: list[dict]) -> dict | None:
+    """Where a run's policy came from when it is another run's checkpoint: its
+    ``model.path`` (as the oldest of ``rows`` recorded it) a local folder that ``rlhf
+    export`` wrote, whose ``EXPORT.json`` names the checkpoint. Read as data; None for any
+    other model (a hub name, an object-store URI, a folder without that record)."""
+    from pathlib import Path
+
+    path = ((rows[-1].get("config") or {}).get("model") or {}).get("path")
+    if not isinstance(path, str) or "://" in path or ":" in path.split("/", 1)[0]:
+        return None
+    record = Path(path) / "EXPORT.json"
+    try:
+        data = json.loads(record.read_text()) if record.is_file() else None
+    except (OSError, ValueError) as exc:
+        raise LineageError(f"{record}: expected the JSON record `rlhf export` writes; found {exc}") from None
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("checkpoint_uri"), str):
+        raise LineageError(f"{record}: expected a checkpoint_uri string; found {str(data)[:80]!r}")
+    return {"model": path, "checkpoint": data["checkpoint_uri"], "global_step": data.get("global_step"),
+            "weights_sha256": data.get("weights_sha256")}
+
+
+def chain_across_runs(uri: str) -> list[list[dict]]:
+    """``chain(uri)``, then the chain of the checkpoint its run's policy was exported from
+    (``started_from``), and so on: one list of rows per run, newest run first. The oldest
+    row of a run that started from an export carries ``started_from``. An iterated RLHF
+    run's policy is traced this way through every round's reward model and preferences."""
+    segments = [chain(uri)]
+    seen = {segments[0][0]["run_id"]}
+    while (origin := started_from(segments[-1])) is not None:
+        segments[-1][-1]["started_from"] = origin
+        segment = chain(origin["checkpoint"])
+        if segment[0]["run_id"] in seen or len(segments) >= MAX_RUNS:
+            raise LineageError(f"{origin['model']}/EXPORT.json: names run {segment[0]['run_id']}, already on the "
+                               f"chain (runs {sorted(seen)}); a run cannot start from its own later checkpoint")
+        seen.add(segment[0]["run_id"])
+        segments.append(segment)
+    return segments
+
+
+def format_runs(segments: list[list[dict]], fmt: str = "table") -> str:
+    """``chain_across_runs``'s result: JSON as one list of rows (each names its run), a dot
+    graph with each earlier run's nodes prefixed, or a table a run at a time."""
+    if fmt == "json":
+        return json.dumps([row for segment in segments for row in segment], indent=1, sort_keys=True)
+    if fmt == "dot":
+        bodies = [format_lineage(segment, "dot", prefix=f"r{k}_" if k else "").splitlines()[3:-1]
+                  for k, segment in enumerate(segments)]
+        lines = ["digraph lineage {", "  rankdir=BT;", "  node [shape=box, fontname=monospace];"]
+        for k, (segment, body) in enumerate(zip(segments, bodies)):
+            lines += body
+            origin = segment[-1].get("started_from")
+            if origin:
+                first = f"{'r%d_' % k if k else ''}it{segment[-1]['iteration']}"
+                ck = f"r{k + 1}_ck" + origin["checkpoint"].rstrip("/").rsplit("/", 1)[-1].replace("-", "_")
+                lines.append(f'  {ck} [label="{origin["checkpoint"].rsplit("/", 1)[-1]}\\nof run '
+                             f'{segments[k + 1][0]["run_id"]}", shape=cylinder];')
+                lines.append(f"  {first} -> {ck} [label=\"policy started from\"];")
+                lines.append(f"  {ck} -> r{k + 1}_it{segments[k + 1][0]['iteration']} [label=\"written by\"];")
+        lines.append("}")
+        return "\n".join(lines)
+    parts = []
+    for segment in segments:
+        text = format_lineage(segment, fmt)
+        if len(segments) > 1:
+            text = f"run {segment[0]['run_id']}:\n{text}"
+        origin = segment[-1].get("started_from")
+        if origin:
+            text += (f"\npolicy started from {origin['model']}: exported from {origin['checkpoint']} (step "
+                     f"{origin['global_step']}, weights sha256 {str(origin['weights_sha256'])[:16]}...)")
+        parts.append(text)
+    return "\n".join(parts)
+
+
+def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> str:
     if fmt == "json":
         return json.dumps(rows, indent=1, sort_keys=True)
     if fmt == "dot":
         lines = ["digraph lineage {", "  rankdir=BT;", "  node [shape=box, fontname=monospace];"]
         for r in rows:
-            it = f"it{r['iteration']}"
+            it = f"{prefix}it{r['iteration']}"
             lines.append(f'  {it} [label="iteration {r["iteration"]}\\nconfig {r["config_hash"][:12]}\\n'
                          f'code {r["code_version"].get("source_sha256", "")[:12]}\\nreward {r["reward"]:.3f}"];')
-            ck = "ck" + r["checkpoint"].rstrip("/").rsplit("/", 1)[-1].replace("-", "_")
+            ck = f"{prefix}ck" + r["checkpoint"].rstrip("/").rsplit("/", 1)[-1].replace("-", "_")
             lines.append(f'  {ck} [label="{r["checkpoint"].rsplit("/", 1)[-1]}", shape=cylinder];')
             lines.append(f"  {it} -> {ck} [label=wrote];" if r["wrote_checkpoint"] else
                          f"  {it} -> {ck} [label=\"weights from, redo {','.join(map(str, r['redo']))}\"];")
             if r["parent_iteration"] is not None:
-                lines.append(f"  {it} -> it{r['parent_iteration']} [label=parent];")
+                lines.append(f"  {it} -> {prefix}it{r['parent_iteration']} [label=parent];")
             if r.get("reward_model"):
                 rm = "rm" + r["reward_model"]["sha256"][:12]
                 lines.append(f'  {rm} [label="reward model\\n{r["reward_model"]["path"]}\\n'
