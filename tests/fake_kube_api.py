@@ -26,10 +26,10 @@ from json_http import JSONServer
 
 CLUSTERS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayclusters(?:/([^/?]+))?$")
 CORE = re.compile(r"^/api/v1/namespaces/([^/]+)/(pods|events)$")
-NAMESPACED = re.compile(r"^/apis?/(?:v1|rbac\.authorization\.k8s\.io/v1|ray\.io/v1)/namespaces/([^/]+)/")
+NAMESPACED = re.compile(r"^/apis?/(?:v1|(?:rbac\.authorization|networking)\.k8s\.io/v1|ray\.io/v1)/namespaces/([^/]+)/")
 #: the other objects the launcher creates (POST) or reads (GET by name)
-OBJECTS = re.compile(r"^/api(?:s/rbac\.authorization\.k8s\.io)?/v1/namespaces/([^/]+)/"
-                     r"(serviceaccounts|configmaps|roles|rolebindings|secrets)(?:/([^/?]+))?$")
+OBJECTS = re.compile(r"^/api(?:s/(?:rbac\.authorization|networking)\.k8s\.io)?/v1/namespaces/([^/]+)/"
+                     r"(serviceaccounts|configmaps|roles|rolebindings|secrets|networkpolicies)(?:/([^/?]+))?$")
 
 
 class FakeKubeAPI:

@@ -22,7 +22,7 @@ PIPELINE_A = "system:serviceaccount:team-a:rlhf-pipeline"
 PIPELINE_B = "system:serviceaccount:team-b:rlhf-pipeline"
 RESOURCES = {"RayCluster": ("ray.io", "rayclusters"), "Role": ("rbac.authorization.k8s.io", "roles"),
              "RoleBinding": ("rbac.authorization.k8s.io", "rolebindings"), "ServiceAccount": ("", "serviceaccounts"),
-             "Secret": ("", "secrets")}
+             "Secret": ("", "secrets"), "NetworkPolicy": ("networking.k8s.io", "networkpolicies")}
 
 
 def _objects(overlay="gpu"):
@@ -235,6 +235,37 @@ def test_a_pipeline_creates_and_deletes_its_own_runs_ray_token_secrets_only():
     other["metadata"] = {"name": "rlhf-object-store"}
     assert len(admit("DELETE", PIPELINE_A, None, other)) == 2
     assert admit("DELETE", "admin@example.com", None, other) == []
+
+
+def test_a_pipeline_creates_its_runs_ingress_policy_in_one_shape_only():
+    from components.kuberay.render import run_network_policy
+
+    body = cluster()
+    policy = run_network_policy(body["metadata"]["name"], "rlhf", body["metadata"]["labels"],
+                                client_namespace="team-a", owner_uid="u")
+    assert admit("CREATE", PIPELINE_A, policy) == []
+    assert len(admit("CREATE", PIPELINE_B, policy)) == 1  # another profile's run
+    assert len(admit("UPDATE", PIPELINE_A, policy, policy)) == 1 and len(admit("DELETE", PIPELINE_A, None, policy)) == 1
+    peer = lambda p, i: p["spec"]["ingress"][i]["from"][0]
+    refused = {
+        "every pod of the namespace": lambda p: p["spec"].update(podSelector={}),
+        "another run's pods admitted": lambda p: peer(p, 0)["podSelector"]["matchLabels"].update(
+            {"rlhf.io/cluster": "rlhf-other"}),
+        "any pod admitted": lambda p: peer(p, 0).update(podSelector={}),
+        "another profile admitted": lambda p: peer(p, 1)["namespaceSelector"]["matchLabels"].update(
+            {"kubernetes.io/metadata.name": "team-b"}),
+        "every namespace admitted": lambda p: peer(p, 1).update(namespaceSelector={}),
+        "an address block": lambda p: p["spec"]["ingress"][1]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
+        "another port": lambda p: p["spec"]["ingress"][1]["ports"].append({"port": 6379, "protocol": "TCP"}),
+        "every port": lambda p: p["spec"]["ingress"][1].pop("ports"),
+        "an egress rule": lambda p: p["spec"].update(policyTypes=["Ingress", "Egress"], egress=[{}]),
+        "another name": lambda p: p["metadata"].update(name="rlhf-default-deny"),
+        "no owner": lambda p: p["metadata"].pop("ownerReferences"),
+    }
+    for case, change in refused.items():
+        changed = copy.deepcopy(policy)
+        change(changed)
+        assert admit("CREATE", PIPELINE_A, changed), case
 
 
 def test_the_admission_policy_allows_what_the_deployment_policy_allows():

@@ -392,6 +392,12 @@ def test_each_cluster_gets_its_own_token_written_before_the_cluster_exists(monke
             "mode": "token", "secretName": "rlhf-nightly-ray-token"}
         posts = [p for m, p in fake.requests() if m == "POST"]
         assert posts.index("/api/v1/namespaces/rlhf/secrets") < posts.index(PATH)  # no pod starts with another's
+        # and its own ingress policy: its pods, and the head's ports from its owner's namespace only
+        policy = fake.objects[("networkpolicies", "rlhf", "rlhf-nightly-ingress")]
+        assert policy["metadata"]["ownerReferences"][0]["uid"] == fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"]
+        assert [rule["from"] for rule in policy["spec"]["ingress"]] == [
+            [{"podSelector": {"matchLabels": {"rlhf.io/cluster": "rlhf-nightly"}}}],
+            [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}]]
         launch_component(fake, monkeypatch, {}, run_id="weekly")
         assert _token(fake, "rlhf", "rlhf-weekly-ray-token") not in (None, token)
         # the next iteration reuses the cluster and its token: nothing written

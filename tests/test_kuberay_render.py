@@ -228,7 +228,7 @@ def test_every_ray_pod_meets_restricted_pod_security():
     writable emptyDirs where Ray writes, no service-account token mounted."""
     cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
     for obj in render_all(cfg, kube, "hardened", "s3://b/runs").values():
-        if obj["kind"] == "List":
+        if obj["kind"] in ("List", "NetworkPolicy"):
             continue
         templates = list(_pod_templates(obj))
         assert len(templates) == (3 if obj["kind"] == "RayJob" else 2)
@@ -475,3 +475,17 @@ def test_the_heads_object_store_is_its_shm_and_fits_its_memory():
     with pytest.raises(DeploySpecError,
                        match=r"^kubernetes.head_object_store_gib: expected a number in \(0, 2048\], found 0$"):
         KubeSpec(head_object_store_gib=0).validate()
+
+
+def test_rlhf_manifests_admits_a_runs_own_pods_to_each_other_and_no_one_else():
+    """manifests/base admits no pod of one run to another's: each run's own policy does
+    (the launcher makes it; `rlhf manifests` writes it for kubectl). Every pod it renders,
+    the RayJob's submitter included, carries the label it admits."""
+    cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
+    objects = render_all(cfg, kube, "hardened", "s3://b/runs")
+    policy = objects["network-policy.yaml"]
+    ours = {"matchLabels": {"rlhf.io/cluster": "rlhf-hardened"}}
+    assert policy["spec"] == {"podSelector": ours, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": ours}]}]}
+    for name in ("raycluster.yaml", "rayjob.yaml"):
+        for template in _pod_templates(objects[name]):
+            assert template["metadata"]["labels"]["rlhf.io/cluster"] == "rlhf-hardened"

@@ -234,15 +234,12 @@ def test_namespace_enforces_restricted_pods_and_admits_only_the_pipeline(overlay
     assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
     assert policies["rlhf-default-deny"] == {"podSelector": {}, "policyTypes": ["Ingress", "Egress"]}
-    # the head's ports: from the namespaces whose pipelines the Role is bound to, no others
-    (rule,) = policies["rlhf-ray-head-from-pipelines"]["ingress"]
-    assert {p["port"] for p in rule["ports"]} == {10001, 8265}
-    (source,) = rule["from"]
-    assert set(source) == {"namespaceSelector"} and "matchLabels" not in source["namespaceSelector"]
-    (expression,) = source["namespaceSelector"]["matchExpressions"]
-    binding = next(o for o in objects if o["kind"] == "RoleBinding")
-    assert expression["key"] == "kubernetes.io/metadata.name" and expression["operator"] == "In"
-    assert set(expression["values"]) == {s["namespace"] for s in binding["subjects"]}
+    # nothing here admits one run's pods to another's, nor a profile to every head: each run's
+    # own policy does (launch_cluster; tests/test_kuberay_launcher.py)
+    admitting = [spec for spec in policies.values() if "Ingress" in spec["policyTypes"] and spec.get("ingress")]
+    assert all(peer.get("namespaceSelector", {}).get("matchLabels") == {"kubernetes.io/metadata.name": "default"}
+               and peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
+               for spec in admitting for rule in spec["ingress"] for peer in rule["from"])
     # the KubeRay operator reaches the Jobs API only (a RayJob's status, shutdownAfterJobFinishes)
     (rule,) = policies["rlhf-ray-head-from-operator"]["ingress"]
     assert [p["port"] for p in rule["ports"]] == [8265]

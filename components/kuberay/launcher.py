@@ -109,6 +109,7 @@ class Launcher:
 
         self.custom, self.core, self.namespace = custom_api, core_api, namespace
         self.rbac = client.RbacAuthorizationV1Api(core_api.api_client)
+        self.networking = client.NetworkingV1Api(core_api.api_client)
         self.poll_s, self.log = poll_s, log
 
     def policy(self) -> DeploymentPolicy:
@@ -182,6 +183,7 @@ class Launcher:
         if created is not None:  # (None: deleted meanwhile; wait_ready says so)
             # also when reused: a launch that died between the cluster and its account left none
             self.ensure_head_account(created, body["metadata"]["labels"])
+            self.ensure_network_policy(created, body["metadata"]["labels"])
         workers = sum(int(g["replicas"]) for g in body["spec"]["workerGroupSpecs"])
         return self.wait_ready(name, timeout_s, reused=existing is not None, workers=workers)
 
@@ -301,6 +303,27 @@ class Launcher:
                     raise ClusterLaunchError(f"creating {obj['kind']} {self.namespace}/{obj['metadata']['name']} "
                                              f"for the head of RayCluster {name} failed: {exc.status} {exc.reason}"
                                              ) from None
+
+    def ensure_network_policy(self, cluster: dict, labels: dict) -> None:
+        """The run's own ingress policy (render.run_network_policy: its pods, and the head's
+        client ports from the owner's profile namespace), owned by the cluster; kept when it
+        exists. Only for a cluster a profile's pipeline owns (labelled with it)."""
+        from kubernetes.client.exceptions import ApiException
+
+        from components.kuberay.render import run_network_policy
+
+        owner = labels.get(OWNER_NAMESPACE_LABEL)
+        if owner is None:
+            return
+        name = cluster["metadata"]["name"]
+        policy = run_network_policy(name, self.namespace, labels, client_namespace=owner,
+                                    owner_uid=cluster["metadata"].get("uid"))
+        try:
+            self.networking.create_namespaced_network_policy(self.namespace, policy)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise ClusterLaunchError(f"creating NetworkPolicy {self.namespace}/{policy['metadata']['name']} for "
+                                         f"RayCluster {name} failed: {exc.status} {exc.reason}") from None
 
     def restore_workers(self, existing: dict, body: dict) -> list[str]:
         """Worker groups the autoscaler scaled down while the run had no session (its GPU

@@ -59,3 +59,8 @@ def ray_token_secret_name(cluster: str) -> str:
     the same name in the Ray namespace (the cluster's pods) and in the profile namespace
     (the pipeline's controllers): at most 50 characters."""
     return f"{cluster}-ray-token"
+
+
+def ingress_policy_name(cluster: str) -> str:
+    """The NetworkPolicy that admits traffic to a cluster's pods: at most 48 characters."""
+    return f"{cluster}-ingress"

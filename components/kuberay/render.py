@@ -246,8 +246,33 @@ def render_head_account(spec: KubeSpec, run_id: str) -> dict:
                                                                                _labels(run_id, name))}
 
 
+def run_network_policy(cluster: str, namespace: str, labels: dict, client_namespace: str | None = None,
+                       owner_uid: str | None = None) -> dict:
+    """What may reach a run's pods (every pod of ours carries ``rlhf.io/cluster``): its own
+    pods, and the head's Ray Client and Jobs API ports from ``client_namespace`` (the
+    profile whose pipeline owns the run). NetworkPolicies add up, so nothing in
+    manifests/base admits one run's pods to another's: this policy, one per run, is what
+    admits anything. Owned by the cluster (deleted with it) when ``owner_uid`` is given."""
+    from components.kuberay.names import ingress_policy_name
+
+    meta = {"name": ingress_policy_name(cluster), "namespace": namespace, "labels": dict(labels)}
+    if owner_uid:
+        meta["ownerReferences"] = [{"apiVersion": API_VERSION, "kind": "RayCluster", "name": cluster,
+                                    "uid": owner_uid}]
+    ours = {"matchLabels": {"rlhf.io/cluster": cluster}}
+    ingress = [{"from": [{"podSelector": ours}]}]
+    if client_namespace:
+        ingress.append({"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
+                                                                            client_namespace}}}],
+                        "ports": [{"port": CLIENT_PORT, "protocol": "TCP"}, {"port": DASHBOARD_PORT, "protocol": "TCP"}]})
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
+            "spec": {"podSelector": ours, "policyTypes": ["Ingress"], "ingress": ingress}}
+
+
 def render_all(cfg, spec: KubeSpec, run_id: str, store: str) -> dict[str, dict]:
     """File name -> object, what `rlhf manifests` writes."""
+    name = cluster_name(run_id)
     return {"raycluster.yaml": render_raycluster(cfg, spec, run_id),
             "rayjob.yaml": render_rayjob(cfg, spec, run_id, store),
-            "head-account.yaml": render_head_account(spec, run_id)}
+            "head-account.yaml": render_head_account(spec, run_id),
+            "network-policy.yaml": run_network_policy(name, spec.namespace, _labels(run_id, name))}
