@@ -30,7 +30,8 @@ FLOORS = (
     ("workers",),
     ("trainer",),                                # the algorithm's control flow
     ("session",),                                # the long-lived session and computing ahead
-    ("cli_args", "demo", "export"),              # what the commands share and call
+    ("cli_args", "export"),                      # what the commands share and call
+    ("demo",),                                   # the demos (the RLHF demo's rounds export policies)
     ("cli",),
 )
 
