@@ -176,6 +176,12 @@ class ActorConfig:
     policy_loss: str = _f("vanilla", "the policy loss", registry="POLICY_LOSSES")
     tau_pos: float = _f(1.0, "sapo's gate temperature where the advantage is positive", gt=0)
     tau_neg: float = _f(1.05, "sapo's gate temperature where the advantage is not positive", gt=0)
+    clip_cov_ratio: float = _f(0.0002, "clip_cov: the share of tokens whose gradient is dropped", gt=0, le=1)
+    clip_cov_lb: float = _f(1.0, "clip_cov: the covariance above which a token may be dropped")
+    clip_cov_ub: float = _f(5.0, "clip_cov: the covariance below which a token may be dropped")
+    kl_cov_ratio: float = _f(0.0002, "kl_cov: the share of tokens (largest covariance) given the KL penalty",
+                             gt=0, le=1)
+    ppo_kl_coef: float = _f(0.1, "kl_cov: the weight of |log pi - log pi_old| on those tokens", **NON_NEGATIVE)
     loss_agg_mode: str = _f("token-mean", "how the policy loss reduces over tokens and responses",
                             choices=LOSS_AGG_MODES)
     entropy_coeff: float = _f(0.0, "entropy bonus weight (0 disables)")
@@ -511,6 +517,22 @@ class ResourcesConfig:
         return [world_size // nodes] * nodes
 
 
+#: Settings of particular policy losses (``actor.*``): each reaches the losses that take it
+#: by name (``algorithms.loss_settings``), and is hashed only for them.
+LOSS_SETTINGS = ("tau_pos", "tau_neg", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")
+
+
+def unused_loss_settings(policy_loss: str) -> list[str]:
+    """Those of ``LOSS_SETTINGS`` that the policy loss ``policy_loss`` does not take."""
+    from rlhf_core.algorithms import get_policy_loss_fn, loss_settings
+
+    try:
+        used = loss_settings(get_policy_loss_fn(policy_loss), **dict.fromkeys(LOSS_SETTINGS))
+    except KeyError:  # an unknown loss: validate() refuses it; hash every setting meanwhile
+        return []
+    return [name for name in LOSS_SETTINGS if name not in used]
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -591,6 +613,8 @@ class RunConfig:
                     parent.pop(part)
         if not self.reward_model.enable:
             data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
+        for knob in unused_loss_settings(self.actor.policy_loss):  # another loss's knobs train nothing
+            data["actor"].pop(knob)
         from rlhf_core.algorithms.schedules import uses_total
 
         if uses_total(self.actor) or uses_total(self.critic):  # the schedule's total is then what is trained

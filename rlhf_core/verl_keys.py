@@ -150,6 +150,8 @@ TABLE: dict[str, Rule] = {
     A + "policy_loss.loss_mode": _m("actor.policy_loss"),
     A + "tau_pos": _m("actor.tau_pos"),
     A + "tau_neg": _m("actor.tau_neg"),
+    **{A + f"policy_loss.{knob}": _m(f"actor.{knob}")
+       for knob in ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef")},
     A + "fsdp_config.param_offload": _m("actor.fsdp_config.param_offload"),
     A + "fsdp_config.optimizer_offload": _m("actor.fsdp_config.optimizer_offload"),
     A + "fsdp_config.reshard_after_forward": _m("actor.fsdp_config.reshard_after_forward"),

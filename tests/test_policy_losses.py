@@ -90,7 +90,7 @@ def test_negative_advantages_clip_on_the_other_side_for_geo_mean():
     assert out["pg_clipfrac_lower"].item() == pytest.approx(2 / 5)
 
 
-@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "geo_mean", "sapo"])
+@pytest.mark.parametrize("name", ["gspo", "cispo", "gpg", "geo_mean", "sapo", "clip_cov", "kl_cov"])
 def test_verls_loss_mode_names_select_them(name):
     from rlhf_core.config import RunConfig, apply_overrides
 
@@ -216,3 +216,50 @@ def test_sapo_gates_each_token_smoothly_with_its_advantages_temperature():
     # the actor hands a loss only the settings it names: vanilla is called as before
     assert loss_settings(get_policy_loss_fn("vanilla"), tau_pos=1.0) == {}
     assert loss_settings(get_policy_loss_fn("sapo"), tau_pos=2.0, tau_neg=3.0) == {"tau_pos": 2.0, "tau_neg": 3.0}
+
+
+# Covariances of the valid tokens, centred over them (A: mean 1.4; log pi: mean -0.98):
+# (0,0) -0.032, (0,1) 0.468, (0,2) -0.312, (1,0) -0.012, (1,1) 0.198.
+
+
+def test_kl_cov_penalizes_the_largest_covariance_tokens_and_clips_nothing():
+    out, grad = run("kl_cov", kl_cov_ratio=0.0002, ppo_kl_coef=0.1)  # 5 tokens: the one largest, (0,1)
+    r = [[math.exp(d) for d in row] for row in DELTA]
+    losses = [-r[0][0], -r[0][1] + 0.1 * 0.15, -r[0][2], -2 * r[1][0], -2 * r[1][1]]
+    assert out["pg_loss"].item() == pytest.approx(sum(losses) / 5, abs=1e-6)
+    expected = torch.tensor([[-r[0][0], -r[0][1] - 0.1, -r[0][2]], [-2 * r[1][0], -2 * r[1][1], 0.0]]) / 5
+    assert torch.allclose(grad, expected, atol=1e-6)
+    assert out["ppo_kl"].item() == pytest.approx(1.1 / 5) and out["pg_clipfrac"].item() == 0
+    out, grad = run("kl_cov", kl_cov_ratio=0.4, ppo_kl_coef=0.1)  # two: (0,1) and (1,1)
+    assert out["pg_loss"].item() == pytest.approx((sum(losses) + 0.1 * 0.05) / 5, abs=1e-6)
+    assert grad[1, 1].item() == pytest.approx((-2 * r[1][1] + 0.1) / 5, abs=1e-6)
+
+
+def test_clip_cov_drops_the_gradient_of_covariance_tokens_ppo_left_unclipped():
+    r = [[math.exp(d) for d in row] for row in DELTA]
+    # the defaults' window (1, 5) holds no token here: PPO's clipped loss, no dual clip
+    out, _ = run("clip_cov", clip_cov_ratio=0.0002)
+    assert out["pg_loss"].item() == pytest.approx((-r[0][0] - r[0][1] - 1.28 - 2 * 1.28 - 2 * r[1][1]) / 5, abs=1e-6)
+    assert out["pg_clipfrac"].item() == 0
+    # window (0.1, 5): (0,1) and (1,1) are candidates ((0,2) is clipped by PPO, and negative); a share 0.4 = both
+    out, grad = run("clip_cov", clip_cov_ratio=0.4, clip_cov_lb=0.1, clip_cov_ub=5.0)
+    assert out["pg_loss"].item() == pytest.approx((-r[0][0] - 1.28 - 2 * 1.28) / 5, abs=1e-6)
+    assert torch.allclose(grad, torch.tensor([[-r[0][0] / 5, 0, 0], [0, 0, 0]]), atol=1e-6)
+    assert out["pg_clipfrac"].item() == pytest.approx(0.4) and out["ppo_kl"].item() == pytest.approx(-0.16)
+    # one of the two: drawn, but the same draw each time (a replayed update drops the same token)
+    picks = [run("clip_cov", clip_cov_ratio=0.0002, clip_cov_lb=0.1)[1] for _ in range(2)]
+    assert torch.equal(picks[0], picks[1]) and int((picks[0][[0, 1], [1, 1]] == 0).sum()) == 1
+
+
+def test_a_losss_own_settings_reach_it_and_enter_the_config_hash_only_with_it():
+    from rlhf_core.config import RunConfig, apply_overrides
+
+    base = RunConfig()
+    changed = apply_overrides(RunConfig(), ["actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.5",
+                                            "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"])
+    assert (changed.actor.clip_cov_ratio, changed.actor.ppo_kl_coef) == (0.5, 1.0)
+    assert changed.config_hash() == base.config_hash()  # vanilla takes neither: nothing trained differs
+    for loss in ("clip_cov", "kl_cov"):
+        assert apply_overrides(RunConfig(), [f"actor.policy_loss={loss}"]).config_hash() != \
+            apply_overrides(RunConfig(), [f"actor.policy_loss={loss}", "actor.clip_cov_ratio=0.5",
+                                          "actor.kl_cov_ratio=0.5"]).config_hash()

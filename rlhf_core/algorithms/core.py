@@ -481,6 +481,73 @@ def compute_policy_loss_geo_mean(old_log_prob: torch.Tensor, log_prob: torch.Ten
                             masked_mean((clipped & (advantages < 0)).float(), response_mask))}
 
 
+def _token_covariance(advantages: torch.Tensor, log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each valid token's centred ``A * log pi`` product (Cui et al. 2025, "The Entropy
+    Mechanism of RL for Reasoning LMs"): the tokens whose updates drive entropy down the
+    most have the largest. Means over the valid tokens; no gradient."""
+    advantages, log_prob = advantages.detach(), log_prob.detach()
+    return (advantages - masked_mean(advantages, mask)) * (log_prob - masked_mean(log_prob, mask))
+
+
+@register_policy_loss("clip_cov")
+def compute_policy_loss_clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2,
+                                 clip_ratio_high: float = 0.2, loss_agg_mode: str = "token-mean",
+                                 clip_cov_ratio: float = 0.0002, clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0,
+                                 **_) -> dict[str, torch.Tensor]:
+    """Clip-Cov (Cui et al. 2025): PPO's clipped loss (no dual clip, as verl's), except that
+    a share ``clip_cov_ratio`` of the valid tokens (at least one) whose covariance lies in
+    ``(clip_cov_lb, clip_cov_ub)`` and that PPO's clip left alone lose their gradient. The
+    tokens are drawn among those candidates as verl draws them, but from a generator of a
+    fixed seed, so that a replayed update picks the same ones. ``pg_clipfrac`` is the share
+    of tokens dropped."""
+    if clip_cov_ratio <= 0:
+        raise ValueError(f"actor.clip_cov_ratio: expected > 0; found {clip_cov_ratio}")
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    valid = response_mask > 0
+    covariance = _token_covariance(advantages, log_prob, response_mask)
+    candidates = torch.nonzero(valid & ~(clipped > unclipped) & (covariance > clip_cov_lb) & (covariance < clip_cov_ub))
+    count = max(int(clip_cov_ratio * response_mask.sum().item()), 1)
+    chosen = candidates[torch.randperm(len(candidates), generator=torch.Generator().manual_seed(0))[:count]]
+    keep = torch.ones_like(advantages)
+    keep[chosen[:, 0], chosen[:, 1]] = 0
+    losses = torch.maximum(unclipped, clipped) * keep
+    return {"pg_loss": agg_loss(losses, response_mask, loss_agg_mode),
+            **_clip_metrics(masked_mean(-negative_approx_kl, response_mask),
+                            masked_mean((keep == 0).float(), response_mask))}
+
+
+@register_policy_loss("kl_cov")
+def compute_policy_loss_kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+                               response_mask: torch.Tensor, loss_agg_mode: str = "token-mean",
+                               kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 0.1,
+                               **_) -> dict[str, torch.Tensor]:
+    """KL-Cov (Cui et al. 2025): the unclipped importance-weighted loss ``-A * r``, plus
+    ``ppo_kl_coef * |log pi - log pi_old|`` on the ``kl_cov_ratio`` share of valid tokens
+    (at least one) with the largest covariance. ``ppo_kl`` is the mean absolute log
+    ratio, as verl reports it; nothing is clipped."""
+    if kl_cov_ratio <= 0:
+        raise ValueError(f"actor.kl_cov_ratio: expected > 0; found {kl_cov_ratio}")
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    losses = -advantages * ratio
+    valid = torch.nonzero(response_mask > 0)
+    covariance = _token_covariance(advantages, log_prob, response_mask)[valid[:, 0], valid[:, 1]]
+    if len(valid):
+        top = valid[torch.topk(covariance, max(1, int(len(valid) * kl_cov_ratio))).indices]
+        penalty = torch.zeros_like(losses)
+        penalty[top[:, 0], top[:, 1]] = 1.0
+        losses = losses + penalty * ppo_kl_coef * negative_approx_kl.abs()
+    zero = torch.zeros((), dtype=log_prob.dtype)
+    return {"pg_loss": agg_loss(losses, response_mask, loss_agg_mode),
+            **_clip_metrics(masked_mean(negative_approx_kl.abs(), response_mask), zero, zero)}
+
+
 def compute_value_loss(vpreds: torch.Tensor, returns: torch.Tensor, values: torch.Tensor,
                        response_mask: torch.Tensor, cliprange_value: float = 0.5,
                        loss_agg_mode: str = "token-mean") -> tuple[torch.Tensor, torch.Tensor]:

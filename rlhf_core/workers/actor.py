@@ -15,6 +15,7 @@ import time
 import torch
 
 from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, loss_settings
+from rlhf_core.config import LOSS_SETTINGS
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
@@ -161,7 +162,7 @@ class ActorRolloutRefWorker(TrainableWorker):
         out = policy_loss(old_log_prob, log_prob, batch.batch["advantages"], mask,
                           clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                           clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-                          **loss_settings(policy_loss, tau_pos=cfg.tau_pos, tau_neg=cfg.tau_neg))
+                          **loss_settings(policy_loss, **{k: getattr(cfg, k) for k in LOSS_SETTINGS}))
         loss = out["pg_loss"]
         parts = {key: out[key].detach() for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
         if entropy is not None:
