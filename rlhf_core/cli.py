@@ -219,6 +219,13 @@ def _run(args: argparse.Namespace) -> int:
     if not args.direct and "pipeline" not in RUN_MODES:
         raise SystemExit("rlhf: running iterations as pipeline runs needs the `pipelines` package (installed "
                          "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
+    from rlhf_core.data.dataset import DatasetError
+    from rlhf_core.trainer.preflight import PreflightError, check_inputs
+
+    try:  # before any worker is placed or pipeline run started
+        check_inputs(cfg)
+    except (DatasetError, PreflightError) as exc:
+        raise SystemExit(f"rlhf: {exc}") from None
     try:
         if not args.direct:
             return RUN_MODES["pipeline"](args, cfg, iterations, run, PluginAPI)

@@ -227,3 +227,43 @@ def test_prompt_tokenizer_matches_transformers(tmp_path):
     assert (fast.bos_token_id, fast.pad_token_id) == (hf.bos_token_id, hf.pad_token_id)
     for row in load_rows("builtin:digits")[:200]:
         assert fast.encode(row["prompt"]) == hf(row["prompt"], add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_prompt_too_long_is_refused_before_any_worker_is_placed_or_pipeline_started(tmp_path, monkeypatch, direct):
+    """verl's data.truncation=error, checked by `rlhf run` before it starts Ray, places a
+    worker group or starts a pipeline run (it used to come after the workers' start)."""
+    from rlhf_core import cli
+    from rlhf_core.trainer import run as run_module
+    from rlhf_core.workers.worker_set import WorkerSet
+
+    def never(*args, **kwargs):
+        raise AssertionError("placed or started before the inputs were checked")
+
+    monkeypatch.setattr(WorkerSet, "build", classmethod(never))
+    monkeypatch.setattr(run_module, "start_local_ray", never)
+    monkeypatch.setitem(cli.RUN_MODES, "pipeline", never)
+    store = tmp_path / "store"
+    with pytest.raises(SystemExit, match=r"^rlhf: prompt of row \d+ has 6 tokens, more than "
+                                         r"data.max_prompt_length=3; raise the limit, shorten the prompt or set "
+                                         r"data.truncation=left\|right"):
+        cli.main(["run", *(["--direct"] if direct else []), "--iterations", "1", "--run-id", "long",
+                  "--store", f"file://{store}", "data.max_prompt_length=3", "trainer.progress=false",
+                  f"trainer.output_dir={tmp_path / 'out'}"])
+    assert not (store / "long").exists()
+
+
+def test_a_model_vllms_cpu_attention_cannot_serve_is_refused_from_its_config(tmp_path):
+    from transformers import Qwen2Config
+
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.trainer.preflight import PreflightError, check_rollout_model
+
+    Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                num_hidden_layers=1, vocab_size=32).save_pretrained(tmp_path)  # head_dim 16, no weights
+    cfg = apply_overrides(RunConfig(), [f"model.path={tmp_path}", "rollout.name=vllm"])
+    with pytest.raises(PreflightError, match=r"^rollout.name=vllm: vLLM's CPU attention needs a head_dim of at "
+                                             r"least 32; found 16 in model.path "):
+        check_rollout_model(cfg)
+    check_rollout_model(apply_overrides(cfg, ["rollout.name=hf"]))  # transformers' generate serves it
+    check_rollout_model(apply_overrides(cfg, ["resources.gpus_per_node=1"]))  # and vLLM on a GPU

@@ -178,6 +178,9 @@ def pool_name_of(run_id: str) -> str:
 
 
 def _place(cfg: RunConfig, run_id: str) -> WorkerSet:
+    from rlhf_core.trainer.preflight import check_inputs
+
+    check_inputs(cfg)  # a session on a cluster would otherwise hold its GPUs before it refuses a prompt
     return WorkerSet.build(cfg, name_prefix=f"{WORKER_PREFIX}_{run_id}", pool_name=pool_name_of(run_id),
                            detached=True)
 
