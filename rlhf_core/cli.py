@@ -510,7 +510,7 @@ def _cmd_rlhf_demo(args: argparse.Namespace) -> int:
     """Preferences from a simulated annotator -> a reward model trained on them -> PPO
     scored by it (the same iterations as ``rlhf run``), the task's own score logged beside
     the model's. With ``--rounds R`` (iterated RLHF), each later round asks the annotator
-    about the current policy's own responses, continues the reward model's training on
+    about the current policy's responses (beside other models'), continues the reward model's training on
     every pair so far, and continues PPO from the round's policy in a run of its own.
     Each phase's output is kept in ``--out`` and reused when it is there."""
     from pathlib import Path
@@ -567,12 +567,11 @@ def _rlhf_demo_round(args: argparse.Namespace, out, r: int, store: str | None, b
         export_round_policy(store, f"{base_id}-round{r - 1}", out / f"policy-round{r}")
     pairs = out / f"preferences{suffix}.jsonl"
     if not pairs.exists():
-        if r == 0:
-            rows, counts = simulated_preferences(policy, args.prompts, args.seed, noise=args.noise,
-                                                 degenerate=args.degenerate)
-        else:  # the policy's own responses only, on prompts of the round's own draw
-            rows, counts = simulated_preferences(policy, args.round_prompts, args.seed + 1000 * r,
-                                                 noise=args.noise, other_models=0.0)
+        # a later round: the round's policy in place of the first, on prompts of the round's own
+        # draw; the other models' responses stay (a collapsed policy's pairs are mostly ties, and
+        # its short answers are learnt bad only beside a whole one)
+        rows, counts = simulated_preferences(policy, args.prompts if r == 0 else args.round_prompts,
+                                             args.seed + 1000 * r, noise=args.noise, degenerate=args.degenerate)
         earlier = (out / (f"preferences-round{r - 1}.jsonl" if r > 1 else "preferences.jsonl")).read_text() \
             if r else ""
         pairs.write_text(earlier + "".join(json.dumps(row) + "\n" for row in rows))  # every pair so far
@@ -744,8 +743,8 @@ def build_parser() -> argparse.ArgumentParser:
     rd.add_argument("--iterations", type=int, default=None, help="PPO iterations in all (with --rounds: default 60, "
                                                                  "shared equally by the rounds)")
     rd.add_argument("--rounds", type=int, default=1, help="iterated RLHF: after each round's PPO, preferences on "
-                    "the policy's own responses, the reward model trained on on every pair so far, PPO continued "
-                    "from that policy (a run per round, <run-id>-round<R>)")
+                    "that policy's responses (beside the other models'), the reward model trained on every pair so "
+                    "far, PPO continued from that policy (a run per round, <run-id>-round<R>)")
     rd.add_argument("--round-prompts", type=int, default=4000, help="prompts the annotator sees in each later round")
     rd.add_argument("--round-rm-epochs", type=int, default=1, help="reward-model epochs in each later round")
     rd.add_argument("--direct", action="store_true", help="as rlhf run --direct")

@@ -67,7 +67,7 @@ def test_iterated_rounds_ask_about_the_policys_own_responses_and_continue_from_i
     assert config["reward_model"]["model"]["path"] == str(demo / "reward-model-round1")
     provenance = json.loads((demo / "reward-model-round1" / PROVENANCE).read_text())
     assert json.dumps(provenance).count(str(demo / "reward-model")) >= 1  # trained on from round 0's model
-    # every pair so far: round 0's, then the policy's own responses (no other model's)
+    # every pair so far: round 0's, then those of the round's policy
     earlier = (demo / "preferences.jsonl").read_text()
     pairs = (demo / "preferences-round1.jsonl").read_text()
     assert pairs.startswith(earlier) and len(pairs.splitlines()) > len(earlier.splitlines())
