@@ -48,7 +48,8 @@ def pod_namespace() -> str:
     value the pipeline puts in RLHF_POD_NAMESPACE, else the service account's namespace
     file. Refused when neither says: a cluster's owner is never guessed."""
     import os
-    import re
+
+    from components.kuberay.names import is_dns1123_label
 
     found = os.environ.get(POD_NAMESPACE_ENV, "").strip()
     if not found:
@@ -57,7 +58,7 @@ def pod_namespace() -> str:
                 found = f.read().strip()
         except OSError:
             found = ""
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", found):
+    if not is_dns1123_label(found):
         raise ClusterLaunchError(f"{POD_NAMESPACE_ENV}: expected the namespace this pipeline pod runs in (the "
                                  f"downward API's metadata.namespace); found {found!r}")
     return found

@@ -19,6 +19,7 @@ from rlhf_core.record.run_ids import RunIdError, validate_run_id
 MAX_CLUSTER_NAME = 40
 PREFIX = "rlhf-"
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
 class KubeNameError(ValueError):
@@ -27,6 +28,11 @@ class KubeNameError(ValueError):
 
 def is_dns1035_label(name: str, limit: int = 63) -> bool:
     return len(name) <= limit and bool(_DNS1035.match(name))
+
+
+def is_dns1123_label(name) -> bool:
+    """A namespace's (and most objects') name: at most 63 of [a-z0-9-], alphanumeric at both ends."""
+    return isinstance(name, str) and bool(_DNS1123_LABEL.match(name))
 
 
 def cluster_name(run_id: str) -> str:

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from components.kuberay.names import is_dns1123_label
+
 #: The image built from this repository's Dockerfile (components and Ray nodes share it).
 DEFAULT_IMAGE = "ghcr.io/rlhf-core/rlhf-core:0.1.0"
 #: Kubernetes secrets (manifests/base/secret-*.example.yaml).
@@ -79,7 +81,7 @@ class KubeSpec:
         if not isinstance(self.image, str) or len(self.image) > 512 or not _IMAGE.match(self.image):
             raise DeploySpecError(f"kubernetes.image: expected an image reference (registry/repository[:tag]"
                                   f"[@digest]), found {self.image!r:.80}")
-        if not isinstance(self.namespace, str) or not _DNS1123_LABEL.match(self.namespace):
+        if not is_dns1123_label(self.namespace):
             raise DeploySpecError(f"kubernetes.namespace: expected a namespace name (a DNS-1123 label), "
                                   f"found {self.namespace!r:.80}")
         for name in ("service_account", "object_store_secret", "ray_token_secret", "priority_class"):
@@ -147,7 +149,6 @@ MAX_HEAD_MEMORY_GIB = 2048
 
 _IMAGE = re.compile(r"^([A-Za-z0-9.-]+(:[0-9]{1,5})?/)?[a-z0-9][a-z0-9._/-]*"
                     r"(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(@sha256:[0-9a-f]{64})?$")
-_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 TOLERATION_KEYS = ("key", "operator", "value", "effect", "tolerationSeconds")
@@ -155,7 +156,7 @@ TOLERATION_EFFECTS = ("", "NoSchedule", "PreferNoSchedule", "NoExecute")
 
 
 def _is_dns1123_subdomain(name: str) -> bool:
-    return 0 < len(name) <= 253 and all(_DNS1123_LABEL.match(part) for part in name.split("."))
+    return 0 < len(name) <= 253 and all(is_dns1123_label(part) for part in name.split("."))
 
 
 def _is_label_key(key: str) -> bool:
