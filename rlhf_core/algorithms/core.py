@@ -380,6 +380,15 @@ def compute_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
             "ppo_kl": ppo_kl, "pg_clipfrac_lower": pg_clipfrac_lower}
 
 
+def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+               response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log pi with its masked positions 0, log pi - log pi_old clamped to [-20, 20], the
+    importance ratio): what most losses start from."""
+    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    return log_prob, negative_approx_kl, torch.exp(negative_approx_kl)
+
+
 def _clip_metrics(ppo_kl: torch.Tensor, clipfrac: torch.Tensor, clipfrac_lower=None) -> dict[str, torch.Tensor]:
     return {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl,
             "pg_clipfrac_lower": torch.zeros_like(ppo_kl) if clipfrac_lower is None else clipfrac_lower}
@@ -416,9 +425,7 @@ def compute_policy_loss_sapo(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     sigmoid(tau * (r - 1)) * 4 / tau`` per token (``tau_pos`` where A > 0, ``tau_neg``
     elsewhere; at r = 1 its slope is 1, as PPO's), reduced per sequence then over
     sequences as verl does. Nothing is clipped: both clip fractions are 0."""
-    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
+    log_prob, negative_approx_kl, ratio = _log_ratio(old_log_prob, log_prob, response_mask)
     tau = torch.where(advantages > 0, torch.as_tensor(tau_pos, dtype=advantages.dtype),
                       torch.as_tensor(tau_neg, dtype=advantages.dtype))
     losses = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
@@ -434,9 +441,7 @@ def compute_policy_loss_cispo(old_log_prob: torch.Tensor, log_prob: torch.Tensor
     """CISPO (MiniMax-M1, 2025): REINFORCE weighted by the clipped importance ratio, the
     weight held constant: ``-sg(clip(r, 1 - low, 1 + high)) * A * log pi``. Every token
     keeps a gradient (PPO's clip drops the clipped ones)."""
-    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
+    log_prob, negative_approx_kl, ratio = _log_ratio(old_log_prob, log_prob, response_mask)
     weight = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     losses = -weight.detach() * advantages * log_prob
     return {"pg_loss": agg_loss(losses, response_mask, loss_agg_mode),
@@ -503,9 +508,7 @@ def compute_policy_loss_clip_cov(old_log_prob: torch.Tensor, log_prob: torch.Ten
     of tokens dropped."""
     if clip_cov_ratio <= 0:
         raise ValueError(f"actor.clip_cov_ratio: expected > 0; found {clip_cov_ratio}")
-    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
+    log_prob, negative_approx_kl, ratio = _log_ratio(old_log_prob, log_prob, response_mask)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     valid = response_mask > 0
@@ -532,9 +535,7 @@ def compute_policy_loss_kl_cov(old_log_prob: torch.Tensor, log_prob: torch.Tenso
     ratio, as verl reports it; nothing is clipped."""
     if kl_cov_ratio <= 0:
         raise ValueError(f"actor.kl_cov_ratio: expected > 0; found {kl_cov_ratio}")
-    log_prob, old_log_prob = masked_only(log_prob, response_mask), masked_only(old_log_prob, response_mask)
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
+    log_prob, negative_approx_kl, ratio = _log_ratio(old_log_prob, log_prob, response_mask)
     losses = -advantages * ratio
     valid = torch.nonzero(response_mask > 0)
     covariance = _token_covariance(advantages, log_prob, response_mask)[valid[:, 0], valid[:, 1]]
