@@ -204,6 +204,7 @@ class ValKwargsConfig:
     do_sample: bool = _f(False, "sample validation responses (False: greedy, verl's default)", hashed=False)
     temperature: float = _f(0.0, "sampling temperature when do_sample (0: greedy)", **NON_NEGATIVE, hashed=False)
     top_p: float = _f(1.0, "nucleus sampling when do_sample", gt=0, le=1, hashed=False)
+    top_k: int = _f(-1, "top-k sampling when do_sample (-1 or 0: off, verl's -1)", ge=-1, hashed=False)
     n: int = _f(1, "responses per validation prompt (metrics mean@n, std@n)", **POSITIVE, hashed=False)
     seed: int = _f(7_000_003, "base seed of validation sampling: its own, so validation never moves the "
                    "training's random draws", **NON_NEGATIVE, hashed=False)
@@ -222,6 +223,8 @@ class RolloutConfig:
     n: int = _f(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _f(1.0, "sampling temperature", **POSITIVE)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
+    top_k: int = _f(-1, "top-k sampling: only the k likeliest tokens (-1 or 0: off, verl's -1; both engines)",
+                    ge=-1)
     response_length: int = _f(8, "max new tokens per response", **POSITIVE)
     seed: int = _f(1234, "base sampling seed; each response gets seed + its row offset", **NON_NEGATIVE)
     seed_scope: str = _f("auto", "what one vLLM seed covers: request (each response its own: its sample does "
@@ -708,11 +711,13 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
                               f"found critic.enable=False")
         if self.old_log_prob_column == "rollout_log_probs" and (
-                self.rollout.top_p != 1 or (self.rollout.name == "vllm" and self.rollout.temperature != 1)):
+                self.rollout.top_p != 1 or self.rollout.top_k > 0 or
+                (self.rollout.name == "vllm" and self.rollout.temperature != 1)):
             raise ConfigError(f"algorithm.rollout_correction.bypass_mode: expected false when sampling is not "
                               f"the plain softmax{' at temperature 1' if self.rollout.name == 'vllm' else ''} "
                               f"(the engine's log-probs would not be the policy's); found true with rollout.top_p="
-                              f"{self.rollout.top_p}, rollout.temperature={self.rollout.temperature}")
+                              f"{self.rollout.top_p}, rollout.top_k={self.rollout.top_k}, rollout.temperature="
+                              f"{self.rollout.temperature}")
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")

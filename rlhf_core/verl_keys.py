@@ -180,11 +180,11 @@ TABLE: dict[str, Rule] = {
                              "generates"),
     R + "layered_summon": _note("no effect: a LoRA policy sends vLLM its adapter, gathered one tensor at a time, "
                                 "and its base only when the engine holds none"),
-    R + "top_k": Rule(note="-1 / 0: no top-k, as here", refuse="no top-k sampling here (rollout.top_p only)",
-                      accepts=lambda raw: raw in ("-1", "0")),
+    R + "top_k": _m("rollout.top_k"),
     R + "val_kwargs.do_sample": _m("rollout.val_kwargs.do_sample", note="validation generation"),
     R + "val_kwargs.temperature": _m("rollout.val_kwargs.temperature", note="validation generation"),
     R + "val_kwargs.top_p": _m("rollout.val_kwargs.top_p", note="validation generation"),
+    R + "val_kwargs.top_k": _m("rollout.val_kwargs.top_k", note="validation generation"),
     R + "val_kwargs.n": _m("rollout.val_kwargs.n", note="validation generation"),
     # data
     "data.max_response_length": _m("rollout.response_length", note="max new tokens per response"),

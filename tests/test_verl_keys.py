@@ -77,7 +77,6 @@ def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
 @pytest.mark.parametrize("item, message", [
     ("actor_rollout_ref.rollout.max_num_batched_tokens=8192", "verl key "
      "'actor_rollout_ref.rollout.max_num_batched_tokens': no counterpart here (`rlhf config --verl` lists"),
-    ("actor_rollout_ref.rollout.top_k=50", "verl key 'actor_rollout_ref.rollout.top_k'=50: no top-k sampling here"),
     ("reward_model.launch_reward_fn_async=True", "verl key 'reward_model.launch_reward_fn_async'=True: no "
      "asynchronous reward function here"),
     ("trainer.val_only=True", "verl key 'trainer.val_only'=True: no validation-only runs here"),
@@ -229,3 +228,40 @@ def test_the_table_in_docs_is_the_one_rlhf_config_verl_prints():
     block = doc.split("## The table", 1)[1].split("```", 2)[1].strip("\n")
     printed = table_text(set(fields_where(lambda meta: True)))
     assert block == printed.rstrip("\n"), "docs/verl.md's table is stale: paste `rlhf config --verl` there"
+
+
+def test_top_k_is_verls_for_both_engines_and_off_means_off(tmp_path):
+    """``rollout.top_k`` (verl's key): k keeps the k likeliest tokens; -1 and 0 are off, and
+    off is said to transformers too (its generate keeps 50 by default)."""
+    import torch
+
+    from rlhf_core.config import RolloutConfig
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers import modeling
+    from rlhf_core.workers.rollout import HFRollout, top_k_setting
+
+    cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.rollout.top_k=1",
+                                        "actor_rollout_ref.rollout.val_kwargs.top_k=5"], notes=[])
+    assert (cfg.rollout.top_k, cfg.rollout.val_kwargs.top_k) == (1, 5)
+    assert top_k_setting(-1, off=-1) == top_k_setting(0, off=-1) == {"top_k": -1}  # vLLM's off
+    assert top_k_setting(0, off=0) == {"top_k": 0} and top_k_setting(7, off=0) == {"top_k": 7}
+    with pytest.raises(ConfigError, match="rollout.top_k"):
+        apply_overrides(RunConfig(), ["rollout.top_k=-2"]).validate()
+    with pytest.raises(ConfigError, match="bypass_mode: expected false .* rollout.top_k=4"):
+        apply_overrides(RunConfig(), ["rollout.top_k=4",
+                                      "algorithm.rollout_correction.bypass_mode=true"], notes=[]).validate()
+
+    folder = str(build_model_folder(tmp_path / "tiny"))
+    model, tokenizer = modeling.load_causal_lm(folder, "float32"), modeling.load_tokenizer(folder)
+    ids = torch.tensor([[0, 0, 7, 8, 9], [0, 5, 6, 7, 8], [3, 4, 5, 6, 7], [0, 0, 17, 18, 19]])
+    prompts = lambda: DataProto.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                                           "sample_seed": torch.arange(4)})
+    greedy_prompts = prompts()
+    greedy_prompts.meta_info["do_sample"] = False
+    settings = dict(response_length=6, temperature=3.0)
+    greedy = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate(greedy_prompts)
+    top1 = HFRollout(model, tokenizer, RolloutConfig(**settings, top_k=1), seed=0).generate(prompts())
+    sampled = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate(prompts())
+    assert torch.equal(top1.batch["responses"], greedy.batch["responses"])  # one token left: the argmax
+    assert not torch.equal(sampled.batch["responses"], greedy.batch["responses"])

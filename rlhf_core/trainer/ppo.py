@@ -256,7 +256,8 @@ class PPOTrainer:
         batch.batch["sample_seed"] = val.seed + step * 1_000_003 + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
         prompts.meta_info = {"do_sample": val.do_sample and val.temperature > 0,
-                             "sampling": {"temperature": val.temperature, "top_p": val.top_p}}
+                             "sampling": {"temperature": val.temperature, "top_p": val.top_p,
+                                          "top_k": val.top_k}}
         batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
         if self.reward_model is not None:  # validation is scored as training is (verl's rule)
             batch = self.compute_rm_score(batch)

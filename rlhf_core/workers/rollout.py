@@ -69,6 +69,12 @@ def _prompt_token_lists(prompts: DataProto) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
+def top_k_setting(top_k: int, off: int) -> dict:
+    """``top_k`` as an engine takes it: k when above 0, else the engine's "off" (vLLM's -1;
+    transformers' 0, whose generate would otherwise keep its default of 50)."""
+    return {"top_k": int(top_k) if top_k > 0 else off}
+
+
 class VLLMRollout:
     """vLLM's engine in this process (no engine subprocess: fastest on CPU, and the
     weights can be pushed in place after every actor update).
@@ -174,11 +180,11 @@ class VLLMRollout:
 
         seeds = prompts.batch["sample_seed"].tolist()
         # do_sample=False (ReMax's baseline): greedy decoding, temperature 0
-        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p,
+        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p, "top_k": self.config.top_k,
                     **prompts.meta_info.get("sampling", {})}  # validation's val_kwargs
         temperature = sampling["temperature"] if prompts.meta_info.get("do_sample", True) else 0.0
         common = dict(n=1, temperature=temperature, top_p=sampling["top_p"], max_tokens=self.config.response_length,
-                      logprobs=0, detokenize=False)
+                      logprobs=0, detokenize=False, **top_k_setting(sampling["top_k"], off=-1))
         if self.seeds_per_call:
             # the engine runs in this process: unseeded requests draw from torch's generators
             torch.manual_seed(int(seeds[0]) if seeds else 0)
@@ -268,10 +274,12 @@ class HFRollout:
         on_device = devices.to_device(prompts)  # the model's device; the outputs come back to the host
         ids, mask = on_device.batch["input_ids"], on_device.batch["attention_mask"]
         pad = int(mask.bool().any(dim=0).float().argmax())  # columns of padding in every prompt
-        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p,
+        sampling = {"temperature": self.config.temperature, "top_p": self.config.top_p, "top_k": self.config.top_k,
                     **prompts.meta_info.get("sampling", {})}  # validation's val_kwargs
         out = model.generate(input_ids=ids[:, pad:], attention_mask=mask[:, pad:],
-                             **(dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"])
+                             # top_k always given: transformers' own default is 50
+                             **(dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"],
+                                     **top_k_setting(sampling["top_k"], off=0))
                                 if prompts.meta_info.get("do_sample", True) else dict(do_sample=False)),
                              max_new_tokens=self.config.response_length, pad_token_id=self.pad_id,
                              eos_token_id=self.eos_id, output_scores=True, return_dict_in_generate=True,
