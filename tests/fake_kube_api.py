@@ -145,6 +145,11 @@ class FakeKubeAPI:
                     return 409, _status(409, "AlreadyExists", f'{plural} "{key[2]}" already exists')
                 self.objects[key] = dict(body)
                 return 201, body
+            if method == "PATCH" and name:  # a merge patch
+                if (plural, namespace, name) not in self.objects:
+                    return 404, _status(404, "NotFound", f'{plural} "{name}" not found')
+                _merge(self.objects[(plural, namespace, name)], body)
+                return 200, self.objects[(plural, namespace, name)]
             if method == "DELETE" and name:
                 if (plural, namespace, name) in self.refused_deletes:
                     return 403, _status(403, "Forbidden", f"ValidatingAdmissionPolicy denied deleting {name}")

@@ -218,8 +218,19 @@ def test_a_pipeline_creates_and_deletes_its_own_runs_ray_token_secrets_only():
                   "rlhf.io/owner-namespace label names")
     assert admit("CREATE", PIPELINE_B, secret) == [owner_rule]  # squatting another profile's run
     assert admit("DELETE", PIPELINE_B, None, secret) == [owner_rule]  # replacing another profile's token
-    assert admit("UPDATE", PIPELINE_A, secret, secret) == [
-        "a pipeline creates or deletes a run's Ray token secret, never changes one"]
+    owned = copy.deepcopy(secret)  # the launcher's one change: the cluster, once created, owns it
+    owned["metadata"]["ownerReferences"] = [{"apiVersion": "ray.io/v1", "kind": "RayCluster",
+                                             "name": "rlhf-nightly", "uid": "u"}]
+    assert admit("UPDATE", PIPELINE_A, owned, secret) == []
+    assert admit("UPDATE", PIPELINE_B, owned, secret) == [owner_rule]
+    only_owner = "a pipeline changes a run's Ray token secret only to make it owned by its RayCluster"
+    for change in (lambda s: s["data"].update(auth_token="b3RoZXI="),  # another token
+                   lambda s: s["metadata"]["ownerReferences"][0].update(name="rlhf-weekly"),
+                   lambda s: s["metadata"]["labels"].update({"x": "y"}),
+                   lambda s: s["metadata"].pop("ownerReferences")):
+        changed = copy.deepcopy(owned)
+        change(changed)
+        assert admit("UPDATE", PIPELINE_A, changed, secret) == [only_owner]
     refused = {
         "the object-store secret": lambda s: s["metadata"].update(name="rlhf-object-store"),
         "a name of another shape": lambda s: s["metadata"].update(name="team-b-creds-ray-token-x"),

@@ -392,6 +392,9 @@ def test_each_cluster_gets_its_own_token_written_before_the_cluster_exists(monke
             "mode": "token", "secretName": "rlhf-nightly-ray-token"}
         posts = [p for m, p in fake.requests() if m == "POST"]
         assert posts.index("/api/v1/namespaces/rlhf/secrets") < posts.index(PATH)  # no pod starts with another's
+        uid = fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"]  # then owned by it: it goes with it
+        assert fake.objects[("secrets", "rlhf", "rlhf-nightly-ray-token")]["metadata"]["ownerReferences"] == [
+            {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": "rlhf-nightly", "uid": uid}]
         # and its own ingress policy: its pods, and the head's ports from its owner's namespace only
         policy = fake.objects[("networkpolicies", "rlhf", "rlhf-nightly-ingress")]
         assert policy["metadata"]["ownerReferences"][0]["uid"] == fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"]

@@ -95,7 +95,7 @@ def _component_calls(monkeypatch) -> list[tuple[str, str]]:
         calls = fake.requests()
     kinds = {(m, rbac_lite.attributes(m, p)["resource"]) for m, p in calls}
     assert {("PATCH", "rayclusters"), ("DELETE", "rayclusters"), ("GET", "events"), ("GET", "configmaps"),
-            ("POST", "serviceaccounts"), ("POST", "secrets"), ("GET", "secrets"),
+            ("POST", "serviceaccounts"), ("POST", "secrets"), ("GET", "secrets"), ("PATCH", "secrets"),
             ("DELETE", "secrets")} <= kinds, kinds  # every path above was taken
     return calls
 
@@ -132,7 +132,7 @@ def test_rbac_is_namespaced_and_minimal():
     granted = rbac_lite.grants(rules)
     # no reading of secrets (runs' token secrets: create and delete, admission-policy.yaml
     # limits them), no exec, nothing that changes an RBAC object or an account once created
-    assert {p for p in granted if p[1] == "secrets"} == {("", "secrets", "create", None), ("", "secrets", "delete", None)}
+    assert {p for p in granted if p[1] == "secrets"} == {("", "secrets", v, None) for v in ("create", "patch", "delete")}
     assert not {p for p in granted if p[1] in ("pods/exec", "pods/attach", "nodes")}
     assert not {p for p in granted if p[1] in ("roles", "rolebindings", "serviceaccounts") and p[2] != "create"}
     assert not {p for p in granted if p[2] in ("escalate", "bind", "impersonate", "update", "deletecollection")}

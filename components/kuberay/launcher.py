@@ -185,6 +185,8 @@ class Launcher:
             # also when reused: a launch that died between the cluster and its account left none
             self.ensure_head_account(created, body["metadata"]["labels"])
             self.ensure_network_policy(created, body["metadata"]["labels"])
+            if existing is None:
+                self.own_run_token(created)
         workers = sum(int(g["replicas"]) for g in body["spec"]["workerGroupSpecs"])
         return self.wait_ready(name, timeout_s, reused=existing is not None, workers=workers)
 
@@ -226,6 +228,25 @@ class Launcher:
             self._delete_secret(self.namespace, secret, name)
             self._create_secret(self.namespace, secret, token, labels)  # (409 again: an equal launch's, same token)
         return secret
+
+    def own_run_token(self, cluster: dict) -> None:
+        """The Ray namespace's token secret made owned by its cluster (written before the
+        cluster existed, so without an owner), so that it goes when the cluster goes, however
+        the cluster goes. Teardown deletes it too; a failure here is logged, not fatal."""
+        from kubernetes.client.exceptions import ApiException
+
+        from components.kuberay.names import ray_token_secret_name
+
+        name = cluster["metadata"]["name"]
+        if (cluster["spec"].get("authOptions") or {}).get("secretName") != ray_token_secret_name(name):
+            return
+        owner = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": name, "uid": cluster["metadata"]["uid"]}
+        try:
+            self.core.patch_namespaced_secret(ray_token_secret_name(name), self.namespace,
+                                              {"metadata": {"ownerReferences": [owner]}})
+        except ApiException as exc:
+            self.log(f"Secret {self.namespace}/{ray_token_secret_name(name)}: not made owned by RayCluster {name} "
+                     f"({exc.status} {exc.reason}); teardown deletes it, a cluster deleted by hand leaves it")
 
     def _read_token(self, namespace: str, secret: str) -> str | None:
         import base64
