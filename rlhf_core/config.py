@@ -244,6 +244,16 @@ class RolloutConfig:
                                  "wake up around training; no-op on CPU)")
     enforce_eager: bool | None = _f(None, "vLLM without CUDA graphs (None: CUDA graphs on GPU, where they "
                                     "make decoding several times faster; eager on CPU)", hashed=False)
+    max_num_seqs: int = _f(1024, "vLLM: the most requests one engine step schedules", **POSITIVE, hashed=False)
+    max_num_batched_tokens: int = _f(0, "vLLM: the most tokens one engine step schedules (0: vLLM's own "
+                                     "default)", **NON_NEGATIVE, hashed=False)
+    enable_chunked_prefill: bool | None = _f(None, "vLLM on GPU: split a long prompt over engine steps (None: "
+                                             "vLLM's default); never on CPU workers, where a split prompt breaks "
+                                             "its request's seed", hashed=False)
+    enable_prefix_caching: bool | None = _f(None, "vLLM on GPU: the n samples of a prompt share its prefill "
+                                            "(None: on); never on CPU workers", hashed=False)
+    max_model_len: int = _f(0, "vLLM: the longest prompt + response the engine takes (0: data.max_prompt_length "
+                            "+ rollout.response_length, at least 64)", **NON_NEGATIVE, hashed=False)
     lora_merge: bool | None = _f(None, "how vLLM serves a LoRA policy: true, the adapter merged into the weights "
                                  "(a full sync each update, generation at the base model's speed); false, the "
                                  "adapter as a LoRA request (verl's FSDP path: a small sync, LoRA kernels while "
@@ -718,6 +728,10 @@ class RunConfig:
                               f"(the engine's log-probs would not be the policy's); found true with rollout.top_p="
                               f"{self.rollout.top_p}, rollout.top_k={self.rollout.top_k}, rollout.temperature="
                               f"{self.rollout.temperature}")
+        longest = self.data.max_prompt_length + self.rollout.response_length
+        if self.rollout.max_model_len and self.rollout.max_model_len < longest:
+            raise ConfigError(f"rollout.max_model_len: expected at least data.max_prompt_length + "
+                              f"rollout.response_length = {longest} (verl's rule); found {self.rollout.max_model_len}")
         if self.estimator.needs_group and self.rollout.n < 2:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs rollout.n >= 2 "
                               f"(a group per prompt); found {self.rollout.n}")

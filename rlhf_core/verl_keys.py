@@ -174,6 +174,8 @@ TABLE: dict[str, Rule] = {
     R + "dtype": _m("rollout.dtype", convert=lambda raw: {"bf16": "bfloat16", "fp16": "float16"}.get(raw, raw)),
     R + "free_cache_engine": _m("rollout.free_cache_engine"),
     R + "enforce_eager": _m("rollout.enforce_eager"),
+    **{R + key: _m(f"rollout.{key}", note="vLLM's engine setting") for key in (
+        "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "max_model_len")},
     "algorithm.kl_penalty": _m("algorithm.kl_penalty", note="verl's kl is k1 here", convert=_kl_name),
     R + "mode": _note("no effect: generation is synchronous per rank here"),
     R + "load_format": _note("no effect: the engine gets the policy's weights from the trainer before it first "

@@ -75,8 +75,8 @@ def test_save_freq_minus_one_checkpoints_only_at_the_end_and_kl_is_k1():
 
 
 @pytest.mark.parametrize("item, message", [
-    ("actor_rollout_ref.rollout.max_num_batched_tokens=8192", "verl key "
-     "'actor_rollout_ref.rollout.max_num_batched_tokens': no counterpart here (`rlhf config --verl` lists"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4", "verl key "
+     "'actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space': no counterpart here (`rlhf config --verl` lists"),
     ("reward_model.launch_reward_fn_async=True", "verl key 'reward_model.launch_reward_fn_async'=True: no "
      "asynchronous reward function here"),
     ("trainer.val_only=True", "verl key 'trainer.val_only'=True: no validation-only runs here"),

@@ -366,3 +366,24 @@ def test_a_lora_policy_on_a_gpu_engine_sends_its_base_after_each_sleep_and_its_a
         "collective_rpc", "generate"]
     assert sorted(next(e for e in log if e[0] == "collective_rpc")[2]) == sorted(
         n.replace(".base_layer", "") for n in base_names)
+
+
+def test_verls_engine_settings_reach_the_engine_and_cpu_keeps_whole_prompts(monkeypatch, capsys):
+    kwargs, _ = _engine_kwargs(monkeypatch, max_num_seqs=256, max_num_batched_tokens=8192,
+                               enable_chunked_prefill=True, enable_prefix_caching=False, max_model_len=4096)
+    assert (kwargs["max_num_seqs"], kwargs["max_num_batched_tokens"], kwargs["max_model_len"]) == (256, 8192, 4096)
+    assert kwargs["enable_chunked_prefill"] is True and kwargs["enable_prefix_caching"] is False
+    defaults, _ = _engine_kwargs(monkeypatch)  # unset: vLLM's own choice, and the run's length
+    assert "max_num_batched_tokens" not in defaults and "enable_chunked_prefill" not in defaults
+    assert defaults["max_model_len"] == 64 and defaults["max_num_seqs"] == 1024
+    cpu, _ = _engine_kwargs(monkeypatch, on_gpu=False, enable_chunked_prefill=True)
+    assert cpu["enable_chunked_prefill"] is False and cpu["enable_prefix_caching"] is False
+    assert "rlhf: note: rollout.enable_chunked_prefill has no effect on CPU workers" in capsys.readouterr().out
+
+
+def test_a_max_model_len_shorter_than_prompt_and_response_is_refused():
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len: expected at least data.max_prompt_length \+ "
+                                          r"rollout.response_length = 24 \(verl's rule\); found 20"):
+        apply_overrides(RunConfig(), ["rollout.max_model_len=20"]).validate()

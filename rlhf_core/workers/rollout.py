@@ -105,7 +105,9 @@ class VLLMRollout:
                   # generate: reading the checkpoint here would only be thrown away
                   "load_format": "dummy",
                   # the n samples of a prompt are n requests sharing its tokens: one prefill
-                  "enable_prefix_caching": True}
+                  "enable_prefix_caching": config.enable_prefix_caching is not False}
+        if config.enable_chunked_prefill is not None:
+            engine["enable_chunked_prefill"] = config.enable_chunked_prefill
         if tp > 1:
             # the training ranks are the engine's ranks: vLLM joins the torch.distributed
             # world they already formed (consecutive ranks share one engine). Ray narrows each
@@ -120,6 +122,10 @@ class VLLMRollout:
             # (e.g. 2048 responses) failed. Whole prompts per step keep per-request seeds.
             # The checkpoint is loaded (no sleep mode: the weights stay until replaced).
             engine = {"gpu_memory_utilization": 0.9, "enable_chunked_prefill": False, "enable_prefix_caching": False}
+            asked = [k for k in ("enable_chunked_prefill", "enable_prefix_caching") if getattr(config, k)]
+            if asked:
+                print(f"rlhf: note: rollout.{' and rollout.'.join(asked)} has no effect on CPU workers (vLLM's CPU "
+                      f"generators cannot rewind a request's seed for a split prompt)", flush=True)
         self.lora_rank = lora_rank
         if lora_rank:
             from rlhf_core.workers.lora import engine_max_rank
@@ -127,8 +133,10 @@ class VLLMRollout:
             engine.update(enable_lora=True, max_loras=1, max_lora_rank=engine_max_rank(lora_rank))
         self.has_adapter, self._adapter_dir = False, None
         enforce_eager = (not on_gpu) if config.enforce_eager is None else config.enforce_eager
-        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len, enforce_eager=enforce_eager,
-                       seed=seed, max_num_seqs=1024, **engine)
+        if config.max_num_batched_tokens:
+            engine["max_num_batched_tokens"] = config.max_num_batched_tokens
+        self.llm = LLM(model=model_path, dtype=dtype, max_model_len=config.max_model_len or max_model_len,
+                       enforce_eager=enforce_eager, seed=seed, max_num_seqs=config.max_num_seqs, **engine)
         # what the engine holds on the device (a dummy load holds no policy weights yet)
         self.has_weights, self.kv_cache_awake = engine.get("load_format") != "dummy", True
         tokenizer = self.llm.get_tokenizer()
