@@ -93,6 +93,9 @@ class DataConfig:
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
                          "left (keep its end), right (keep its start)", choices=("error", "left", "right"))
     shuffle: bool = _f(True, "reshuffle prompts every epoch (seeded by trainer.seed)")
+    prompt_key: str = _f("prompt", "the dataset column holding the prompt (verl's data.prompt_key)")
+    reward_fn_key: str = _f("data_source", "the dataset column that names the reward function's data source "
+                            "(verl's data.reward_fn_key)")
     filter_overlong_prompts: bool = _f(False, "drop the prompts longer than max_prompt_length (after the chat "
                                        "template) when the dataset loads, as verl does; data.truncation then never "
                                        "applies")

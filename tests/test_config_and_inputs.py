@@ -267,3 +267,21 @@ def test_a_model_vllms_cpu_attention_cannot_serve_is_refused_from_its_config(tmp
         check_rollout_model(cfg)
     check_rollout_model(apply_overrides(cfg, ["rollout.name=hf"]))  # transformers' generate serves it
     check_rollout_model(apply_overrides(cfg, ["resources.gpus_per_node=1"]))  # and vLLM on a GPU
+
+
+def test_verls_prompt_key_and_reward_fn_key_name_the_columns_read(tmp_path):
+    import json as _json
+
+    from rlhf_core.data.dataset import DatasetError, load_rows
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text(_json.dumps({"question": [{"role": "user", "content": "2+2?"}], "source": "math",
+                                 "reward_model": {"ground_truth": "4"}}) + "\n")
+    (row,) = load_rows(str(path), prompt_key="question", source_key="source")
+    assert row["prompt"] == [{"role": "user", "content": "2+2?"}] and row["data_source"] == "math"
+    with pytest.raises(DatasetError, match=r"row 0 lacks column\(s\) \['prompt', 'data_source'\]; required: "
+                                           r"\['prompt', 'data_source'\] and ground_truth"):
+        load_rows(str(path))
+    with pytest.raises(DatasetError, match=r"lacks column\(s\) \['query'\]; required: \['query', 'source'\] "
+                                           r"\(data.prompt_key, data.reward_fn_key\)"):
+        load_rows(str(path), prompt_key="query", source_key="source")

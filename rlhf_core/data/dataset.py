@@ -30,10 +30,13 @@ class DatasetError(ValueError):
     """The prompt dataset is missing, empty or malformed."""
 
 
-def load_rows(source: str, seed: int = 0, field: str = "data.train_files") -> list[dict]:
+def load_rows(source: str, seed: int = 0, field: str = "data.train_files", prompt_key: str = "prompt",
+              source_key: str = "data_source") -> list[dict]:
     """Rows as ``{prompt, ground_truth, data_source, extra_info}``; ``prompt`` is text or a
-    list of chat messages. ``source`` is a local path, a ``file://``, ``s3://`` or
-    ``gs://`` URI (fetched once per node into the cache), or ``builtin:<name>``."""
+    list of chat messages, read from the column ``prompt_key`` (verl's ``data.prompt_key``),
+    ``data_source`` from ``source_key`` (``data.reward_fn_key``). ``source`` is a local
+    path, a ``file://``, ``s3://`` or ``gs://`` URI (fetched once per node into the cache),
+    or ``builtin:<name>``."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
         if name != "digits":
@@ -60,15 +63,19 @@ def load_rows(source: str, seed: int = 0, field: str = "data.train_files") -> li
         raise DatasetError(f"{field} must be .parquet, .jsonl or builtin:<name>; found {source!r}")
     if not rows:
         raise DatasetError(f"{source}: the dataset is empty (no prompt rows)")
-    return [_normalize(source, i, row) for i, row in enumerate(rows)]
+    return [_normalize(source, i, row, prompt_key, source_key) for i, row in enumerate(rows)]
 
 
-def _normalize(source: str, index: int, row: dict) -> dict:
-    missing = [c for c in REQUIRED if c not in row]
+def _normalize(source: str, index: int, row: dict, prompt_key: str = "prompt",
+               source_key: str = "data_source") -> dict:
+    required = [prompt_key, source_key]
+    missing = [c for c in required if c not in row]
     if missing:
-        raise DatasetError(f"{source}: row {index} lacks column(s) {missing}; required: {list(REQUIRED)} and "
+        renamed = {"prompt": prompt_key, "data_source": source_key}
+        keys = "" if renamed == dict(zip(REQUIRED, REQUIRED)) else " (data.prompt_key, data.reward_fn_key)"
+        raise DatasetError(f"{source}: row {index} lacks column(s) {missing}; required: {required}{keys} and "
                            f"ground_truth (or verl's reward_model.ground_truth)")
-    prompt = row["prompt"]
+    prompt = row[prompt_key]
     if isinstance(prompt, list):
         for message in prompt:
             if not (isinstance(message, dict) and isinstance(message.get("role"), str)
@@ -86,7 +93,7 @@ def _normalize(source: str, index: int, row: dict) -> dict:
     else:
         raise DatasetError(f"{source}: row {index} lacks ground_truth (ours) or reward_model.ground_truth "
                            f"(verl's format)")
-    return {"prompt": prompt, "ground_truth": truth, "data_source": row["data_source"],
+    return {"prompt": prompt, "ground_truth": truth, "data_source": row[source_key],
             "extra_info": row.get("extra_info") or {}}
 
 

@@ -15,7 +15,8 @@ def make_val_loader(cfg: RunConfig):
 
     model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
                                             weights=False)
-    rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files")
+    rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files", prompt_key=cfg.data.prompt_key,
+                     source_key=cfg.data.reward_fn_key)
     return PromptLoader(rows, PromptTokenizer(model_path), len(rows), cfg.data.max_prompt_length, cfg.trainer.seed,
                         shuffle=False, truncation=cfg.data.truncation, keep_chat=cfg.reward_model.enable)
 
@@ -36,7 +37,9 @@ def make_loader(cfg: RunConfig, state=None):
 
     model_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=cfg.trainer.progress,
                                             weights=False)  # the controller only tokenizes
-    return PromptLoader(load_rows(cfg.data.train_files, cfg.trainer.seed), PromptTokenizer(model_path),
+    rows = load_rows(cfg.data.train_files, cfg.trainer.seed, prompt_key=cfg.data.prompt_key,
+                     source_key=cfg.data.reward_fn_key)
+    return PromptLoader(rows, PromptTokenizer(model_path),
                         cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
                         truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts,
