@@ -50,6 +50,15 @@ def _strategy(raw: str) -> str:
     return "fsdp" if raw == "fsdp2" else raw
 
 
+def _listed(raw: str) -> set[str]:
+    """A Hydra list value as the shell passes it (``['model','optimizer']``, ``[model]``)."""
+    return {item.strip().strip("'\"") for item in raw.strip().strip("[]").split(",") if item.strip()}
+
+
+#: What every checkpoint here holds (an exact resume needs all three).
+CHECKPOINT_CONTENTS = {"model", "optimizer", "extra"}
+
+
 def _zero_if_null(raw: str) -> str:
     return "0.0" if raw.strip().lower() in ("null", "none", "~") else raw
 
@@ -245,6 +254,15 @@ TABLE: dict[str, Rule] = {
     "trainer.balance_batch": _m("trainer.balance_batch", note="tokens balanced across the actor's ranks"),
     "trainer.device": _note("no effect: the device follows resources.gpus_per_node"),
     "trainer.val_only": _refuse("no validation-only runs here"),
+    **{f"{role}.checkpoint.{what}_contents": Rule(
+        note="every checkpoint holds the model, the optimizer and the extra state (an exact resume needs all "
+             "three); hf_model is not written at save time: `rlhf export <checkpoint>` writes that folder from any "
+             "checkpoint",
+        refuse="checkpoints here always hold the model, the optimizer and the extra state (an exact resume needs "
+               "all three); expected a list of model, optimizer, extra, hf_model",
+        accepts=lambda raw: _listed(raw) <= CHECKPOINT_CONTENTS | {"hf_model"} and
+        CHECKPOINT_CONTENTS <= _listed(raw) | {"extra"} and "model" in _listed(raw))
+       for role in ("actor_rollout_ref.actor", "critic") for what in ("save", "load")},
 }
 #: Keys whose value is computed from several verl keys together (``translate`` applies them last).
 JOINT = ("trainer.n_gpus_per_node", "trainer.nnodes")

@@ -265,3 +265,14 @@ def test_top_k_is_verls_for_both_engines_and_off_means_off(tmp_path):
     sampled = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate(prompts())
     assert torch.equal(top1.batch["responses"], greedy.batch["responses"])  # one token left: the argmax
     assert not torch.equal(sampled.batch["responses"], greedy.batch["responses"])
+
+
+@pytest.mark.parametrize("role", ["actor_rollout_ref.actor", "critic"])
+def test_checkpoint_contents_are_always_whole_and_a_smaller_list_is_refused(role):
+    for value in ("['model','optimizer','extra']", "['model','optimizer','extra','hf_model']", "[model,optimizer]"):
+        notes = []
+        apply_overrides(RunConfig(), [f"{role}.checkpoint.save_contents={value}"], notes=notes)
+        assert len(notes) == 1 and "`rlhf export <checkpoint>` writes that folder" in notes[0]
+    for value in ("['model']", "['optimizer','extra']", "['model','optimizer','lora']"):
+        with pytest.raises(ConfigError, match=r"checkpoints here always hold the model, the optimizer and the extra"):
+            apply_overrides(RunConfig(), [f"{role}.checkpoint.load_contents={value}"], notes=[])
