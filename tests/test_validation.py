@@ -159,3 +159,28 @@ def test_submit_passes_stop_at_val_to_the_finetune_pipeline():
     assert finetune_arguments({}, target, iterations=3)["stop_at_val"] == -1.0  # never
     compiled = (__import__("pathlib").Path(__file__).parents[1] / "pipelines" / "finetune.yaml").read_text()
     assert "stop_at_val" in compiled
+
+
+def test_best_worst_and_majority_at_k_are_verls_bootstrap():
+    """verl's best@k / worst@k / maj@k: per prompt, 1000 draws of k responses with
+    replacement (numpy's generator seeded 42 for every draw), the max / min / majority
+    answer's value of each, mean and std over the draws, then the mean over prompts."""
+    import numpy as np
+
+    from rlhf_core.trainer.metrics import bootstrap_sizes, validation_metrics
+
+    assert bootstrap_sizes(1) == [] and bootstrap_sizes(2) == [2] and bootstrap_sizes(6) == [2, 4, 6]
+    assert bootstrap_sizes(8) == [2, 4, 8]
+    out = validation_metrics(["a"] * 4, ["p", "p", "q", "q"],
+                             {"acc": [1.0, 0.0, 1.0, 1.0], "pred": ["4", "5", "4", "4"]})
+    draws = np.random.RandomState(42).choice(2, size=(1000, 2), replace=True)
+    best_p, worst_p = (draws == 0).any(axis=1), (draws == 0).all(axis=1)  # response 0 is the right one
+    assert out["val-core/a/acc/best@2/mean"] == pytest.approx((best_p.mean() + 1.0) / 2)
+    assert out["val-core/a/acc/best@2/std"] == pytest.approx(best_p.std() / 2)  # q's std is 0
+    assert out["val-aux/a/acc/worst@2/mean"] == pytest.approx((worst_p.mean() + 1.0) / 2)
+    # maj: the majority answer's first response; a tie goes to the answer drawn first
+    first_is_right = draws[:, 0] == 0
+    maj_p = np.where(draws[:, 0] == draws[:, 1], draws[:, 0] == 0, first_is_right)
+    assert out["val-core/a/acc/maj@2/mean"] == pytest.approx((maj_p.mean() + 1.0) / 2)
+    assert out["val-core/a/acc/mean@2"] == 0.75 and "val-aux/a/pred/mean@2" not in out
+    assert not any("/pred/" in key for key in out)  # answers are voted on, not averaged

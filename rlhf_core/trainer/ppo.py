@@ -266,7 +266,8 @@ class PPOTrainer:
         variables = {"reward": batch.batch["token_level_scores"].sum(dim=-1).tolist()}
         for key in nt:
             values = nt[key].tolist() if key.startswith("reward_extra/") else []
-            if values and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            if values and (all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+                           or key == "reward_extra/pred"):  # the answers maj@k votes on
                 variables[key[len("reward_extra/"):]] = values
         return self._stage_metrics(batch, validation_metrics(nt["data_source"].tolist(), nt["uid"].tolist(),
                                                              variables))
