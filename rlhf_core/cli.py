@@ -221,10 +221,11 @@ def _run(args: argparse.Namespace) -> int:
                          "with rlhf-core; its `rlhf.commands` entry point is missing); use --direct")
     from rlhf_core.data.dataset import DatasetError
     from rlhf_core.trainer.preflight import PreflightError, check_inputs
+    from rlhf_core.workers.modeling import ModelPathError
 
     try:  # before any worker is placed or pipeline run started
         check_inputs(cfg)
-    except (DatasetError, PreflightError) as exc:
+    except (DatasetError, PreflightError, ModelPathError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     try:
         if not args.direct:

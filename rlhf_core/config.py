@@ -268,6 +268,10 @@ class RolloutConfig:
 @dataclass
 class CriticConfig:
     enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)", checkpoint=True)
+    model_path: str = _f("", "the value model's starting weights (verl's critic.model.path): a causal LM folder "
+                         "(a zero value head is added) or a one-label sequence classifier (a reward model: its score "
+                         "head starts the value head); it must share the policy's vocabulary; empty: model.path",
+                         checkpoint=True)
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
     lr_warmup_steps: int = _schedule("lr_warmup_steps")
     lr_warmup_steps_ratio: float = _schedule("lr_warmup_steps_ratio")

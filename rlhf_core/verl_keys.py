@@ -95,6 +95,18 @@ TABLE: dict[str, Rule] = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": _m("model.enable_gradient_checkpointing"),
     "actor_rollout_ref.model.use_remove_padding": _m("model.use_remove_padding"),
     "critic.model.use_remove_padding": _m("critic.use_remove_padding"),
+    "critic.model.path": _m("critic.model_path"),
+    # one switch here for actor and critic (it changes memory and time, not what is computed): asked for by
+    # either, both recompute activations
+    "critic.model.enable_gradient_checkpointing": _m(
+        "model.enable_gradient_checkpointing", note="one setting here for actor and critic: on when either asks",
+        convert=lambda raw: "true" if raw.strip().lower() in ("true", "1") else None),
+    **{f"critic.model.fsdp_config.{key}": Rule(
+        note=f"the critic's FSDP follows actor.fsdp_config here (false, verl's default, as ours)",
+        refuse=f"the critic's FSDP follows actor.fsdp_config here: set actor_rollout_ref.actor.fsdp_config.{key}",
+        accepts=lambda raw: raw.strip().lower() in ("false", "0")) for key in ("param_offload", "optimizer_offload")},
+    "critic.model.tokenizer_path": _note("no effect: the critic reads the policy's token ids (critic.model_path "
+                                         "must share its vocabulary)"),
     "actor_rollout_ref.model.lora_rank": _m("model.lora_rank"),
     "actor_rollout_ref.model.lora_alpha": _m("model.lora_alpha"),
     "actor_rollout_ref.model.target_modules": _m("model.target_modules",

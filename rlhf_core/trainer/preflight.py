@@ -27,6 +27,23 @@ def check_inputs(cfg: RunConfig) -> None:
     if cfg.data.val_files:
         make_val_loader(cfg)
     check_rollout_model(cfg)
+    check_critic_model(cfg)
+
+
+def check_critic_model(cfg: RunConfig) -> None:
+    """``critic.model_path``, when the run trains a critic: a model of the policy's vocabulary."""
+    if not cfg.critic.model_path or not cfg.use_critic:
+        return
+    from rlhf_core.workers import modeling
+    from rlhf_core.workers.critic import check_same_vocabulary
+
+    resolve = lambda path, field: modeling.resolve_model_path(path, cfg.trainer.seed, progress=False, weights=False,
+                                                              field=field)
+    try:
+        check_same_vocabulary(resolve(cfg.critic.model_path, "critic.model_path"), resolve(cfg.model.path, "model.path"),
+                              cfg.critic.model_path)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_rollout_model(cfg: RunConfig) -> None:

@@ -12,6 +12,17 @@ from rlhf_core.workers import devices, lora, modeling
 from rlhf_core.workers.trainable import TrainableWorker
 
 
+def check_same_vocabulary(critic_path: str, policy_path: str, given: str) -> None:
+    """The critic reads the policy's token ids: a value model of another vocabulary would
+    read them as other tokens. Refused in one line (config.json only, no weights)."""
+    from transformers import AutoConfig
+
+    critic, policy = (AutoConfig.from_pretrained(p).vocab_size for p in (critic_path, policy_path))
+    if critic != policy:
+        raise ValueError(f"critic.model_path: expected a model of the policy's vocabulary (vocab_size {policy}, the "
+                         f"critic reads the policy's token ids); found vocab_size {critic} in {given}")
+
+
 class CriticWorker(TrainableWorker):
     checkpoint_prefix = "critic"
     seed_offset = 1000
@@ -20,15 +31,19 @@ class CriticWorker(TrainableWorker):
     def init_model(self) -> dict:
         cfg = self.config
         self._seed_init()
-        path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed)
+        path = modeling.resolve_model_path(cfg.critic.model_path or cfg.model.path, cfg.trainer.seed,
+                                           field="critic.model_path" if cfg.critic.model_path else "model.path")
+        if cfg.critic.model_path:
+            check_same_vocabulary(path, modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, weights=False),
+                                  cfg.critic.model_path)
         spec = sharding.ShardingSpec.from_config(cfg)
         reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)  # rank 0 alone under FSDP
         value_model = modeling.ValueModel(path, cfg.model.dtype, packed=cfg.critic_remove_padding, empty=not reads)
         modeling.check_micro_batch_memory(cfg, value_model.backbone.config)
         if cfg.critic.lora_rank:  # adapters over the frozen backbone; every rank's are filled from rank 0's
-            value_model = lora.apply_critic_lora(value_model, cfg.critic, cfg.model.path,
+            value_model = lora.apply_critic_lora(value_model, cfg.critic, cfg.critic.model_path or cfg.model.path,
                                                  seed=cfg.trainer.seed + self.seed_offset)
-            self._note_frozen_base(cfg.model.path, path)
+            self._note_frozen_base(cfg.critic.model_path or cfg.model.path, path)
         source = sharding.FullWeights.of(value_model) if reads and sharding.loads_from_rank0(
             spec.strategy, self.world_size) else None
         self.critic = modeling.init_distributed_model(self, value_model, spec, resources=cfg.resources, source=source)

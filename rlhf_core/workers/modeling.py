@@ -217,21 +217,50 @@ def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, te
     return torch.stack([chosen, entropy], dim=-1)
 
 
+def is_sequence_classifier(path: str) -> bool:
+    """Whether the folder's config.json names a one-label ``*ForSequenceClassification`` (a
+    reward model), read without its weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return any(a.endswith("ForSequenceClassification") for a in (config.architectures or [])) and \
+        config.num_labels == 1
+
+
 class ValueModel(torch.nn.Module):
-    """A causal LM backbone with a scalar value head (initialised from the policy)."""
+    """A backbone with a scalar value head: a causal LM's (the policy's, by default) with a
+    zero head, or a one-label sequence classifier's (a reward model: OpenRLHF's and
+    InstructGPT's critic init) with its score head as the value head, bias 0."""
 
     def __init__(self, path: str, dtype: str = "float32", packed: bool = False, empty: bool = False) -> None:
         super().__init__()
-        lm = load_causal_lm(path, dtype, empty=empty)
+        classifier = is_sequence_classifier(path)
+        if classifier:
+            from transformers import AutoConfig, AutoModelForSequenceClassification
+
+            if empty:
+                with torch.device("meta"):
+                    lm = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path),
+                                                                        dtype=getattr(torch, dtype))
+            else:
+                lm = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+            lm.config.use_cache = False
+        else:
+            lm = load_causal_lm(path, dtype, empty=empty)
         if packed:
             from rlhf_core.workers import packing
 
             packing.enable_packing(lm)
         self.backbone = lm.model
-        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device="meta" if empty else None)
+        self.value_head = torch.nn.Linear(lm.config.hidden_size, 1, device="meta" if empty else None,
+                                          dtype=getattr(torch, dtype))
         if not empty:
-            torch.nn.init.zeros_(self.value_head.weight)
-            torch.nn.init.zeros_(self.value_head.bias)
+            with torch.no_grad():
+                if classifier:
+                    self.value_head.weight.copy_(lm.score.weight)
+                else:
+                    torch.nn.init.zeros_(self.value_head.weight)
+                torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask, position_ids, keep: torch.Tensor | None = None, **attention):
         """Values at every position, or at the positions ``keep`` (packed forwards)."""
