@@ -95,7 +95,10 @@ def _remote(args):
     from pipelines import remote
 
     try:  # refuse bad input here, before anything reaches the cluster
-        cfg, kube_spec = kube.load_deployment(args.deployment, args.overrides)
+        from rlhf_core.config import config_file_items
+
+        items = config_file_items(args.config) if getattr(args, "config", None) else []  # under the overrides
+        cfg, kube_spec = kube.load_deployment(args.deployment, [*items, *args.overrides])
         cluster_name(args.run_id)
     except (kube.DeploySpecError, KubeNameError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
@@ -189,6 +192,9 @@ def register(sub, api) -> None:
                             "the next iteration and ends itself when idle)")
         remote.add_argument("--service-account", default="rlhf-pipeline", help="Kubernetes service account of "
                             "the run's pods (manifests/base grants it the KubeRay rights)")
+        remote.add_argument("--config", default=None, metavar="FILE.yaml", help="a config file, ours or verl's "
+                            "(nested keys, as verl's trainer writes its YAML), applied over --deployment's sections; "
+                            "the overrides apply on top")
         remote.add_argument("overrides", nargs="*", help="config overrides passed to every iteration")
         remote.set_defaults(func=func)
 

@@ -50,11 +50,18 @@ def load_plugins(sub) -> list[str]:
     return loaded
 
 
-def _config(overrides: list[str]):
-    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+#: ``--config``'s help, for every command that takes it.
+CONFIG_FILE_HELP = ("a config file, ours or verl's (nested keys, as verl's trainer writes its YAML); the overrides "
+                    "apply on top")
+
+
+def _config(overrides: list[str], config_file: str | None = None):
+    """The config of ``--config FILE`` (ours or verl's layout; None: none) and ``overrides``."""
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_file_items
 
     try:
-        return apply_overrides(RunConfig(), overrides).validate()
+        items = config_file_items(config_file) if config_file else []
+        return apply_overrides(RunConfig(), [*items, *overrides]).validate()
     except ConfigError as exc:
         raise SystemExit(f"rlhf: config error: {exc}") from None
 
@@ -311,7 +318,7 @@ def _cmd_iterate(args: argparse.Namespace) -> int:
     from rlhf_core.record.run_layout import RunRef
     from rlhf_core.session.iteration import iterate
 
-    cfg = _config(args.overrides)
+    cfg = _config(args.overrides, getattr(args, "config", None))
     cfg.trainer.progress = False if args.quiet else cfg.trainer.progress
     info = _local_head(args, cfg)  # reuse the running head, or start ours
     ray_head.connect(info, session.namespace_of(args.run_id))
@@ -345,7 +352,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         from_env = os.environ.get("RLHF_SESSION_CONFIG")
         try:
-            cfg = config_from_dict(json.loads(from_env)).validate() if from_env else _config(args.overrides)
+            cfg = config_from_dict(json.loads(from_env)).validate() if from_env else \
+                _config(args.overrides, getattr(args, "config", None))
         except (ConfigError, ValueError) as exc:
             raise SystemExit(f"rlhf: session config: {exc}") from None
         session.load_credentials_file(os.environ.get("RLHF_CREDENTIALS_FILE"))
@@ -354,7 +362,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ray.init(namespace=session.namespace_of(args.run_id), log_to_driver=False, configure_logging=False)
         session.serve(cfg, RunRef(args.store, args.run_id))
         return 0
-    cfg = _config(args.overrides)
+    cfg = _config(args.overrides, getattr(args, "config", None))
     info = _local_head(args, cfg)
     client = ray_head.jobs_client(info)
     job = session.submit_job(client, cfg, RunRef(args.store or _default_store(cfg), args.run_id), info)
@@ -490,7 +498,7 @@ def _cmd_gc(args: argparse.Namespace) -> int:
 def _cmd_config(args: argparse.Namespace) -> int:
     from rlhf_core.config import describe, fields_where
 
-    cfg = _config(args.overrides)
+    cfg = _config(args.overrides, getattr(args, "config", None))
     if args.verl:
         from rlhf_core.verl_keys import table_text
 
@@ -618,8 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-pipelining", dest="pipelined", action="store_false", help="start an iteration's "
                      "pipeline run only once the one before it has ended (by default it starts while the one "
                      "before runs its stages, and waits for its commit; the results are the same)")
-    run.add_argument("--config", default=None, metavar="FILE.yaml", help="a config file, ours or a verl-style "
-                     "one (nested keys); the overrides apply on top")
+    run.add_argument("--config", default=None, metavar="FILE.yaml", help=CONFIG_FILE_HELP)
     run.add_argument("overrides", nargs="*", help="config overrides, ours or verl's, e.g. actor.lr=1e-5 "
                      "rollout.n=4 actor_rollout_ref.rollout.n=4 (rlhf config --verl)")
     run.set_defaults(func=_cmd_run)
@@ -634,12 +641,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(it, head_root=None)
     it.add_argument("--iterations", type=int, default=1)
     it.add_argument("--quiet", action="store_true", help="no config dump, no progress bars")
+    it.add_argument("--config", default=None, metavar="FILE.yaml", help=CONFIG_FILE_HELP)
     it.add_argument("overrides", nargs="*")
     it.set_defaults(func=_cmd_iterate)
 
     serve = sub.add_parser("serve", help="start the run's long-lived session as a Ray job (Jobs API)")
     add_run_arguments(serve, head_root=None)
     serve.add_argument("--foreground", action="store_true", help=argparse.SUPPRESS)  # the job's entrypoint
+    serve.add_argument("--config", default=None, metavar="FILE.yaml", help=CONFIG_FILE_HELP)
     serve.add_argument("overrides", nargs="*")
     serve.set_defaults(func=_cmd_serve)
 
@@ -727,6 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--handover", action="store_true",
                         help="print the resolved config and its hash as JSON: a pipeline run's `config` and "
                              "`config_hash` parameters")
+    config.add_argument("--config", default=None, metavar="FILE.yaml", help=CONFIG_FILE_HELP)
     config.add_argument("overrides", nargs="*")
     config.set_defaults(func=_cmd_config)
 

@@ -1092,26 +1092,33 @@ def config_from_handover(config, config_hash, field: str = "config") -> RunConfi
     return cfg
 
 
+def config_file_items(path: str) -> list[str]:
+    """The ``key=value`` items of a config file (``--config``: YAML or JSON, ours or verl's
+    layout, nested as verl's trainer writes it), in its order; refused in one line when it
+    cannot be read or is not a mapping."""
+    import yaml
+
+    from rlhf_core.verl_keys import flatten
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of config keys; found {type(data).__name__}")
+    return flatten(data)
+
+
 def load_config(path: str | None, overrides: list[str], notes: list[str] | None = None
                 ) -> tuple[RunConfig, dict[str, str]]:
     """The run's config: the defaults, then the YAML/JSON file at ``path`` (ours or verl's
     layout, nested), then ``overrides``; validated. Returns it with its provenance: every
     key -> ``default`` | ``file:PATH`` | ``override`` | ``verl:<key>`` (``file:PATH verl:<key>``
     for a verl key in the file), kept outside the config (its hash is unchanged)."""
-    from rlhf_core.verl_keys import flatten
-
     cfg, sources = RunConfig(), {}
     if path is not None:
-        import yaml
-
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"--config {path}: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--config {path}: expected a mapping of config keys; found {type(data).__name__}")
-        apply_overrides(cfg, flatten(data), sources, origin=f"file:{path}", notes=notes)
+        apply_overrides(cfg, config_file_items(path), sources, origin=f"file:{path}", notes=notes)
     apply_overrides(cfg, overrides, sources, notes=notes)
     cfg.validate()
     return cfg, {key: sources.get(key, "default") for key in _leaf_paths(cfg)}

@@ -276,3 +276,37 @@ def test_checkpoint_contents_are_always_whole_and_a_smaller_list_is_refused(role
     for value in ("['model']", "['optimizer','extra']", "['model','optimizer','lora']"):
         with pytest.raises(ConfigError, match=r"checkpoints here always hold the model, the optimizer and the extra"):
             apply_overrides(RunConfig(), [f"{role}.checkpoint.load_contents={value}"], notes=[])
+
+
+def test_every_command_that_takes_a_config_takes_a_verl_yaml_under_its_overrides(tmp_path, capsys):
+    """``--config`` on config, iterate, serve, submit and schedule as on run: the file's keys
+    (verl's nested layout here), then the overrides on top."""
+    import json
+
+    import yaml
+
+    from rlhf_core.cli import build_parser, main
+
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(yaml.safe_dump({"actor_rollout_ref": {"rollout": {"n": 4, "top_k": 20},
+                                                          "actor": {"optim": {"lr": 2e-6}}},
+                                    "algorithm": {"rollout_correction": {"bypass_mode": False}},
+                                    "data": {"train_batch_size": 32}}))
+    assert main(["config", "--handover", "--config", str(path), "actor_rollout_ref.rollout.n=2"]) == 0
+    cfg = json.loads(json.loads(capsys.readouterr().out)["config"])
+    assert (cfg["rollout"]["n"], cfg["rollout"]["top_k"], cfg["actor"]["lr"], cfg["data"]["train_batch_size"]) == \
+        (2, 20, 2e-6, 32)  # the override wins over the file
+    parser = build_parser()
+    for command in (["iterate", "--run-id", "r"], ["serve", "--run-id", "r"],
+                    ["submit", "--host", "h", "--store", "s3://b/runs", "--run-id", "r"],
+                    ["schedule", "--host", "h", "--store", "s3://b/runs", "--run-id", "r", "--cron", "0 * * * *"]):
+        assert parser.parse_args([*command, "--config", str(path)]).config == str(path), command
+    from pipelines.cli import _remote
+
+    args = parser.parse_args(["submit", "--host", "h", "--store", "s3://b/runs", "--run-id", "r", "--config",
+                              str(path), "data.train_batch_size=64"])
+    _, submitted, _, _ = _remote(args)
+    assert (submitted.rollout.top_k, submitted.data.train_batch_size) == (20, 64)
+    path.write_text("- not a mapping\n")
+    with pytest.raises(SystemExit, match=r"--config .*ppo_trainer.yaml: expected a mapping of config keys; found list"):
+        main(["config", "--config", str(path)])
