@@ -232,7 +232,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:  # before any worker is placed or pipeline run started
         check_inputs(cfg)
-    except (DatasetError, PreflightError, ModelPathError) as exc:
+    except (DatasetError, PreflightError, ModelPathError, OSError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     try:
         if not args.direct:

@@ -188,8 +188,12 @@ def export_round_policy(store: str, run_id: str, folder) -> str:
     committed = istore.committed_iterations()
     if not committed:
         raise SystemExit(f"rlhf: {istore.run_uri}: no committed iteration to start the next round from")
+    checkpoint = istore.read_manifest(committed[-1])["checkpoint"]
+    if not checkpoint:  # (a run whose last iteration wrote none: trainer.checkpoint_every without its end)
+        raise SystemExit(f"rlhf: {istore.iteration_uri(committed[-1])}: wrote no checkpoint; the next round starts "
+                         f"from a run's last checkpoint (its total a multiple of trainer.checkpoint_every)")
     shutil.rmtree(folder, ignore_errors=True)
-    export_checkpoint(istore.read_manifest(committed[-1])["checkpoint"], str(folder))
+    export_checkpoint(checkpoint, str(folder))
     return str(folder)
 
 

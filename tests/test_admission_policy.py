@@ -101,6 +101,11 @@ def _pod(body, group=None):
             else body["spec"]["headGroupSpec"]["template"]["spec"])
 
 
+def _template(body, group=None):
+    return (body["spec"]["workerGroupSpecs"][group]["template"] if group is not None
+            else body["spec"]["headGroupSpec"]["template"])
+
+
 def _changed(change):
     body = cluster()
     change(body)
@@ -133,7 +138,11 @@ REFUSED_CREATES = {
     "a node selector": lambda b: _pod(b, 0).update(nodeSelector={"node-role.kubernetes.io/control-plane": ""}),
     "a toleration": lambda b: _pod(b, 0)["tolerations"].append({"operator": "Exists"}),
     "a node name": lambda b: _pod(b, 0).update(nodeName="control-plane-1"),
-    "another profile's label": lambda b: b["metadata"]["labels"].update({"rlhf.io/owner-namespace": "team-b"}),
+    "another profile's label": lambda b: b.update(cluster(owner="team-b")),  # all of it team-b's, sent by team-a
+    "pods labelled as another run's": lambda b: _template(b, 0)["metadata"]["labels"].update(
+        {"rlhf.io/cluster": "rlhf-weekly"}),
+    "pods labelled as another profile's": lambda b: _template(b)["metadata"]["labels"].update(
+        {"rlhf.io/owner-namespace": "team-b"}),
     "no owner label": lambda b: b["metadata"]["labels"].pop("rlhf.io/owner-namespace"),
 }
 
@@ -142,7 +151,7 @@ REFUSED_CREATES = {
 REFUSED_BY = {"image": "image", "account": "account", "token": "token", "network": "network", "secret": "secret",
               "hostPath": "volumes", "claim": "volumes", "Ray token": "Ray token", "priority": "priority class",
               "selector": "node selectors", "toleration": "tolerations", "node name": "node, runtime",
-              "label": "owner-namespace", "secret volume": "volumes"}
+              "label": "owner-namespace", "secret volume": "volumes", "labelled as": "whose it is"}
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED_CREATES))
@@ -206,9 +215,9 @@ def _token_secret(owner="team-a", cluster_name="rlhf-nightly") -> dict:
 
     with FakeKubeAPI() as fake:
         custom, core = kube_apis(host=fake.url)
-        Launcher(custom, core, "rlhf")._create_secret("rlhf", f"{cluster_name}-ray-token", "t" * 64,
+        Launcher(custom, core, "rlhf")._create_secret("rlhf", f"{cluster_name}.{owner}.ray-token", "t" * 64,
                                                       {"rlhf.io/owner-namespace": owner})
-        return fake.objects[("secrets", "rlhf", f"{cluster_name}-ray-token")]
+        return fake.objects[("secrets", "rlhf", f"{cluster_name}.{owner}.ray-token")]
 
 
 def test_a_pipeline_creates_and_deletes_its_own_runs_ray_token_secrets_only():
@@ -234,6 +243,7 @@ def test_a_pipeline_creates_and_deletes_its_own_runs_ray_token_secrets_only():
     refused = {
         "the object-store secret": lambda s: s["metadata"].update(name="rlhf-object-store"),
         "a name of another shape": lambda s: s["metadata"].update(name="team-b-creds-ray-token-x"),
+        "another profile's name": lambda s: s["metadata"].update(name="rlhf-nightly.team-b.ray-token"),
         "a second key": lambda s: s["data"].update(AWS_SECRET_ACCESS_KEY="eA=="),
         "stringData": lambda s: s.update(stringData={"x": "y"}),
         "a service-account token": lambda s: s.update(type="kubernetes.io/service-account-token"),
@@ -253,7 +263,7 @@ def test_a_pipeline_creates_its_runs_ingress_policy_in_one_shape_only():
 
     body = cluster()
     policy = run_network_policy(body["metadata"]["name"], "rlhf", body["metadata"]["labels"],
-                                client_namespace="team-a", owner_uid="u")
+                                owner_namespace="team-a", owner_uid="u")
     assert admit("CREATE", PIPELINE_A, policy) == []
     assert len(admit("CREATE", PIPELINE_B, policy)) == 1  # another profile's run
     assert len(admit("UPDATE", PIPELINE_A, policy, policy)) == 1 and len(admit("DELETE", PIPELINE_A, None, policy)) == 1
@@ -268,6 +278,11 @@ def test_a_pipeline_creates_its_runs_ingress_policy_in_one_shape_only():
         "every namespace admitted": lambda p: peer(p, 1).update(namespaceSelector={}),
         "an address block": lambda p: p["spec"]["ingress"][1]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
         "another port": lambda p: p["spec"]["ingress"][1]["ports"].append({"port": 6379, "protocol": "TCP"}),
+        "a port range": lambda p: p["spec"]["ingress"][1]["ports"][1].update(endPort=65535),
+        "another owner's pods selected": lambda p: p["spec"]["podSelector"]["matchLabels"].update(
+            {"rlhf.io/owner-namespace": "team-b"}),
+        "pods of the cluster whoever owns them": lambda p: p["spec"]["podSelector"]["matchLabels"].pop(
+            "rlhf.io/owner-namespace"),
         "every port": lambda p: p["spec"]["ingress"][1].pop("ports"),
         "an egress rule": lambda p: p["spec"].update(policyTypes=["Ingress", "Egress"], egress=[{}]),
         "another name": lambda p: p["metadata"].update(name="rlhf-default-deny"),

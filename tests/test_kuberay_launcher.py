@@ -374,7 +374,7 @@ def test_the_compiled_pipeline_gives_the_cluster_steps_their_namespace_from_the_
 # ------------------------------------------------------------------ each run's Ray token
 
 
-def _token(fake, namespace, name="rlhf-nightly-ray-token"):
+def _token(fake, namespace, name="rlhf-nightly.team-a.ray-token"):
     import base64
 
     secret = fake.objects.get(("secrets", namespace, name))
@@ -387,25 +387,25 @@ def test_each_cluster_gets_its_own_token_written_before_the_cluster_exists(monke
         out = launch_component(fake, monkeypatch, {})
         token = _token(fake, "rlhf")
         assert len(token) == 64 and token == _token(fake, "team-a")  # the controllers' copy, in their namespace
-        assert out.token_secret == "rlhf-nightly-ray-token"
+        assert out.token_secret == "rlhf-nightly.team-a.ray-token"
         assert fake.clusters[("rlhf", "rlhf-nightly")]["spec"]["authOptions"] == {
-            "mode": "token", "secretName": "rlhf-nightly-ray-token"}
+            "mode": "token", "secretName": "rlhf-nightly.team-a.ray-token"}
         posts = [p for m, p in fake.requests() if m == "POST"]
         assert posts.index("/api/v1/namespaces/rlhf/secrets") < posts.index(PATH)  # no pod starts with another's
         uid = fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"]  # then owned by it: it goes with it
-        assert fake.objects[("secrets", "rlhf", "rlhf-nightly-ray-token")]["metadata"]["ownerReferences"] == [
+        assert fake.objects[("secrets", "rlhf", "rlhf-nightly.team-a.ray-token")]["metadata"]["ownerReferences"] == [
             {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": "rlhf-nightly", "uid": uid}]
         # and its own ingress policy: its pods, and the head's ports from its owner's namespace only
-        policy = fake.objects[("networkpolicies", "rlhf", "rlhf-nightly-ingress")]
+        policy = fake.objects[("networkpolicies", "rlhf", "rlhf-nightly.team-a.ingress")]
         assert policy["metadata"]["ownerReferences"][0]["uid"] == fake.clusters[("rlhf", "rlhf-nightly")]["metadata"]["uid"]
         assert [rule["from"] for rule in policy["spec"]["ingress"]] == [
-            [{"podSelector": {"matchLabels": {"rlhf.io/cluster": "rlhf-nightly"}}}],
+            [{"podSelector": {"matchLabels": {"rlhf.io/cluster": "rlhf-nightly", "rlhf.io/owner-namespace": "team-a"}}}],
             [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}]]
         launch_component(fake, monkeypatch, {}, run_id="weekly")
-        assert _token(fake, "rlhf", "rlhf-weekly-ray-token") not in (None, token)
+        assert _token(fake, "rlhf", "rlhf-weekly.team-a.ray-token") not in (None, token)
         # the next iteration reuses the cluster and its token: nothing written
         before = fake.requests()
-        assert launch_component(fake, monkeypatch, {}).token_secret == "rlhf-nightly-ray-token"
+        assert launch_component(fake, monkeypatch, {}).token_secret == "rlhf-nightly.team-a.ray-token"
         assert not [p for m, p in fake.requests()[len(before):] if m in ("POST", "DELETE") and "secrets" in p]
         assert _token(fake, "rlhf") == token == _token(fake, "team-a")
 
@@ -414,9 +414,9 @@ def test_a_reused_cluster_whose_token_is_gone_is_refused_in_one_line(monkeypatch
     with FakeKubeAPI(ready_after_polls=0) as fake:
         fake.set_policy("rlhf", POLICY)
         launch_component(fake, monkeypatch, {})
-        del fake.objects[("secrets", "team-a", "rlhf-nightly-ray-token")]
+        del fake.objects[("secrets", "team-a", "rlhf-nightly.team-a.ray-token")]
         with pytest.raises(ClusterLaunchError, match=r"^RayCluster rlhf/rlhf-nightly exists but its Ray token secret "
-                                                     r"team-a/rlhf-nightly-ray-token is gone, .* launch again"):
+                                                     r"team-a/rlhf-nightly.team-a.ray-token is gone, .* launch again"):
             launch_component(fake, monkeypatch, {})
 
 
@@ -425,16 +425,21 @@ def test_a_token_left_in_the_ray_namespace_is_replaced_only_when_it_is_the_profi
         fake.set_policy("rlhf", POLICY)
         run = launcher(fake)
         # a launch that died after writing the Ray namespace's copy: written again with the profile's token
-        run._create_secret("rlhf", "rlhf-nightly-ray-token", "stale", dict(OURS))
+        run._create_secret("rlhf", "rlhf-nightly.team-a.ray-token", "stale", dict(OURS))
         run.ensure(owned_body(), timeout_s=5)
         assert _token(fake, "rlhf") == _token(fake, "team-a") != "stale"
-        # another profile's secret of that name (the admission policy refuses deleting it): nothing is created
-        run._create_secret("rlhf", "rlhf-weekly-ray-token", "theirs", {"rlhf.io/owner-namespace": "team-b"})
-        fake.refused_deletes.add(("secrets", "rlhf", "rlhf-weekly-ray-token"))
-        with pytest.raises(ClusterLaunchError, match=r"^Secret rlhf/rlhf-weekly-ray-token \(the Ray token of "
-                                                     r"RayCluster rlhf-weekly\) exists and could not be replaced: 403"):
-            run.ensure(owned_body("weekly"), timeout_s=5)
-        assert ("rlhf", "rlhf-weekly") not in fake.clusters and _token(fake, "rlhf", "rlhf-weekly-ray-token") == "theirs"
+        # another profile's token secret has a name of its own (its namespace is in it): untouched
+        run._create_secret("rlhf", "rlhf-weekly.team-b.ray-token", "theirs", {"rlhf.io/owner-namespace": "team-b"})
+        run.ensure(owned_body("weekly"), timeout_s=5)
+        assert _token(fake, "rlhf", "rlhf-weekly.team-b.ray-token") == "theirs"
+        assert _token(fake, "rlhf", "rlhf-weekly.team-a.ray-token") == _token(fake, "team-a", "rlhf-weekly.team-a.ray-token")
+        # a refused replacement (the API server's answer to anything not the profile's own) stops the launch
+        run._create_secret("rlhf", "rlhf-monthly.team-a.ray-token", "left", dict(OURS))
+        fake.refused_deletes.add(("secrets", "rlhf", "rlhf-monthly.team-a.ray-token"))
+        with pytest.raises(ClusterLaunchError, match=r"^Secret rlhf/rlhf-monthly.team-a.ray-token \(the Ray token of "
+                                                     r"RayCluster rlhf-monthly\) exists and could not be replaced: 403"):
+            run.ensure(owned_body("monthly"), timeout_s=5)
+        assert ("rlhf", "rlhf-monthly") not in fake.clusters
 
 
 def test_two_launches_of_one_run_at_once_end_with_one_token_everywhere():
@@ -481,3 +486,30 @@ def test_teardown_deletes_the_runs_tokens_with_its_cluster_and_keep_keeps_them(m
         assert run.teardown("rlhf-nightly", "keep", True, OURS) == "kept" and _token(fake, "team-a")
         assert run.teardown("rlhf-nightly", "delete", True, OURS) == "deleted"
         assert _token(fake, "rlhf") is None and _token(fake, "team-a") is None
+
+
+def test_a_cluster_another_profile_created_meanwhile_gets_nothing_of_ours():
+    """The other profile's create lands between our look and our create: its cluster is
+    refused, not adopted (no ingress policy, no owner reference, no controllers sent)."""
+    with FakeKubeAPI(ready_after_polls=0) as fake:
+        run = launcher(fake)
+        real_get = Launcher.get
+        calls = []
+
+        def theirs_appears(self, name):
+            found = real_get(self, name)
+            if not calls:
+                calls.append(name)
+                other = owned_body(profile="team-b")
+                fake.clusters[("rlhf", name)] = dict(other, metadata=dict(other["metadata"], uid="uid-theirs"))
+            return found
+
+        Launcher.get = theirs_appears
+        try:
+            with pytest.raises(ClusterLaunchError, match=r"was created meanwhile but belongs to profile namespace "
+                                                         r"'team-b', not 'team-a'; it is not reused"):
+                run.ensure(owned_body(), timeout_s=5)
+        finally:
+            Launcher.get = real_get
+        assert not [k for k in fake.objects if k[0] == "networkpolicies"]
+        assert "ownerReferences" not in fake.objects[("secrets", "rlhf", "rlhf-nightly.team-a.ray-token")]["metadata"]

@@ -484,7 +484,7 @@ def test_rlhf_manifests_admits_a_runs_own_pods_to_each_other_and_no_one_else():
     cfg, kube = load_deployment(ROOT / "manifests/configs/gpu.yaml")
     objects = render_all(cfg, kube, "hardened", "s3://b/runs")
     policy = objects["network-policy.yaml"]
-    ours = {"matchLabels": {"rlhf.io/cluster": "rlhf-hardened"}}
+    ours = {"matchLabels": {"rlhf.io/cluster": "rlhf-hardened"}}  # no owner: kubectl's, not a profile's pipeline
     assert policy["spec"] == {"podSelector": ours, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": ours}]}]}
     for name in ("raycluster.yaml", "rayjob.yaml"):
         for template in _pod_templates(objects[name]):

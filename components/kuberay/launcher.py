@@ -9,6 +9,7 @@ manifests/base/role.yaml (tests/test_manifests.py records every call and checks 
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -73,8 +74,12 @@ def with_owner(body: dict, owner_namespace: str, kfp_run_id: str) -> dict:
 
     labels = {**body["metadata"]["labels"], OWNER_NAMESPACE_LABEL: owner_namespace,
               CREATED_BY_RUN_LABEL: label_value(kfp_run_id or "unknown")}
-    auth = {"mode": "token", "secretName": ray_token_secret_name(body["metadata"]["name"])}
-    return {**body, "metadata": {**body["metadata"], "labels": labels}, "spec": {**body["spec"], "authOptions": auth}}
+    auth = {"mode": "token", "secretName": ray_token_secret_name(body["metadata"]["name"], owner_namespace)}
+    spec = copy.deepcopy(body["spec"])
+    # every pod says whose it is: the run's ingress policy admits only pods of its cluster and owner
+    for template in [spec["headGroupSpec"]["template"], *(g["template"] for g in spec.get("workerGroupSpecs", []))]:
+        template.setdefault("metadata", {}).setdefault("labels", {})[OWNER_NAMESPACE_LABEL] = owner_namespace
+    return {**body, "metadata": {**body["metadata"], "labels": labels}, "spec": {**spec, "authOptions": auth}}
 
 
 @dataclass
@@ -181,6 +186,10 @@ class Launcher:
                     raise ClusterLaunchError(f"creating RayCluster {self.namespace}/{name} failed: "
                                              f"{exc.status} {exc.reason}: {exc.body}") from None
                 created = self.get(name)
+                problem = self.not_ours(created, body["metadata"]["labels"]) if created is not None else None
+                if problem:  # created meanwhile, but not by this run's profile: nothing of ours goes to it
+                    raise ClusterLaunchError(f"RayCluster {self.namespace}/{name} was created meanwhile but "
+                                             f"{problem}; it is not reused: choose another run id")
         if created is not None:  # (None: deleted meanwhile; wait_ready says so)
             # also when reused: a launch that died between the cluster and its account left none
             self.ensure_head_account(created, body["metadata"]["labels"])
@@ -207,10 +216,10 @@ class Launcher:
         from components.kuberay.names import ray_token_secret_name
 
         name = body["metadata"]["name"]
-        secret = ray_token_secret_name(name)
-        if (body["spec"].get("authOptions") or {}).get("secretName") != secret:
+        owner = body["metadata"]["labels"].get(OWNER_NAMESPACE_LABEL)
+        secret = ray_token_secret_name(name, owner) if owner else None
+        if secret is None or (body["spec"].get("authOptions") or {}).get("secretName") != secret:
             return None
-        owner = body["metadata"]["labels"][OWNER_NAMESPACE_LABEL]
         token = self._read_token(owner, secret)
         if reused:
             if token is None:
@@ -225,6 +234,8 @@ class Launcher:
             if not self._create_secret(owner, secret, token, labels):  # another launch of this run was first
                 token = self._read_token(owner, secret)
         if not self._create_secret(self.namespace, secret, token, labels):
+            # a launch of this run that died half way, or one running now: the name carries the
+            # owner, so no other profile can have made it (the admission policy)
             self._delete_secret(self.namespace, secret, name)
             self._create_secret(self.namespace, secret, token, labels)  # (409 again: an equal launch's, same token)
         return secret
@@ -238,14 +249,15 @@ class Launcher:
         from components.kuberay.names import ray_token_secret_name
 
         name = cluster["metadata"]["name"]
-        if (cluster["spec"].get("authOptions") or {}).get("secretName") != ray_token_secret_name(name):
+        owner_namespace = (cluster["metadata"].get("labels") or {}).get(OWNER_NAMESPACE_LABEL)
+        secret = ray_token_secret_name(name, owner_namespace) if owner_namespace else None
+        if secret is None or (cluster["spec"].get("authOptions") or {}).get("secretName") != secret:
             return
         owner = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "name": name, "uid": cluster["metadata"]["uid"]}
         try:
-            self.core.patch_namespaced_secret(ray_token_secret_name(name), self.namespace,
-                                              {"metadata": {"ownerReferences": [owner]}})
+            self.core.patch_namespaced_secret(secret, self.namespace, {"metadata": {"ownerReferences": [owner]}})
         except ApiException as exc:
-            self.log(f"Secret {self.namespace}/{ray_token_secret_name(name)}: not made owned by RayCluster {name} "
+            self.log(f"Secret {self.namespace}/{secret}: not made owned by RayCluster {name} "
                      f"({exc.status} {exc.reason}); teardown deletes it, a cluster deleted by hand leaves it")
 
     def _read_token(self, namespace: str, secret: str) -> str | None:
@@ -338,7 +350,7 @@ class Launcher:
         if owner is None:
             return
         name = cluster["metadata"]["name"]
-        policy = run_network_policy(name, self.namespace, labels, client_namespace=owner,
+        policy = run_network_policy(name, self.namespace, labels, owner_namespace=owner,
                                     owner_uid=cluster["metadata"].get("uid"))
         try:
             self.networking.create_namespaced_network_policy(self.namespace, policy)
@@ -447,7 +459,10 @@ class Launcher:
                 return "replaced meanwhile: left alone"
             raise
         secret = ((cluster.get("spec") or {}).get("authOptions") or {}).get("secretName")
-        if secret == ray_token_secret_name(name):  # its own token, in both namespaces: no use without it
+        if secret == ray_token_secret_name(name, labels[OWNER_NAMESPACE_LABEL]):  # its own token: no use without it
             for namespace in dict.fromkeys((self.namespace, labels[OWNER_NAMESPACE_LABEL])):
-                self._delete_secret(namespace, secret, name)
+                try:
+                    self._delete_secret(namespace, secret, name)
+                except ClusterLaunchError as exc:  # the cluster is gone; its token's copy is left, and said so
+                    self.log(f"RayCluster {name} deleted; its token secret was not: {exc}")
         return "deleted"

@@ -60,13 +60,15 @@ def head_account_name(cluster: str) -> str:
     return f"{cluster}-head"
 
 
-def ray_token_secret_name(cluster: str) -> str:
-    """The Secret holding a cluster's own Ray token (key ``auth_token``), one per run, of
-    the same name in the Ray namespace (the cluster's pods) and in the profile namespace
-    (the pipeline's controllers): at most 50 characters."""
-    return f"{cluster}-ray-token"
+def ray_token_secret_name(cluster: str, owner_namespace: str) -> str:
+    """The Secret holding a cluster's own Ray token (key ``auth_token``), of the same name in
+    the Ray namespace (the cluster's pods) and in the owner's profile namespace (the
+    pipeline's controllers). The owner is part of the name, between dots (neither a cluster
+    nor a namespace name has one): another profile, which may create only names carrying
+    its own namespace (the admission policy), can never create or replace this one."""
+    return f"{cluster}.{owner_namespace}.ray-token"
 
 
-def ingress_policy_name(cluster: str) -> str:
-    """The NetworkPolicy that admits traffic to a cluster's pods: at most 48 characters."""
-    return f"{cluster}-ingress"
+def ingress_policy_name(cluster: str, owner_namespace: str) -> str:
+    """The NetworkPolicy that admits traffic to a cluster's pods, owner-bound as the token."""
+    return f"{cluster}.{owner_namespace}.ingress"

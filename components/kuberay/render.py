@@ -246,24 +246,29 @@ def render_head_account(spec: KubeSpec, run_id: str) -> dict:
                                                                                _labels(run_id, name))}
 
 
-def run_network_policy(cluster: str, namespace: str, labels: dict, client_namespace: str | None = None,
+def run_network_policy(cluster: str, namespace: str, labels: dict, owner_namespace: str | None = None,
                        owner_uid: str | None = None) -> dict:
-    """What may reach a run's pods (every pod of ours carries ``rlhf.io/cluster``): its own
-    pods, and the head's Ray Client and Jobs API ports from ``client_namespace`` (the
-    profile whose pipeline owns the run). NetworkPolicies add up, so nothing in
-    manifests/base admits one run's pods to another's: this policy, one per run, is what
-    admits anything. Owned by the cluster (deleted with it) when ``owner_uid`` is given."""
+    """What may reach a run's pods: its own pods (label ``rlhf.io/cluster``, and
+    ``rlhf.io/owner-namespace`` when a profile's pipeline owns it), and the head's Ray
+    Client and Jobs API ports from ``owner_namespace``. NetworkPolicies add up, so nothing
+    in manifests/base admits one run's pods to another's: this policy, one per run, is
+    what admits anything. Owned by the cluster (deleted with it) when ``owner_uid`` is
+    given. Without an owner (``rlhf manifests``, kubectl): its own pods only."""
     from components.kuberay.names import ingress_policy_name
 
-    meta = {"name": ingress_policy_name(cluster), "namespace": namespace, "labels": dict(labels)}
+    ours = {"matchLabels": {"rlhf.io/cluster": cluster}}
+    name = f"{cluster}-ingress"
+    if owner_namespace:
+        ours["matchLabels"]["rlhf.io/owner-namespace"] = owner_namespace
+        name = ingress_policy_name(cluster, owner_namespace)
+    meta = {"name": name, "namespace": namespace, "labels": dict(labels)}
     if owner_uid:
         meta["ownerReferences"] = [{"apiVersion": API_VERSION, "kind": "RayCluster", "name": cluster,
                                     "uid": owner_uid}]
-    ours = {"matchLabels": {"rlhf.io/cluster": cluster}}
     ingress = [{"from": [{"podSelector": ours}]}]
-    if client_namespace:
+    if owner_namespace:
         ingress.append({"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name":
-                                                                            client_namespace}}}],
+                                                                            owner_namespace}}}],
                         "ports": [{"port": CLIENT_PORT, "protocol": "TCP"}, {"port": DASHBOARD_PORT, "protocol": "TCP"}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta,
             "spec": {"podSelector": ours, "policyTypes": ["Ingress"], "ingress": ingress}}
