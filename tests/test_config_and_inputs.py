@@ -110,7 +110,7 @@ def test_field_classes_are_field_metadata():
                                       "algorithm.adv_estimator", "model.lora_rank", "model.lora_alpha",
                                       "model.target_modules", "model.exclude_modules", "model.lora_adapter_path",
                                       "critic.lora_rank", "critic.lora_alpha", "critic.target_modules",
-                                      "critic.exclude_modules"}
+                                      "critic.exclude_modules", "critic.model_path"}
     assert apply_overrides(RunConfig(), ["actor.lr=0.1"]).config_hash() != base
 
 

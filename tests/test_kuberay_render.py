@@ -75,15 +75,21 @@ def validate_core_kinds(objects: dict) -> None:
     lists = [obj for obj in objects.values() if obj["kind"] == "List"]
     assert len(lists) == 1
     assert [o["kind"] for o in lists[0]["items"]] == ["Role", "RoleBinding", "ServiceAccount"]
-    for item in lists[0]["items"]:
+    policies = [obj for obj in objects.values() if obj["kind"] == "NetworkPolicy"]  # the run's own ingress
+    assert len(policies) == 1
+    for item in [*lists[0]["items"], *policies]:
         kubernetes_validate.validate(item, kubernetes_validate.latest_version(), strict=True)
 
 
+#: What `rlhf manifests` renders that Kubernetes' own schema checks (validate_core_kinds), not KubeRay's.
+CORE_KINDS = ("List", "NetworkPolicy")
+
+
 def validate_kuberay_kinds(objects: dict, crds: Path) -> None:
-    kinds = [obj["kind"] for obj in objects.values() if obj["kind"] != "List"]
+    kinds = [obj["kind"] for obj in objects.values() if obj["kind"] not in CORE_KINDS]
     assert sorted(kinds) == ["RayCluster", "RayJob"], kinds
     for obj in objects.values():
-        if obj["kind"] != "List":
+        if obj["kind"] not in CORE_KINDS:
             crd.validate(obj, crds)
 
 
