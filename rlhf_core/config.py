@@ -55,6 +55,9 @@ class ModelConfig:
                    "task's small model (built locally, warm-started by a short SFT, cached)", checkpoint=True)
     dtype: str = _f("float32", "parameter dtype for training", choices=("float32", "bfloat16", "float16"),
                     checkpoint=True)
+    max_position_embeddings: int | None = _f(None, "overrides the model config's position limit (verl's "
+                                             "model.override_config.max_position_embeddings), for the trained "
+                                             "models and vLLM (hf_overrides); None: the model's own", **POSITIVE)
     enable_gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass (actor and "
                                              "critic): less memory for longer sequences, ~30% more compute")
     use_remove_padding: bool = _f(False, "padding-free forwards of the actor and reference (and the critic, unless "
@@ -173,7 +176,11 @@ class ActorConfig:
                                         "(log_prob_max_token_len_per_gpu each)")
     log_prob_max_token_len_per_gpu: int = _f(16384, "tokens per log-prob forward on one rank, with "
                                              "log_prob_use_dynamic_bsz", **POSITIVE)
-    clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low)", ge=0, lt=1)
+    calculate_sum_pi_squared: bool = _f(False, "the old_log_prob stage also keeps sum over the vocabulary of "
+                                        "pi^2 per token (the optimal token baseline's input; the stage runs "
+                                        "whenever this is on)")
+    clip_ratio_low: float = _f(0.2, "PPO clip range below 1 (ratio >= 1 - low; 1 or more: no lower bound, as "
+                                     "verl's CISPO script's 10)", **NON_NEGATIVE)
     clip_ratio_high: float = _f(0.28, "PPO clip range above 1 (DAPO clip-higher)", **NON_NEGATIVE)
     clip_ratio_c: float = _f(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
     policy_loss: str = _f("vanilla", "the policy loss", registry="POLICY_LOSSES")
@@ -443,6 +450,33 @@ class RolloutCorrectionConfig:
                            "samples in bf16, so its log-probs differ from the trained model's: set false there to "
                            "recompute them (verl's default). Needs rollout.top_p=1 (and temperature 1 for vllm, "
                            "whose log-probs are the raw model's)")
+    rollout_is: str | None = _f(None, "importance weights pi_train / pi_rollout: token | sequence (null: none). "
+                                "Without bypass mode they weigh the policy loss per token; in bypass mode "
+                                "with loss_type=reinforce they weigh its REINFORCE loss (ppo_clip: metrics only)",
+                                choices=(None, "token", "sequence"))
+    rollout_is_threshold: float = _f(2.0, "importance weights are truncated above this", **POSITIVE)
+    rollout_is_batch_normalize: bool = _f(False, "divide the truncated weights by their mean (the batch's; "
+                                          "in bypass mode the micro-batch's on one rank)")
+    rollout_rs: str | None = _f(None, "rejection: comma-separated token_k1|k2|k3, seq_sum_k1|k2|k3, "
+                                "seq_mean_k1|k2|k3, seq_max_k2|k3 (null: none); rejected tokens or sequences leave "
+                                "the loss mask")
+    rollout_rs_threshold: str | None = _f(None, "rollout_rs's bounds, one or one per option: k1's lo_hi on "
+                                          "pi_rollout / pi_train (a bare hi: lo = 1/hi), the others' upper bound")
+    loss_type: str = _f("ppo_clip", "bypass mode's loss: ppo_clip (actor.policy_loss against the rollout's "
+                        "log-probs) or reinforce (-A * log pi * importance weight)", choices=("ppo_clip", "reinforce"))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rollout_is or self.rollout_rs)
+
+
+@dataclass
+class PFPPOConfig:
+    """PF-PPO (Zhu et al. 2024): the batch resampled by reward after GAE."""
+
+    reweight_method: str = _f("pow", "pow (|score|^weight_pow), max_min (the best and worst only) or max_random "
+                              "(the best 0.4, the rest 0.1)", choices=("pow", "max_min", "max_random"))
+    weight_pow: float = _f(2.0, "pow's exponent", **NON_NEGATIVE)
 
 
 @dataclass
@@ -456,6 +490,9 @@ class AlgorithmConfig:
     kl_penalty: str = _f("k1", "KL estimator used in the reward", registry="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    use_pf_ppo: bool = _f(False, "PF-PPO: after GAE, draw the batch's rows again (as many, with replacement) "
+                          "weighted by their scores (adv_estimator=gae only, as verl)")
+    pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
 
 
 @dataclass
@@ -603,8 +640,9 @@ class RunConfig:
         weights that sampled the batch, so the old log-probs are the update's own forward
         (detached; the ratio is exactly 1) and the ``old_log_prob`` stage is skipped, unless
         the KL penalty in the reward needs them before the update."""
+        correction = self.algorithm.rollout_correction  # without bypass mode it compares old and rollout log-probs
         return (self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
-                and not self.algorithm.use_kl_in_reward)
+                and not self.algorithm.use_kl_in_reward and (correction.bypass_mode or not correction.active))
 
     @property
     def old_log_prob_column(self) -> str | None:
@@ -614,6 +652,28 @@ class RunConfig:
         if self.on_policy_update:
             return None
         return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
+
+    def _check_rollout_correction(self) -> None:
+        from rlhf_core.algorithms import rollout_correction
+
+        correction = self.algorithm.rollout_correction
+        try:
+            options = rollout_correction.rejection_options(correction.rollout_rs)
+            if options:
+                rollout_correction.rejection_bounds(options, correction.rollout_rs_threshold)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if correction.rollout_is and not correction.bypass_mode and \
+                self.actor.policy_loss not in rollout_correction.WEIGHABLE_LOSSES:
+            raise ConfigError(f"algorithm.rollout_correction.rollout_is: without bypass mode the weights scale the "
+                              f"policy loss per token, supported here for actor.policy_loss in "
+                              f"{', '.join(rollout_correction.WEIGHABLE_LOSSES)}; found {self.actor.policy_loss}")
+
+    @property
+    def runs_old_log_prob_stage(self) -> bool:
+        """The ``old_log_prob`` stage runs: the update's old log-probs come from it, or the
+        advantage needs its sum pi^2."""
+        return self.old_log_prob_column == "old_log_probs" or self.actor.calculate_sum_pi_squared
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -735,6 +795,14 @@ class RunConfig:
                               f"(the engine's log-probs would not be the policy's); found true with rollout.top_p="
                               f"{self.rollout.top_p}, rollout.top_k={self.rollout.top_k}, rollout.temperature="
                               f"{self.rollout.temperature}")
+        self._check_rollout_correction()
+        if self.estimator.needs_sum_pi_squared and not self.actor.calculate_sum_pi_squared:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs "
+                              f"actor.calculate_sum_pi_squared=true (verl's actor_rollout_ref.actor."
+                              f"calculate_sum_pi_squared); found false")
+        if self.algorithm.use_pf_ppo and self.algorithm.adv_estimator != "gae":
+            raise ConfigError(f"algorithm.use_pf_ppo: PF-PPO resamples after GAE (verl's rule: adv_estimator=gae); "
+                              f"found adv_estimator={self.algorithm.adv_estimator}")
         longest = self.data.max_prompt_length + self.rollout.response_length
         if self.rollout.max_model_len and self.rollout.max_model_len < longest:
             raise ConfigError(f"rollout.max_model_len: expected at least data.max_prompt_length + "
@@ -888,7 +956,7 @@ def micro_batch_memory(cfg: "RunConfig", shape: ModelShape) -> list[tuple[str, s
     field_name, held, tokens = tokens_of(actor, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
                                          actor.use_dynamic_bsz, actor.ppo_mini_batch_size * n, actor.world_size)
     passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, True)))
-    if cfg.use_reference or cfg.old_log_prob_column == "old_log_probs":
+    if cfg.use_reference or cfg.runs_old_log_prob_stage:
         field_name, held, tokens = tokens_of(actor, "log_prob_micro_batch_size_per_gpu",
                                              "log_prob_max_token_len_per_gpu", actor.log_prob_use_dynamic_bsz,
                                              cfg.data.train_batch_size * n, actor.world_size)

@@ -87,6 +87,12 @@ def _refuse(why: str) -> Rule:
     return Rule(refuse=why)
 
 
+ULYSSES_NOTE = ("no sequence parallelism here: each rank holds whole sequences (the same losses and gradients; "
+                "activation memory per rank is for whole sequences, which verl splits over the N ranks)")
+LOGIT_SLICES_NOTE = ("no effect on results: log-probs and entropy are computed here in token slices under a logit "
+                     "budget and recomputed in the backward (the memory verl's fused kernels and entropy "
+                     "checkpointing save)")
+
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
 TABLE: dict[str, Rule] = {
@@ -115,6 +121,10 @@ TABLE: dict[str, Rule] = {
     "actor_rollout_ref.model.lora_adapter_path": _m("model.lora_adapter_path"),
     "actor_rollout_ref.model.lora.merge": _m("rollout.lora_merge", note="vLLM serves the adapter merged into the "
                                                                         "weights"),
+    "actor_rollout_ref.model.override_config.max_position_embeddings": _m("model.max_position_embeddings"),
+    "actor_rollout_ref.model.torch_dtype": _note("no effect: not a key of verl's config (Hydra refuses it there "
+                                                 "without '+'); the actor trains in model.dtype here, float32 "
+                                                 "by default as verl's actor"),
     "actor_rollout_ref.model.use_shm": _note("no effect: model and adapter folders are read where they are (an "
                                              "object-store folder is fetched once per node into the cache)"),
     "critic.model.lora_rank": _m("critic.lora_rank"),
@@ -122,12 +132,27 @@ TABLE: dict[str, Rule] = {
     "critic.model.target_modules": _m("critic.target_modules", note="all-linear or a list of module names, as in verl"),
     "critic.model.exclude_modules": _m("critic.exclude_modules"),
     "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
-    A + "ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
-                                               refuse="no sequence parallelism (Ulysses) here yet: use 1",
-                                               accepts=lambda raw: raw.strip() == "1"),
-    "critic.ulysses_sequence_parallel_size": Rule(note="1: no sequence parallelism, as here",
-                                                  refuse="no sequence parallelism (Ulysses) here yet: use 1",
-                                                  accepts=lambda raw: raw.strip() == "1"),
+    # Ulysses splits each sequence's attention heads over N ranks: the same losses and
+    # gradients as whole sequences on one rank, so a layout choice (like a kernel's)
+    **{f"{role}.ulysses_sequence_parallel_size": Rule(
+        note=ULYSSES_NOTE, refuse="expected a positive integer", accepts=lambda raw: raw.strip().isdigit()
+        and int(raw) >= 1) for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
+    "actor_rollout_ref.model.use_fused_kernels": _note(LOGIT_SLICES_NOTE),
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": _note(LOGIT_SLICES_NOTE),
+    A + "entropy_checkpointing": _note(LOGIT_SLICES_NOTE),
+    "actor_rollout_ref.ref.entropy_checkpointing": _note(LOGIT_SLICES_NOTE),
+    A + "calculate_sum_pi_squared": _m("actor.calculate_sum_pi_squared"),
+    A + "use_prefix_grouper": _note("no effect on results: a compute saving (the prompt shared by a group's "
+                                    "responses is run once); here each response's forward includes its prompt, "
+                                    "the same log-probs"),
+    "trainer.use_legacy_worker_impl": _note("no effect: one worker implementation here"),
+    "actor_rollout_ref.ref.strategy": Rule(note="the reference is sharded as actor.strategy says (fsdp and fsdp2 "
+                                                "are both FSDP2 here)", refuse="only FSDP here",
+                                           accepts=lambda raw: raw in ("fsdp", "fsdp2")),
+    R + "multi_turn.enable": Rule(note="false: single-turn generation, as here",
+                                  refuse="no multi-turn (tool-calling) rollout here",
+                                  accepts=lambda raw: raw.strip().lower() in ("false", "0")),
+    R + "multi_turn.format": _note("no effect: multi_turn.enable is false (no multi-turn rollout here)"),
     # actor
     A + "optim.lr": _m("actor.lr"),
     A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps"),
@@ -203,6 +228,9 @@ TABLE: dict[str, Rule] = {
                              "generates"),
     R + "layered_summon": _note("no effect: a LoRA policy sends vLLM its adapter, gathered one tensor at a time, "
                                 "and its base only when the engine holds none"),
+    R + "calculate_log_probs": _note("always here: the rollout keeps the engine's log-probs of its samples "
+                                     "(rollout_log_probs: bypass mode's old log-probs, rollout correction's "
+                                     "behaviour policy)"),
     R + "top_k": _m("rollout.top_k"),
     R + "val_kwargs.do_sample": _m("rollout.val_kwargs.do_sample", note="validation generation"),
     R + "val_kwargs.temperature": _m("rollout.val_kwargs.temperature", note="validation generation"),
@@ -272,8 +300,8 @@ TABLE: dict[str, Rule] = {
              "checkpoint",
         refuse="checkpoints here always hold the model, the optimizer and the extra state (an exact resume needs "
                "all three); expected a list of model, optimizer, extra, hf_model",
-        accepts=lambda raw: _listed(raw) <= CHECKPOINT_CONTENTS | {"hf_model"} and
-        CHECKPOINT_CONTENTS <= _listed(raw) | {"extra"} and "model" in _listed(raw))
+        accepts=lambda raw: _listed(raw) <= CHECKPOINT_CONTENTS | {"hf_model"} and (
+            CHECKPOINT_CONTENTS <= _listed(raw) | {"extra"} and "model" in _listed(raw) or _listed(raw) == {"hf_model"}))
        for role in ("actor_rollout_ref.actor", "critic") for what in ("save", "load")},
 }
 #: Keys whose value is computed from several verl keys together (``translate`` applies them last).
@@ -303,6 +331,10 @@ def translate(items: list[str], ours: set[str], current: Callable[[str], object]
     out = Translation()
     joint: dict[str, str] = {}
     for item in items:
+        if not item.strip():  # a comment after a line continuation in a shell script
+            out.notes.append("an empty argument is ignored (a shell script's line continuation broken by a comment "
+                             "ends the command there: the lines after it are not arguments)")
+            continue
         if "=" not in item:
             out.overrides.append(item)  # apply_overrides says what is wrong with it
             continue
@@ -391,4 +423,21 @@ def table_text(ours: set[str]) -> str:
         lines.append(f"{key:<58} {here:<44} {note}")
     lines.append("verl keys of the same name as ours (data.train_batch_size, algorithm.*, critic.ppo_*, ...) are "
                  "ours; any other verl key is refused")
+    return "\n".join(lines)
+
+
+def examples_text(scripts: dict[str, list[str]], commit: str) -> str:
+    """What ``rlhf config`` says of each of verl's example scripts' argument lists (the
+    notes it prints, or the one line refusing it), as docs/verl-examples.md lists them."""
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+
+    lines = [f"verl {commit[:12]}: {len(scripts)} example scripts", ""]
+    for path, arguments in scripts.items():
+        notes: list[str] = []
+        try:
+            apply_overrides(RunConfig(), arguments, notes=notes).validate()
+            lines.append(f"{path}: taken ({len(arguments)} arguments, {len(notes)} notes)")
+        except ConfigError as exc:
+            lines.append(f"{path}: REFUSED: {exc}")
+        lines += [f"    note: {note}" for note in notes]
     return "\n".join(lines)

@@ -205,15 +205,25 @@ def test_the_qwen2_7b_script_scaled_down_runs_through_rlhf_run_direct(tiny_model
     assert "trainer.logger=" in capsys.readouterr().err
 
 
-def test_ulysses_sequence_parallelism_of_one_is_taken_and_more_is_refused():
+def test_ulysses_sequence_parallelism_is_a_layout_noted_not_a_setting():
+    """verl's Ulysses splits a sequence's heads over ranks: the same losses, so any size is
+    taken with a note (the config is unchanged) and a non-number refused."""
     from rlhf_core.config import ConfigError
 
-    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"):
-        notes = []
-        cfg = apply_overrides(RunConfig(), [f"{key}=1"], notes=notes)
-        assert cfg.to_dict() == RunConfig().to_dict() and any("no sequence parallelism" in n for n in notes), notes
-        with pytest.raises((ConfigError, ValueError), match=f"{key}'=2: no sequence parallelism"):
-            apply_overrides(RunConfig(), [f"{key}=2"])
+    for key in ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size"):
+        for size in (1, 4):
+            notes = []
+            cfg = apply_overrides(RunConfig(), [f"{key}={size}"], notes=notes)
+            assert cfg.to_dict() == RunConfig().to_dict() and any("no sequence parallelism" in n for n in notes)
+        with pytest.raises((ConfigError, ValueError), match=f"{key}'=two: expected a positive integer"):
+            apply_overrides(RunConfig(), [f"{key}=two"])
+
+
+def test_an_empty_argument_from_a_broken_line_continuation_is_noted():
+    notes = []
+    cfg = apply_overrides(RunConfig(), ["algorithm.gamma=0.9", " "], notes=notes)
+    assert cfg.algorithm.gamma == 0.9 and any("empty argument" in n for n in notes), notes
 
 
 def test_the_table_in_docs_is_the_one_rlhf_config_verl_prints():

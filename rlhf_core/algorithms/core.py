@@ -41,6 +41,7 @@ class AdvEstimatorSpec:
     needs_critic: bool = False           # a value model: the ``values`` input
     needs_reward_baseline: bool = False  # a greedy response per prompt: ``reward_baselines``
     needs_group: bool = False            # several responses per prompt (rollout.n >= 2)
+    needs_sum_pi_squared: bool = False   # the old policy's log-probs and sum pi^2 per token
 
 
 ADV_ESTIMATOR_SPECS: dict[str, AdvEstimatorSpec] = {}
@@ -58,9 +59,9 @@ def _registrar(table: dict, kind: str):
 
 
 def register_adv_est(name: str, *, needs_critic: bool = False, needs_reward_baseline: bool = False,
-                     needs_group: bool = False):
+                     needs_group: bool = False, needs_sum_pi_squared: bool = False):
     """Register an advantage estimator under ``name`` and declare what it needs."""
-    spec = AdvEstimatorSpec(name, needs_critic, needs_reward_baseline, needs_group)
+    spec = AdvEstimatorSpec(name, needs_critic, needs_reward_baseline, needs_group, needs_sum_pi_squared)
 
     def decorator(fn):
         if name in ADV_ESTIMATORS and ADV_ESTIMATORS[name] is not fn:
@@ -344,6 +345,49 @@ def compute_remax_outcome_advantage(token_level_rewards: torch.Tensor, reward_ba
         returns = (token_level_rewards * response_mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
         advantages = (returns - reward_baselines.unsqueeze(-1)) * response_mask
     return advantages, returns
+
+
+@register_adv_est("optimal_token_baseline", needs_sum_pi_squared=True)
+def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                             index, old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor,
+                                             rollout_is_weights: torch.Tensor | None = None,
+                                             epsilon: float = 1e-8, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (verl's ``optimal_token_baseline``): per position t, the
+    group's returns-to-go averaged with weights W = the cumulative sum, up to t, of
+    ``||onehot(y) - pi||^2 = 1 - 2 pi(y) + sum pi^2`` (times the squared rollout importance
+    weight, when there is one): the baseline that minimises the policy gradient's variance
+    token by token. ``A = G - B`` (no normalisation); a lone response's baseline is 0."""
+    with torch.no_grad():
+        mask = response_mask.float()
+        returns = (token_level_rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+        weight = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
+        if rollout_is_weights is not None:
+            weight = weight * rollout_is_weights ** 2
+        cumulative = torch.cumsum(weight * mask, dim=-1)
+        group, size = _groups(index)
+        per_group = torch.zeros(len(size), mask.shape[1], dtype=returns.dtype)
+        weighted = per_group.index_add(0, group, returns * cumulative * mask)
+        total = per_group.index_add(0, group, cumulative * mask)
+        baseline = (weighted / (total + epsilon))[group]
+        baseline = torch.where((size[group] > 1).unsqueeze(-1), baseline, torch.zeros_like(baseline))
+        advantages = (returns - baseline) * mask
+    return advantages, returns
+
+
+def pf_ppo_weights(scores: torch.Tensor, method: str, weight_pow: float) -> torch.Tensor:
+    """PF-PPO's (Zhu et al. 2024) sampling weight of each response from its score:
+    ``pow`` |s|^p, ``max_min`` 1 for the batch's best and worst (else 0), ``max_random``
+    0.4 for the best, 0.1 for the rest; never below 1e-8 (every row stays drawable)."""
+    if method == "pow":
+        weights = scores.abs() ** weight_pow
+    elif method == "max_min":
+        weights = ((scores == scores.max()) | (scores == scores.min())).to(scores.dtype)
+    elif method == "max_random":
+        weights = torch.where(scores == scores.max(), torch.tensor(0.4, dtype=scores.dtype),
+                              torch.tensor(0.1, dtype=scores.dtype))
+    else:
+        raise ValueError(f"algorithm.pf_ppo.reweight_method: expected pow, max_min or max_random; found {method!r}")
+    return torch.clamp(weights + 1e-8, min=1e-8)
 
 
 # --------------------------------------------------------------------- policy / value losses

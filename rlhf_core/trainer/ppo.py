@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from rlhf_core.algorithms import (
-    AdaptiveKLController, FixedKLController, apply_kl_penalty, get_adv_estimator_fn,
+    AdaptiveKLController, FixedKLController, apply_kl_penalty, get_adv_estimator_fn, pf_ppo_weights, rollout_correction,
 )
 from rlhf_core.config import RunConfig
 from rlhf_core.protocol import DataProto
@@ -312,22 +312,43 @@ class PPOTrainer:
         cfg = self.config.algorithm
         mask = batch.batch["response_mask"].float()
         rewards = batch.batch["token_level_scores"]
+        metrics: dict[str, float] = {}
         if cfg.use_kl_in_reward:
             rewards, current_kl = apply_kl_penalty(rewards, batch.batch[self.config.old_log_prob_column],
                                                    batch.batch["ref_log_prob"],
                                                    mask, self.kl_ctrl.value, cfg.kl_penalty)
-            self._stage_metrics(batch, {"actor/reward_kl_penalty": current_kl,
-                                                     "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
         batch.meta_info["kl_coef"] = self.kl_ctrl.value
+        correction = cfg.rollout_correction
+        if correction.active and not correction.bypass_mode:  # verl: after the KL penalty, before the advantages
+            mask, weights, corrected = rollout_correction.correct(
+                batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"], mask, correction)
+            batch.batch["response_mask"] = mask.to(batch.batch["response_mask"].dtype)
+            if weights is not None:
+                batch.batch["rollout_is_weights"] = weights
+            metrics.update(corrected)
         # every estimator gets the same named inputs (absent ones None): see AdvEstimatorSpec
+        columns = batch.batch
         advantages, returns = get_adv_estimator_fn(cfg.adv_estimator)(
-            token_level_rewards=rewards, response_mask=mask, values=batch.batch.get("values", None),
-            index=batch.non_tensor_batch["uid"], reward_baselines=batch.batch.get("reward_baselines", None),
-            gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo)
+            token_level_rewards=rewards, response_mask=mask, values=columns.get("values", None),
+            index=batch.non_tensor_batch["uid"], reward_baselines=columns.get("reward_baselines", None),
+            gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
+            old_log_probs=columns.get("old_log_probs", None), sum_pi_squared=columns.get("sum_pi_squared", None),
+            rollout_is_weights=columns.get("rollout_is_weights", None))
         batch.batch["token_level_rewards"] = rewards
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
-        return batch
+        if cfg.use_pf_ppo:  # PF-PPO: the updates see the rows drawn again by their scores
+            batch = self._pf_ppo_resample(batch)
+        return self._stage_metrics(batch, metrics) if metrics else batch
+
+    def _pf_ppo_resample(self, batch: DataProto) -> DataProto:
+        """As many rows as the batch, drawn with replacement by ``pf_ppo_weights`` of their
+        scores; seeded by the run's seed and step, so a replay draws the same rows."""
+        cfg = self.config.algorithm.pf_ppo
+        weights = pf_ppo_weights(batch.batch["token_level_scores"].sum(dim=-1), cfg.reweight_method, cfg.weight_pow)
+        draw = torch.Generator().manual_seed(self.config.trainer.seed * 1_000_003 + batch.meta_info["global_step"])
+        return batch.select_idxs(torch.multinomial(weights, len(batch), replacement=True, generator=draw))
 
     def update_critic(self, batch: DataProto) -> DataProto:
         needed = batch.select(SEQUENCE_KEYS + ["response_mask", "values", "returns"], [], ["global_step"])
@@ -340,6 +361,7 @@ class PPOTrainer:
         old = self.config.old_log_prob_column  # None: the update's own forward
         keys = SEQUENCE_KEYS + ["response_mask", "advantages"] + ([old] if old else [])
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
+        keys += ["rollout_is_weights"] if "rollout_is_weights" in batch.batch.keys() else []
         needed = batch.select(keys, [], ["global_step"])
         if old and old != "old_log_probs":
             needed = needed.rename(old, "old_log_probs")

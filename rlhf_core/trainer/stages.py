@@ -51,7 +51,7 @@ STAGES: tuple[Stage, ...] = (
           enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
     Stage("rm_score", "compute_rm_score", ("reward_model",), enabled=lambda cfg: cfg.reward_model.enable),
     Stage("reward", "compute_reward", ("reward",)),
-    Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.old_log_prob_column == "old_log_probs"),
+    Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.runs_old_log_prob_stage),
     Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
     Stage("values", "compute_values", ("critic",), enabled=lambda cfg: cfg.use_critic),
     Stage("advantage", "compute_advantage", ()),

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, loss_settings
+from rlhf_core.algorithms import agg_loss, get_policy_loss_fn, kl_penalty, loss_settings, masked_mean, rollout_correction
 from rlhf_core.config import LOSS_SETTINGS
 from rlhf_core.controller import Dispatch, register
 from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
@@ -43,7 +43,8 @@ class ActorRolloutRefWorker(TrainableWorker):
         spec = sharding.ShardingSpec.from_config(cfg)
         # under FSDP over several ranks rank 0 alone reads the weights (sharding.loads_from_rank0)
         reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)
-        policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads)
+        policy = modeling.load_causal_lm(self.model_path, cfg.model.dtype, empty=not reads,
+                                         overrides=modeling.config_overrides(cfg.model))
         modeling.check_micro_batch_memory(cfg, policy.config)
         policy = self._packed(policy)
         if cfg.model.lora:  # adapters over the frozen base; every rank's are filled from rank 0's
@@ -61,7 +62,8 @@ class ActorRolloutRefWorker(TrainableWorker):
             # precision gives the same log-probs from half the bytes (on the GPU, or moved
             # to it per layer when offloaded)
             dtype = "bfloat16" if sharding.computes_in_bf16(ref_spec) else cfg.model.dtype
-            reference = modeling.load_causal_lm(self.model_path, dtype, empty=True).eval().requires_grad_(False)
+            reference = modeling.load_causal_lm(self.model_path, dtype, empty=True,
+                                                overrides=modeling.config_overrides(cfg.model)).eval().requires_grad_(False)
             self.reference = sharding.wrap(self._packed(reference), ref_spec, trainable=False, source=weights)
         del weights
         self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.policy), lr=cfg.actor.lr,
@@ -85,7 +87,7 @@ class ActorRolloutRefWorker(TrainableWorker):
             self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
                                        max_model_len=max(64, max_len), dtype=dtype,
                                        lora_rank=lora.settings(sharding.unwrap(self.policy)).r if self.serves_adapter
-                                       else 0)
+                                       else 0, hf_overrides=modeling.config_overrides(cfg.model))
             self.sync_dtype = getattr(torch, dtype)  # what the engine keeps: gather no more bytes
         else:
             self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
@@ -107,11 +109,11 @@ class ActorRolloutRefWorker(TrainableWorker):
             self.sync_weights()
         return self.rollout.generate(prompts)
 
-    def _log_probs(self, model, data: DataProto, with_entropy: bool):
+    def _log_probs(self, model, data: DataProto, with_entropy: bool, with_sum_pi_squared: bool = False):
         return modeling.response_log_probs(
             model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
             data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy,
-            packed=self.config.model.use_remove_padding)
+            packed=self.config.model.use_remove_padding, with_sum_pi_squared=with_sum_pi_squared)
 
     def _log_prob_budget(self) -> tuple[int, str]:
         actor = self.config.actor
@@ -121,11 +123,14 @@ class ActorRolloutRefWorker(TrainableWorker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         data = devices.to_device(data)
+        sum_pi_squared = self.config.actor.calculate_sum_pi_squared
         with torch.no_grad():
-            log_probs, entropy = modeling.forward_in_chunks(
-                lambda part: self._log_probs(sharding.unwrap(self.policy), part, with_entropy=True),
+            out = modeling.forward_in_chunks(
+                lambda part: self._log_probs(sharding.unwrap(self.policy), part, with_entropy=True,
+                                             with_sum_pi_squared=sum_pi_squared),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
-        return DataProto.from_dict(devices.to_host({"old_log_probs": log_probs, "entropys": entropy}))
+        columns = dict(zip(("old_log_probs", "entropys", "sum_pi_squared"), out))
+        return DataProto.from_dict(devices.to_host(columns))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
@@ -159,12 +164,27 @@ class ActorRolloutRefWorker(TrainableWorker):
         no_stage = self.config.old_log_prob_column != "old_log_probs"
         log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or no_stage)
         old_log_prob = log_prob.detach() if on_policy else batch.batch["old_log_probs"]
-        out = policy_loss(old_log_prob, log_prob, batch.batch["advantages"], mask,
-                          clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                          clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
-                          **loss_settings(policy_loss, **{k: getattr(cfg, k) for k in LOSS_SETTINGS}))
+        advantages, pg_mask, corrected = batch.batch["advantages"], mask, {}
+        if "rollout_is_weights" in batch.batch.keys():  # without bypass mode: per-token weights on the loss
+            advantages = advantages * batch.batch["rollout_is_weights"]  # (config: only losses linear in it)
+        correction = self.config.algorithm.rollout_correction
+        if correction.bypass_mode and correction.active and not on_policy:
+            # verl's bypass mode: against the policy being trained, per micro-batch (old = the rollout's)
+            pg_mask, weights, corrected = rollout_correction.correct(log_prob.detach() - old_log_prob, mask,
+                                                                     correction)
+            if correction.loss_type == "reinforce":
+                out = {"pg_loss": rollout_correction.reinforce_loss(log_prob, advantages, pg_mask, weights,
+                                                                    cfg.loss_agg_mode),
+                       "ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask),
+                       "pg_clipfrac": torch.zeros(()), "pg_clipfrac_lower": torch.zeros(())}
+        if correction.loss_type != "reinforce" or not corrected:
+            out = policy_loss(old_log_prob, log_prob, advantages, pg_mask,
+                              clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                              clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+                              **loss_settings(policy_loss, **{k: getattr(cfg, k) for k in LOSS_SETTINGS}))
         loss = out["pg_loss"]
         parts = {key: out[key].detach() for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+        parts.update({key: torch.tensor(value) for key, value in corrected.items()})
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
             if cfg.entropy_coeff != 0:

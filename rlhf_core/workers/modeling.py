@@ -64,22 +64,32 @@ def content_sha256(folder: str) -> str:
     return digest.hexdigest()
 
 
-def load_causal_lm(path: str, dtype: str = "float32", empty: bool = False):
+def config_overrides(model_cfg) -> dict:
+    """The model config's settings a run overrides (``model.max_position_embeddings``)."""
+    limit = getattr(model_cfg, "max_position_embeddings", None)
+    return {"max_position_embeddings": limit} if limit else {}
+
+
+def load_causal_lm(path: str, dtype: str = "float32", empty: bool = False, overrides: dict | None = None):
     """The causal LM in ``path``; ``empty``: built from its config on the meta device (no
-    weights read, no memory), for a rank whose shards are filled by ``sharding.wrap``."""
+    weights read, no memory), for a rank whose shards are filled by ``sharding.wrap``.
+    ``overrides``: settings of its config replaced (``config_overrides``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = overrides or {}
 
     if empty:
         from transformers import GenerationConfig
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, **overrides),
+                                                     dtype=getattr(torch, dtype))
         try:  # what from_pretrained reads too: every rank samples with the checkpoint's settings
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:  # the folder has none: from_config's defaults, as from_pretrained's
             pass
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **overrides)
     model.config.use_cache = False
     return model
 
@@ -131,7 +141,8 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None)
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
-                       with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False):
+                       with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False,
+                       with_sum_pi_squared: bool = False, statistic: str = "entropy"):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
     (0 where a row's response has ended, or, padded, where every row's has: see
     ``trim_padding``).
@@ -143,7 +154,12 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     ``chunk_tokens`` given) are computed in slices of tokens: the vocabulary projection
     runs inside the model's forward (where FSDP has gathered its parameters) on the
     response positions only, and the batch's full logits never exist at once.
+    ``with_sum_pi_squared``: a third output, sum over the vocabulary of pi^2 per token
+    (verl's ``calculate_sum_pi_squared``, the optimal token baseline's input).
     """
+    if with_sum_pi_squared:
+        return _with_sum_pi_squared(model, input_ids, attention_mask, position_ids, response_length, temperature,
+                                    with_entropy, chunk_tokens, packed)
     from rlhf_core.distributed import sharding
 
     inner = sharding.unwrap(model)  # (DDP hides the model's own methods)
@@ -165,7 +181,7 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
             logits = logits[:, -kept - 1:-1].float() / temperature
             log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-            entropy = _pad_responses(entropy_from_logits(logits), response_length) if with_entropy else None
+            entropy = _pad_responses(_second_statistic(logits, statistic), response_length) if with_entropy else None
             return _pad_responses(log_probs, response_length), entropy
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "logits_to_keep": kept + 1}
@@ -180,7 +196,7 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     if chunk_tokens is None and targets.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
         logits = select(model(**inputs).logits).float() / temperature
         log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return finish(log_probs), finish(entropy_from_logits(logits)) if with_entropy else None
+        return finish(log_probs), finish(_second_statistic(logits, statistic)) if with_entropy else None
     chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
     original = head.forward
 
@@ -192,10 +208,10 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             if torch.is_grad_enabled() and flat.requires_grad:
                 from torch.utils.checkpoint import checkpoint
 
-                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, with_entropy,
+                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, with_entropy, statistic,
                                         use_reentrant=False))
             else:
-                parts.append(_token_log_probs(original, *piece, temperature, with_entropy))
+                parts.append(_token_log_probs(original, *piece, temperature, with_entropy, statistic))
         # a copy (2 numbers a token), not a view: FSDP2 hooks its module's output for the backward
         return torch.cat(parts).clone()
 
@@ -207,13 +223,32 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     return finish(out[:, 0]), finish(out[:, 1]) if with_entropy else None
 
 
+def _with_sum_pi_squared(model, input_ids, attention_mask, position_ids, response_length, temperature,
+                         with_entropy, chunk_tokens, packed):
+    """(log-probs, entropies or None, sum of pi^2): one pass whose second statistic is
+    sum pi^2 (exp(logsumexp(2 log pi))), a second pass for the entropies when asked."""
+    log_probs, sum_pi_squared = response_log_probs(model, input_ids, attention_mask, position_ids, response_length,
+                                                   temperature, True, chunk_tokens, packed,
+                                                   statistic="sum_pi_squared")
+    entropy = response_log_probs(model, input_ids, attention_mask, position_ids, response_length, temperature,
+                                 True, chunk_tokens, packed)[1] if with_entropy else None
+    return log_probs, entropy, sum_pi_squared
+
+
+def _second_statistic(logits: torch.Tensor, statistic: str) -> torch.Tensor:
+    """Per position: the entropy, or sum over the vocabulary of pi^2."""
+    if statistic == "sum_pi_squared":
+        return torch.exp(torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1))
+    return entropy_from_logits(logits)
+
+
 def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool) -> torch.Tensor:
-    """(log-prob of each target, entropy or 0) of one slice of tokens: [tokens, 2]."""
+                     with_entropy: bool, statistic: str = "entropy") -> torch.Tensor:
+    """(log-prob of each target, ``statistic`` or 0) of one slice of tokens: [tokens, 2]."""
     logits = projection(hidden).float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_probs.exp() * log_probs).sum(dim=-1) if with_entropy else torch.zeros_like(chosen)
+    entropy = _second_statistic(logits, statistic) if with_entropy else torch.zeros_like(chosen)
     return torch.stack([chosen, entropy], dim=-1)
 
 

@@ -88,7 +88,7 @@ class VLLMRollout:
     ADAPTER_NAME, ADAPTER_ID = "policy", 1
 
     def __init__(self, model_path: str, config, seed: int, max_model_len: int, dtype: str = "float32",
-                 lora_rank: int = 0) -> None:
+                 lora_rank: int = 0, hf_overrides: dict | None = None) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM
@@ -135,6 +135,8 @@ class VLLMRollout:
         enforce_eager = (not on_gpu) if config.enforce_eager is None else config.enforce_eager
         if config.max_num_batched_tokens:
             engine["max_num_batched_tokens"] = config.max_num_batched_tokens
+        if hf_overrides:  # the model config's settings the run overrides, as the trained model's
+            engine["hf_overrides"] = dict(hf_overrides)
         self.llm = LLM(model=model_path, dtype=dtype, max_model_len=config.max_model_len or max_model_len,
                        enforce_eager=enforce_eager, seed=seed, max_num_seqs=config.max_num_seqs, **engine)
         # what the engine holds on the device (a dummy load holds no policy weights yet)
