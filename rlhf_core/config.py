@@ -535,6 +535,10 @@ class TrainerConfig:
                                    **NON_NEGATIVE, hashed=False)
     test_freq: int = _f(-1, "validate (data.val_files) every K iterations, on the weights an iteration starts "
                         "from (verl's trainer.test_freq; -1: never periodically)", ge=-1, hashed=False)
+    log_val_generations: int = _f(0, "validation samples (prompt, response, score) shown per validation, chosen "
+                                  "as verl does (sorted by prompt, shuffled with seed 42, the first N): in the "
+                                  "Kubeflow report and, with MLflow, as val_generations/iter-N.json", hashed=False,
+                                  **NON_NEGATIVE)
     val_before_train: bool = _f(True, "validate the initial weights (iteration 0) when data.val_files is set "
                                 "(verl's trainer.val_before_train)", hashed=False)
     prefetch: bool = _f(True, "a session computes the next iteration's inference stages (rollout through "

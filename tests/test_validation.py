@@ -61,7 +61,8 @@ def runs(tmp_path_factory, ray_local):
             f.write(json.dumps(row) + "\n")
     custom = [f"custom_reward_function.path={root / 'reward.py'}", "custom_reward_function.name=my_score"]
     out = {}
-    for name, extra in (("plain", []), ("val", [f"data.val_files={root / 'val.jsonl'}", "trainer.test_freq=2"])):
+    for name, extra in (("plain", []), ("val", [f"data.val_files={root / 'val.jsonl'}", "trainer.test_freq=2",
+                                                   "trainer.log_val_generations=3"])):
         cfg = apply_overrides(small_config(root / name / "out"), custom + extra).validate()
         out[name] = run_direct(cfg, 3, RunRef(f"file://{root / name / 'store'}", "r"), log=lambda *a: None)
         out[name]["store"] = root / name / "store"
@@ -109,6 +110,40 @@ def test_the_report_shows_the_validation_curve(runs):
     rows = run_history(IterationStore(RunRef(f"file://{runs['val']['store']}", "r")))
     assert [n for n, _ in validation_curve(rows)[VAL]] == [0, 2]
     assert f"| {VAL} (iteration 2) |" in markdown_report(IterationStore(RunRef(f"file://{runs['val']['store']}", "r")), samples=0)
+
+
+def test_log_val_generations_shows_verls_pick_in_the_report_and_mlflow(runs, tmp_path, monkeypatch):
+    """trainer.log_val_generations=3: three samples of the last validation, picked as verl
+    picks them (sorted by prompt, shuffled by RandomState(42)), in the report and as an
+    MLflow artifact of the iteration."""
+    import mlflow
+    import numpy as np
+
+    from rlhf_core.record import tracking
+    from rlhf_core.snapshot import load_snapshot
+    from rlhf_core.trainer.report import markdown_report, validation_samples
+
+    istore = IterationStore(RunRef(f"file://{runs['val']['store']}", "r"))
+    batch = load_snapshot(istore.stage_uri(2, "validate"))
+    rows = sorted(zip(batch.non_tensor_batch["raw_prompt"].tolist(), batch.non_tensor_batch["response_text"].tolist(),
+                      batch.batch["token_level_scores"].sum(dim=-1).tolist()), key=lambda r: str(r[0]))
+    np.random.RandomState(42).shuffle(rows)
+    samples = validation_samples(istore, 2, 3)
+    assert [(s["input"], s["output"], s["score"]) for s in samples] == [(str(p), str(r), v) for p, r, v in rows[:3]]
+    assert validation_samples(istore, 1, 3) == []  # iteration 1 did not validate
+    report = markdown_report(istore, samples=0)
+    assert "Validation samples, iteration 2 (3, trainer.log_val_generations)" in report
+    assert sum(line.startswith("| ") and line.endswith(f"| {s['score']:.2f} |") for line in report.splitlines()
+               for s in samples) >= 3
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow_run = tracking.export_iteration("r", istore.read_manifest(2), samples)
+    logged = mlflow.artifacts.load_dict(
+        f"{mlflow.MlflowClient().get_run(mlflow_run).info.artifact_uri}/val_generations/iter-000002.json")
+    assert logged == {"step": 2, "samples": samples}
+    # the validation metrics themselves, '@' renamed as verl's MLflow logger does (MLflow refuses it)
+    [point] = mlflow.MlflowClient().get_metric_history(mlflow_run, VAL.replace("@", "_at_"))
+    assert point.step == 2 and point.value == istore.read_manifest(2)["metrics"][VAL]
 
 
 class _Validating:

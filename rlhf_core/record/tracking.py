@@ -28,22 +28,29 @@ def _flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
+def mlflow_name(metric: str) -> str:
+    """A metric's name as MLflow accepts it: validation's ``mean@4`` becomes ``mean_at_4``
+    (MLflow refuses '@'; verl's MLflow logger renames it the same way)."""
+    return metric.replace("@", "_at_")
+
+
 def enabled() -> bool:
     return bool(os.environ.get("MLFLOW_TRACKING_URI"))
 
 
-def export_iteration(run_id: str, manifest: dict) -> str | None:
-    """Log one committed iteration; returns the MLflow run id (None when not configured)."""
+def export_iteration(run_id: str, manifest: dict, val_generations: list[dict] | None = None) -> str | None:
+    """Log one committed iteration (and its validation samples, trainer.log_val_generations);
+    returns the MLflow run id (None when not configured)."""
     if not enabled():
         return None
     try:
-        return _export(run_id, manifest)
+        return _export(run_id, manifest, val_generations or [])
     except Exception as exc:  # tracking is a copy; never fail training over it
         print(f"[rlhf] MLflow export of iteration {manifest.get('iteration')} failed: {exc}", file=sys.stderr)
         return None
 
 
-def _export(run_id: str, manifest: dict) -> str:
+def _export(run_id: str, manifest: dict, val_generations: list[dict]) -> str:
     import mlflow
     from mlflow.entities import Metric, Param
 
@@ -62,7 +69,7 @@ def _export(run_id: str, manifest: dict) -> str:
         for i in range(0, len(params), 100):  # MLflow's batch limit
             client.log_batch(mlflow_run, params=params[i:i + 100])
     n, now = manifest["iteration"], int(time.time() * 1000)
-    metrics = [Metric(k, float(v), now, n) for k, v in sorted(manifest["metrics"].items())
+    metrics = [Metric(mlflow_name(k), float(v), now, n) for k, v in sorted(manifest["metrics"].items())
                if isinstance(v, (int, float)) and not isinstance(v, bool)]
     for i in range(0, len(metrics), 1000):
         client.log_batch(mlflow_run, metrics=metrics[i:i + 1000])
@@ -72,6 +79,8 @@ def _export(run_id: str, manifest: dict) -> str:
     from rlhf_core.record.run_layout import iteration_dir
 
     client.log_dict(mlflow_run, lineage, f"lineage/{iteration_dir(n)}.json")
+    if val_generations:
+        client.log_dict(mlflow_run, {"step": n, "samples": val_generations}, f"val_generations/{iteration_dir(n)}.json")
     client.set_tag(mlflow_run, "rlhf.last_iteration", str(n))
     # the checkpoint the weights come from; a redo of the iterations listed completes them
     client.set_tag(mlflow_run, "rlhf.last_checkpoint", manifest["weights"]["checkpoint"])

@@ -178,6 +178,40 @@ def sample_table(istore, iteration: int, prompts: int = 4) -> str:
     return "\n".join(lines) + "\n"
 
 
+def validation_samples(istore, iteration: int, count: int) -> list[dict]:
+    """``count`` of the iteration's validation samples as verl's ``log_val_generations``
+    picks them (sorted by prompt, shuffled by a RandomState(42), the first ``count``): the
+    same prompts at every validation. Empty when the iteration did not validate."""
+    import numpy as np
+
+    from rlhf_core.snapshot import load_snapshot
+    from rlhf_core.snapshot.errors import SnapshotError
+    from rlhf_core.trainer import stages as stage_table
+
+    if count <= 0:
+        return []
+    try:
+        batch = load_snapshot(istore.stage_uri(iteration, stage_table.VALIDATE),
+                              fields=["raw_prompt", "response_text", "token_level_scores"])
+    except (SnapshotError, FileNotFoundError):
+        return []
+    scores = batch.batch["token_level_scores"].sum(dim=-1).tolist()
+    column = batch.non_tensor_batch
+    samples = sorted(zip((str(p) for p in column["raw_prompt"]), (str(r) for r in column["response_text"]), scores),
+                     key=lambda sample: sample[0])
+    np.random.RandomState(42).shuffle(samples)
+    return [{"input": prompt, "output": response, "score": score} for prompt, response, score in samples[:count]]
+
+
+def validation_sample_table(samples: list[dict], iteration: int) -> str:
+    if not samples:
+        return ""
+    lines = [f"Validation samples, iteration {iteration} ({len(samples)}, trainer.log_val_generations):", "",
+             "| prompt | response | score |", "|---|---|---|"]
+    lines += [f"| {_cell(s['input'])} | {_cell(s['output'])} | {s['score']:.2f} |" for s in samples]
+    return "\n".join(lines) + "\n"
+
+
 def _cell(text, limit: int = 160) -> str:
     """Text as one Markdown table cell: one line, escaped, shortened."""
     import html
@@ -209,4 +243,9 @@ def markdown_report(istore, samples: int = 4) -> str:
             f"![reward curve](data:image/png;base64,{image})\n\n{quick_curve_caption(rows)}\n\n"
             f"| metric (iteration {last['iteration']}) | value |\n|---|---|\n{table}\n")
     table = sample_table(istore, last["iteration"], samples) if samples > 0 else ""
+    if validated:
+        shown = int(((istore.read_manifest(validated[-1]["iteration"]).get("config") or {}).get("trainer") or {})
+                    .get("log_val_generations") or 0)
+        table += validation_sample_table(validation_samples(istore, validated[-1]["iteration"], shown),
+                                         validated[-1]["iteration"])
     return text + ("\n" + table if table else "")

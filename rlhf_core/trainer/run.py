@@ -210,7 +210,10 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     check()
     istore.commit_iteration(iteration, manifest)
     if tracking.enabled():
-        tracking.export_iteration(istore.run_id, istore.read_manifest(iteration))
+        from rlhf_core.trainer.report import validation_samples
+
+        tracking.export_iteration(istore.run_id, istore.read_manifest(iteration),
+                                  validation_samples(istore, iteration, cfg.trainer.log_val_generations))
     return checkpoint_s
 
 

@@ -70,6 +70,8 @@ BY_NAME = {stage.name: stage for stage in STAGES + SIDE_STAGES}
 #: The stage whose snapshot holds the decoded responses and their scores (the report's samples
 #: come from it).
 SCORED = BY_NAME["reward"].name
+#: The validation stage (its snapshot: the validation samples).
+VALIDATE = BY_NAME["validate"].name
 
 
 def plan(cfg: RunConfig) -> list[Stage]:
