@@ -385,6 +385,17 @@ class RewardKwargsConfig:
 
 
 @dataclass
+class SandboxFusionConfig:
+    """Code rewards from a SandboxFusion server (rlhf_core/workers/sandbox_fusion.py)."""
+
+    url: str = _f("", "the server's run_code endpoint: responses of the coding data sources (codecontests, apps, "
+                  "codeforces, taco) are scored by running them on their test cases there (empty: "
+                  "reward.function scores them)")
+    max_concurrent: int = _f(64, "requests in flight at once per reward process", hashed=False, **POSITIVE)
+    memory_limit_mb: int = _f(1024, "each run's memory limit on the server", **POSITIVE)
+
+
+@dataclass
 class RewardModelConfig:
     """A learned reward model (verl's ``reward_model`` section): with ``enable``, a reward-
     model worker scores each response at its last valid token (``rm_scores``), and those
@@ -422,9 +433,11 @@ class RewardModelConfig:
     reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers, "
                              "rlhf_core/workers/reward_managers.py): naive = the reward function per response; "
                              "dapo = naive's, then the overlong punishment of reward_kwargs.overlong_buffer_cfg; "
-                             "batch = the function once per batch, with lists. With a reward model its scores are "
-                             "the rewards under each (verl's prime, a process pool with timeouts for sandboxed "
-                             "code: not here)", choices=("naive", "dapo", "batch"))
+                             "batch = the function once per batch, with lists; prime = naive's calls in a pool of "
+                             "processes, a call that raises or outlasts 300 s scores 0 (for sandboxed code). With a "
+                             "reward model its scores are the rewards under each",
+                             choices=("naive", "dapo", "batch", "prime"))
+    sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
     log_function_score: bool = _f(False, "also score every response with reward.function and log it "
                                   "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "

@@ -249,6 +249,10 @@ TABLE: dict[str, Rule] = {
     # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, use_reward_loop, rollout.name,
     # rollout.gpu_memory_utilization, rollout.tensor_model_parallel_size, model.use_remove_padding,
     # model.fsdp_config.param_offload); the rest:
+    "reward_model.sandbox_fusion.url": _m("reward_model.sandbox_fusion.url",
+                                          note="the coding data sources are scored by running them there"),
+    "reward_model.sandbox_fusion.max_concurrent": _m("reward_model.sandbox_fusion.max_concurrent"),
+    "reward_model.sandbox_fusion.memory_limit_mb": _m("reward_model.sandbox_fusion.memory_limit_mb"),
     "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
                                        "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),

@@ -82,7 +82,13 @@ def configured_reward_fn(config: RunConfig):
     custom = config.custom_reward_function
     if custom.path:
         return load_reward_file(custom.path, custom.name)
-    return load_reward_fn(config.reward.function)
+    fn, name = load_reward_fn(config.reward.function)
+    sandbox = config.reward_model.sandbox_fusion
+    if sandbox.url:  # verl's rule: the sandbox scores code unless a custom function scores everything
+        from rlhf_core.workers import sandbox_fusion
+
+        return sandbox_fusion.routed(fn, sandbox), f"{name} (code: sandbox_fusion at {sandbox.url})"
+    return fn, name
 
 
 class RewardWorker(Worker):

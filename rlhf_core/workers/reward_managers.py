@@ -9,7 +9,8 @@ an entry in ``MANAGERS``; ``config`` is the run's ``RunConfig``.
   loses ``penalty_factor`` x how far into that buffer it reaches; a function that returns a
   number has it logged as ``acc`` too, as verl's manager does;
 - ``batch``: the function once per batch, with lists (``data_sources``, ``solution_strs``,
-  ``ground_truths``, ``extra_infos``), returning one result per response.
+  ``ground_truths``, ``extra_infos``), returning one result per response;
+- ``prime``: naive's calls in a pool of processes, one that raises or hangs scoring 0.
 
 With a reward model in the run, its scores are the rewards under every manager (verl's
 rule), unless a custom reward function is set (``workers/reward.py``).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -125,5 +127,38 @@ def batch(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
             for i, (r, uid) in enumerate(zip(results, rows.uids))], extras
 
 
+#: prime: how long one call may take before it scores 0 (verl's 300 s).
+PRIME_TIMEOUT_S = 300.0
+
+
+def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
+    """verl's prime manager: naive's calls, each in a pool of forked processes (code a
+    response wrote may hang or crash its scorer); a call that raises, returns no score or
+    outlasts ``PRIME_TIMEOUT_S`` scores 0, counted in the ``prime_failed`` column."""
+    import multiprocessing
+    import os
+
+    count = len(rows.uids)
+    workers = max(1, min(64, os.cpu_count() or 1, count))
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    try:
+        pending = [pool.apply_async(fn, (src, sol, gt, copy.deepcopy(extra))) for src, sol, gt, extra in
+                   zip(rows.data_sources, rows.solutions, rows.ground_truths, rows.extra_infos)]
+        deadline = time.monotonic() + PRIME_TIMEOUT_S
+        scores, extras, failed = [], {}, [0.0] * count
+        for i, (result, uid) in enumerate(zip(pending, rows.uids)):
+            try:
+                scores.append(checked_score(result.get(max(0.0, deadline - time.monotonic())), name, uid, i, extras,
+                                            count))
+            except Exception:  # raised, timed out, or not a score: verl's prime scores it 0
+                scores.append(0.0)
+                failed[i] = 1.0
+    finally:
+        pool.terminate()  # a call still running (a hung program) is killed, not waited for
+        pool.join()
+    extras["prime_failed"] = failed
+    return scores, extras
+
+
 #: reward_model.reward_manager -> manager.
-MANAGERS: dict[str, Callable] = {"naive": naive, "dapo": dapo, "batch": batch}
+MANAGERS: dict[str, Callable] = {"naive": naive, "dapo": dapo, "batch": batch, "prime": prime}

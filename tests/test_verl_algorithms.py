@@ -1,0 +1,254 @@
+"""verl's rollout correction, optimal token baseline, PF-PPO, prime reward manager and
+SandboxFusion code rewards: each against hand-worked values, then end to end in a small
+run (rlhf run --direct's code path)."""
+
+import json
+import math
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from rlhf_core.algorithms import rollout_correction as rc
+from rlhf_core.algorithms.core import compute_optimal_token_baseline_advantage, pf_ppo_weights
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+from rlhf_core.record.run_layout import RunRef
+from rlhf_core.trainer.run import run_direct
+from rlhf_core.workers import reward_managers, sandbox_fusion
+from rlhf_core.workers.reward_managers import ScoringRows
+
+from helpers import small_config
+from json_http import JSONServer
+
+
+# ------------------------------------------------------------------ rollout correction
+
+def test_token_and_sequence_importance_weights_truncate_and_normalize():
+    log_ratio = torch.tensor([[math.log(3.0), math.log(0.5), 0.0], [math.log(1.5), 0.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    w, metrics = rc.importance_weights(log_ratio, mask, "token", threshold=2.0)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.0, 0.0]]))  # 3 -> 2 (upper only); masked 0
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(3.0)  # before truncation, as verl
+    w, _ = rc.importance_weights(log_ratio, mask, "sequence", threshold=2.0)
+    # row 0: 3 * 0.5 * 1 = 1.5; row 1: 1.5 * 1 = 1.5 (the masked 5.0 never counts)
+    assert torch.allclose(w, torch.tensor([[1.5, 1.5, 1.5], [1.5, 1.5, 0.0]]))
+    w, metrics = rc.importance_weights(log_ratio, mask, "token", threshold=2.0, batch_normalize=True)
+    mean = (2.0 + 0.5 + 1.0 + 1.5 + 1.0) / 5
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean)
+    assert torch.allclose(w, torch.tensor([[2.0, 0.5, 1.0], [1.5, 1.0, 0.0]]) / mean)
+
+
+def test_rejection_by_token_k1_bounds_and_sequence_max_k2():
+    # pi_rollout / pi_train per token = exp(-log_ratio)
+    log_ratio = torch.tensor([[0.0, -math.log(1.7), 0.0], [0.1, 2.3, 0.0]])
+    mask = torch.ones(2, 3)
+    options = rc.rejection_options("token_k1, seq_max_k2,token_k1")
+    assert options == ["token_k1", "seq_max_k2"]
+    bounds = rc.rejection_bounds(options, "0.6_1.6,2.5")
+    kept, metrics = rc.rejection_mask(log_ratio, mask, options, bounds)
+    # token 0,1: ratio 1.7 > 1.6 dropped; token 1,1: ratio e^-2.3 = 0.10 < 0.6 dropped; and
+    # row 1's max k2 = 2.3^2 / 2 = 2.645 > 2.5: the whole row dropped
+    assert kept.tolist() == [[1, 0, 1], [0, 0, 0]]
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == 1.0
+    assert metrics["rollout_corr/rollout_rs_token_k1_masked_fraction"] == pytest.approx(2 / 6)
+    assert rc.rejection_bounds(["token_k1"], "2") == [(math.log(0.5), math.log(2.0))]  # bare hi: lo = 1/hi
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.rollout_correction.rollout_rs=token_k4", "algorithm.rollout_correction.rollout_rs_threshold=2"],
+     "rollout_rs: expected a comma-separated list of token_k1"),
+    (["algorithm.rollout_correction.rollout_rs=token_k1"], "rollout_rs_threshold: expected a bound"),
+    (["algorithm.rollout_correction.rollout_rs=seq_max_k2", "algorithm.rollout_correction.rollout_rs_threshold=1_2"],
+     "rollout_rs_threshold: expected a positive number for seq_max_k2"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=false",
+      "actor.policy_loss=clip_cov"], "supported here for actor.policy_loss in vanilla"),
+    (["algorithm.use_pf_ppo=true"], "algorithm.use_pf_ppo: PF-PPO resamples after GAE"),
+    (["algorithm.adv_estimator=optimal_token_baseline"], "needs actor.calculate_sum_pi_squared=true"),
+])
+def test_bad_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as refused:
+        apply_overrides(RunConfig(), overrides).validate()
+    assert "\n" not in str(refused.value)
+
+
+def test_reinforce_loss_is_weighted_log_likelihood():
+    log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss = rc.reinforce_loss(log_prob, torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 1.0]]),
+                             torch.tensor([[2.0, 1.0]]), "token-mean")
+    assert loss.item() == pytest.approx(-(0.5 * -1.0 * 2.0 + 0.5 * -2.0 * 1.0) / 2)
+    loss.backward()
+    assert log_prob.grad.tolist() == [[-0.5, -0.25]]
+
+
+# ------------------------------------------------------------------ optimal token baseline, PF-PPO
+
+def test_optimal_token_baseline_by_hand():
+    # one group of two responses (outcome rewards 1 and 0), one lone response
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 3.0]])
+    mask = torch.ones(3, 2)
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.5], [0.5, 0.5]]))
+    sum_pi2 = torch.tensor([[0.5, 0.5], [0.25, 0.5], [0.5, 0.5]])
+    adv, returns = compute_optimal_token_baseline_advantage(rewards, mask, ["a", "a", "b"], old, sum_pi2)
+    # w = 1 - 2 pi + sum pi^2: row 0 (0.5, 0.5), row 1 (0.75, 0.5); W = cumsum: (0.5, 1.0), (0.75, 1.25)
+    b0 = (1 * 0.5 + 0 * 0.75) / (0.5 + 0.75)
+    b1 = (1 * 1.0 + 0 * 1.25) / (1.0 + 1.25)
+    assert torch.allclose(adv[:2], torch.tensor([[1 - b0, 1 - b1], [-b0, -b1]]), atol=1e-6)
+    assert adv[2].tolist() == [3.0, 3.0] and returns[2].tolist() == [3.0, 3.0]  # a lone response: no baseline
+
+
+def test_sum_pi_squared_is_the_softmax_sum_of_squares(tmp_path):
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers import modeling
+
+    model = modeling.load_causal_lm(str(build_model_folder(tmp_path / "qwen2-tiny")))
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    ones, positions = torch.ones_like(ids), torch.arange(6).unsqueeze(0)
+    with torch.no_grad():
+        log_probs, entropy, sum_pi2 = modeling.response_log_probs(model, ids, ones, positions, 3, 0.7, True,
+                                                                  with_sum_pi_squared=True)
+        chunked = modeling.response_log_probs(model, ids, ones, positions, 3, 0.7, True, chunk_tokens=2,
+                                              with_sum_pi_squared=True)
+        probs = torch.softmax(model(input_ids=ids).logits[:, 2:5].float() / 0.7, dim=-1)
+    assert torch.allclose(sum_pi2, (probs ** 2).sum(-1), atol=1e-6)
+    assert torch.allclose(entropy, -(probs * probs.log()).sum(-1), atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip((log_probs, entropy, sum_pi2), chunked))
+
+
+def test_pf_ppo_weights_by_method():
+    scores = torch.tensor([2.0, -1.0, 0.0, 2.0])
+    assert torch.allclose(pf_ppo_weights(scores, "pow", 2.0), torch.tensor([4.0, 1.0, 1e-8, 4.0]) + 1e-8)
+    assert pf_ppo_weights(scores, "max_min", 2.0).round().tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert torch.allclose(pf_ppo_weights(scores, "max_random", 2.0), torch.tensor([0.4, 0.1, 0.1, 0.4]) + 1e-8)
+
+
+# ------------------------------------------------------------------ end to end
+
+@pytest.fixture(scope="module")
+def ray_runs(tmp_path_factory, ray_local):
+    root = tmp_path_factory.mktemp("verl-algos")
+    variants = {
+        "otb": ["algorithm.adv_estimator=optimal_token_baseline", "actor.calculate_sum_pi_squared=true"],
+        "bypass_reinforce": ["algorithm.rollout_correction.rollout_is=sequence",
+                             "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+                             "algorithm.rollout_correction.loss_type=reinforce", "algorithm.adv_estimator=rloo"],
+        "decoupled": ["algorithm.rollout_correction.bypass_mode=false", "algorithm.rollout_correction.rollout_is=token",
+                      "algorithm.rollout_correction.rollout_rs=token_k1,seq_max_k2",
+                      "algorithm.rollout_correction.rollout_rs_threshold=0.6_1.6,2.5"],
+        "pf_ppo": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true"],
+    }
+    out = {}
+    for name, extra in variants.items():
+        cfg = apply_overrides(small_config(root / name / "out"), extra).validate()
+        out[name] = run_direct(cfg, 2, RunRef(f"file://{root / name / 'store'}", "r"), log=lambda *a: None)
+        out[name]["store"] = root / name / "store"
+    return out
+
+
+def _stage(run, iteration, stage):
+    from rlhf_core.record.iteration_store import IterationStore
+
+    return IterationStore(RunRef(f"file://{run['store']}", "r")).load(iteration, stage)
+
+
+def test_optimal_token_baseline_runs_from_the_old_log_prob_stages_sum_pi_squared(ray_runs):
+    run = ray_runs["otb"]
+    batch = _stage(run, 1, "advantage")
+    expected, _ = compute_optimal_token_baseline_advantage(
+        batch.batch["token_level_scores"], batch.batch["response_mask"].float(), batch.non_tensor_batch["uid"],
+        batch.batch["old_log_probs"], batch.batch["sum_pi_squared"])
+    assert torch.equal(batch.batch["advantages"], expected) and batch.batch["sum_pi_squared"].abs().sum() > 0
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in run["rows"])
+
+
+def test_bypass_reinforce_logs_its_weights_per_update(ray_runs):
+    rows = ray_runs["bypass_reinforce"]["rows"]
+    # computed per update micro-batch against the policy being trained (the actor's metrics)
+    assert all(r["actor/rollout_corr/rollout_is_batch_norm_factor"] > 0 and math.isfinite(r["actor/pg_loss"])
+               for r in rows)
+    assert all(0 <= r["actor/rollout_corr/rollout_is_mean"] for r in rows)
+
+
+def test_decoupled_correction_masks_and_weighs_before_the_advantage(ray_runs):
+    batch = _stage(ray_runs["decoupled"], 1, "advantage")
+    rollout = _stage(ray_runs["decoupled"], 1, "rollout")
+    log_ratio = batch.batch["old_log_probs"] - batch.batch["rollout_log_probs"]
+    cfg = apply_overrides(RunConfig(), ["algorithm.rollout_correction.rollout_is=token",
+                                        "algorithm.rollout_correction.rollout_rs=token_k1,seq_max_k2",
+                                        "algorithm.rollout_correction.rollout_rs_threshold=0.6_1.6,2.5"])
+    mask, weights, _ = rc.correct(log_ratio, rollout.batch["response_mask"].float(),
+                                  cfg.algorithm.rollout_correction)
+    assert torch.equal(batch.batch["response_mask"].float(), mask)
+    assert torch.equal(batch.batch["rollout_is_weights"], weights)
+    assert "rollout_corr/rollout_rs_masked_fraction" in ray_runs["decoupled"]["rows"][1]
+
+
+def test_pf_ppo_draws_rows_again_by_score_and_replays(ray_runs):
+    from rlhf_core.trainer.replay import replay
+
+    batch = _stage(ray_runs["pf_ppo"], 1, "advantage")
+    values = _stage(ray_runs["pf_ppo"], 1, "values")
+    assert len(batch) == len(values)
+    assert sorted(batch.non_tensor_batch["uid"].tolist()) != sorted(values.non_tensor_batch["uid"].tolist()) or \
+        len(set(map(tuple, batch.batch["responses"].tolist()))) < len(batch)  # drawn with replacement
+    [result] = replay(f"file://{ray_runs['pf_ppo']['store']}/r/iter-000001", stages=["advantage"],
+                      log=lambda *a: None)
+    assert result.ok, [d for d in result.diffs if not d.equal]
+
+
+# ------------------------------------------------------------------ prime, SandboxFusion
+
+def _score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str == "raise":
+        raise RuntimeError("bad program")
+    if solution_str == "hang":
+        threading.Event().wait()
+    if solution_str == "dict":
+        return {"score": 0.5, "acc": True}
+    return float(solution_str == ground_truth)
+
+
+def test_prime_scores_in_processes_and_a_failing_or_hanging_call_scores_zero(monkeypatch):
+    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 5.0)
+    texts = ["7", "raise", "hang", "dict", "8"]
+    rows = ScoringRows(["d"] * 5, texts, ["7"] * 5, [None] * 5, list("abcde"), [1] * 5)
+    scores, extras = reward_managers.prime(_score, "score", rows, RunConfig())
+    assert scores == [1.0, 0.0, 0.0, 0.5, 0.0]
+    assert extras["prime_failed"] == [0.0, 1.0, 1.0, 0.0, 0.0] and extras["acc"][3] is True
+
+
+@pytest.fixture
+def sandbox():
+    """A stand-in for a SandboxFusion server: runs the posted Python with the posted stdin
+    in a subprocess and answers in SandboxFusion's run_code shape."""
+    def route(method, path, body):
+        if path != "/run_code":
+            return 404, {}
+        done = subprocess.run([sys.executable, "-c", body["code"]], input=body["stdin"] or "", text=True,
+                              capture_output=True, timeout=30)
+        status = "Finished" if done.returncode == 0 else "Failed"
+        return 200, {"status": "Success" if done.returncode == 0 else "Failed",
+                     "run_result": {"status": status, "stdout": done.stdout, "stderr": done.stderr,
+                                    "return_code": done.returncode}}
+
+    server = JSONServer(route)
+    yield server
+    server.close()
+
+
+def test_sandbox_fusion_scores_code_sources_and_leaves_the_rest(sandbox):
+    from rlhf_core.workers.reward import configured_reward_fn
+
+    cfg = apply_overrides(RunConfig(), [f"reward_model.sandbox_fusion.url={sandbox.url}/run_code",
+                                        "reward.function=gsm8k"])
+    fn, name = configured_reward_fn(cfg)
+    cases = json.dumps({"inputs": ["1 2\n", "3 4\n", "5 5\n"], "outputs": ["3", "7", "11"]})
+    good = "Here:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    half = "```python\na, b = map(int, input().split())\nprint(a + b if a < 5 else 0)\n```"
+    assert fn("codecontests", good, cases) == pytest.approx(2 / 3)  # 5 + 5 != 11
+    assert fn("apps", half, cases) == pytest.approx(2 / 3 - 0) and fn("taco", "no code at all", cases) == 0.0
+    assert len(sandbox.requests) == 6 and sandbox.requests[0]["body"]["language"] == "python"
+    assert sandbox.requests[0]["body"]["memory_limit_MB"] == 1024
+    assert fn("openai/gsm8k", "#### 4", "4")["score"] == 1.0  # gsm8k's rows keep reward.function
+    assert "sandbox_fusion" in name
