@@ -91,6 +91,9 @@ class DataConfig:
                           "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
                           "ground_truth, data_source), or builtin:<task>")
     train_batch_size: int = _f(256, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
+    gen_batch_size: int = _f(0, "prompts per generation batch with algorithm.filter_groups.enable (DAPO's "
+                             "dynamic sampling: batches are generated until train_batch_size groups are kept); "
+                             "0: train_batch_size", **NON_NEGATIVE)
     max_prompt_length: int = _f(16, "prompt tokens (after the chat template); longer prompts are "
                                 "handled by data.truncation", **POSITIVE)
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
@@ -484,6 +487,20 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (Yu et al. 2025): groups whose responses all score alike teach
+    GRPO nothing; they are dropped and more prompts generated until the batch is full."""
+
+    enable: bool = _f(False, "generate batches of data.gen_batch_size prompts, keep the groups whose metric "
+                      "varies (or of one response), until data.train_batch_size groups are kept (the first ones)")
+    metric: str | None = _f(None, "the per-response value whose spread keeps a group: seq_reward (the summed "
+                            "token_level_scores), seq_final_reward (the same here: the KL penalty comes later), or a "
+                            "key the reward function returns (acc, score, ...)")
+    max_num_gen_batches: int = _f(0, "generation batches per iteration before the run stops with an error (0: no "
+                                  "limit)", **NON_NEGATIVE)
+
+
+@dataclass
 class PFPPOConfig:
     """PF-PPO (Zhu et al. 2024): the batch resampled by reward after GAE."""
 
@@ -503,6 +520,7 @@ class AlgorithmConfig:
     kl_penalty: str = _f("k1", "KL estimator used in the reward", registry="KL_ESTIMATORS")
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     use_pf_ppo: bool = _f(False, "PF-PPO: after GAE, draw the batch's rows again (as many, with replacement) "
                           "weighted by their scores (adv_estimator=gae only, as verl)")
     pf_ppo: PFPPOConfig = field(default_factory=PFPPOConfig)
@@ -687,6 +705,12 @@ class RunConfig:
                               f"{', '.join(rollout_correction.WEIGHABLE_LOSSES)}; found {self.actor.policy_loss}")
 
     @property
+    def prompts_per_generation(self) -> int:
+        """Prompts the loader gives per batch: data.gen_batch_size under dynamic sampling."""
+        return (self.data.gen_batch_size or self.data.train_batch_size) if self.algorithm.filter_groups.enable \
+            else self.data.train_batch_size
+
+    @property
     def runs_old_log_prob_stage(self) -> bool:
         """The ``old_log_prob`` stage runs: the update's old log-probs come from it, or the
         advantage needs its sum pi^2."""
@@ -817,6 +841,19 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs "
                               f"actor.calculate_sum_pi_squared=true (verl's actor_rollout_ref.actor."
                               f"calculate_sum_pi_squared); found false")
+        groups = self.algorithm.filter_groups
+        if groups.enable and not groups.metric:
+            raise ConfigError("algorithm.filter_groups.metric: expected seq_reward, seq_final_reward or a key the "
+                              "reward function returns (acc, score, ...); found none")
+        if groups.enable and groups.metric == "seq_final_reward" and self.algorithm.use_kl_in_reward:
+            raise ConfigError("algorithm.filter_groups.metric=seq_final_reward: the KL penalty in the reward is "
+                              "applied after the groups are chosen here; use seq_reward, or "
+                              "algorithm.use_kl_in_reward=false")
+        if self.data.gen_batch_size and self.data.gen_batch_size != self.data.train_batch_size and \
+                not groups.enable:
+            raise ConfigError(f"data.gen_batch_size: differs from data.train_batch_size only with "
+                              f"algorithm.filter_groups.enable=true (without it verl trains every generated row: set "
+                              f"data.train_batch_size={self.data.gen_batch_size}); found {self.data.gen_batch_size}")
         if self.algorithm.use_pf_ppo and self.algorithm.adv_estimator != "gae":
             raise ConfigError(f"algorithm.use_pf_ppo: PF-PPO resamples after GAE (verl's rule: adv_estimator=gae); "
                               f"found adv_estimator={self.algorithm.adv_estimator}")

@@ -249,6 +249,10 @@ TABLE: dict[str, Rule] = {
     # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, use_reward_loop, rollout.name,
     # rollout.gpu_memory_utilization, rollout.tensor_model_parallel_size, model.use_remove_padding,
     # model.fsdp_config.param_offload); the rest:
+    # verl's DAPO recipe (recipe.dapo.main_dapo) names the overlong buffer without reward_kwargs
+    **{f"reward_model.overlong_buffer.{key}": _m(f"reward_model.reward_kwargs.overlong_buffer_cfg.{key}",
+                                                 note="the DAPO recipe's name of reward_kwargs.overlong_buffer_cfg")
+       for key in ("enable", "len", "penalty_factor", "log")},
     "reward_model.sandbox_fusion.url": _m("reward_model.sandbox_fusion.url",
                                           note="the coding data sources are scored by running them there"),
     "reward_model.sandbox_fusion.max_concurrent": _m("reward_model.sandbox_fusion.max_concurrent"),
@@ -429,19 +433,3 @@ def table_text(ours: set[str]) -> str:
                  "ours; any other verl key is refused")
     return "\n".join(lines)
 
-
-def examples_text(scripts: dict[str, list[str]], commit: str) -> str:
-    """What ``rlhf config`` says of each of verl's example scripts' argument lists (the
-    notes it prints, or the one line refusing it), as docs/verl-examples.md lists them."""
-    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
-
-    lines = [f"verl {commit[:12]}: {len(scripts)} example scripts", ""]
-    for path, arguments in scripts.items():
-        notes: list[str] = []
-        try:
-            apply_overrides(RunConfig(), arguments, notes=notes).validate()
-            lines.append(f"{path}: taken ({len(arguments)} arguments, {len(notes)} notes)")
-        except ConfigError as exc:
-            lines.append(f"{path}: REFUSED: {exc}")
-        lines += [f"    note: {note}" for note in notes]
-    return "\n".join(lines)

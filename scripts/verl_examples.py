@@ -113,7 +113,7 @@ def main() -> None:
 
 def write_doc(recorded: pathlib.Path, doc: pathlib.Path) -> None:
     """docs/verl-examples.md: its prose kept, its listing made anew from ``recorded``."""
-    from rlhf_core.verl_keys import examples_text
+    from rlhf_core.verl_examples import examples_text
 
     data = json.loads(recorded.read_text())
     head = doc.read_text().split(FENCE, 1)[0] if doc.exists() else "# verl's example scripts here\n\n"

@@ -126,7 +126,7 @@ def test_batch_calls_the_function_once_with_lists(folders, functions):  # noqa: 
      "max_resp_len, 0: rollout.response_length); found 9"),
     (["reward_model.reward_manager=dapo", "reward_model.reward_kwargs.overlong_buffer_cfg.enable=true"],
      "reward_model.reward_kwargs.overlong_buffer_cfg.len: expected 1 to 8 tokens"),
-    (["reward_model.reward_manager=prime"], "reward_model.reward_manager"),
+    (["reward_model.reward_manager=remote"], "reward_model.reward_manager"),
 ])
 def test_settings_no_manager_would_apply_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError) as refused:

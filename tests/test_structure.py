@@ -23,6 +23,7 @@ FLOORS = (
     ("runtime", "protocol", "verl_keys"),       # this machine's processes; the data contract
     ("snapshot", "algorithms", "controller", "distributed"),
     ("config",),
+    ("verl_examples",),                          # what `rlhf config` says of verl's own scripts
     ("checkpoint",),                             # a checkpoint folder's files
     ("record",),                                 # the run's record in the store
     ("data",),                                   # prompts, tasks, inputs fetched from a store

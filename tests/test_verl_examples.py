@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.config import RunConfig, apply_overrides
-from rlhf_core.verl_keys import examples_text
+from rlhf_core.verl_examples import examples_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "tests" / "data" / "verl_examples.json").read_text())

@@ -374,6 +374,15 @@ def compute_optimal_token_baseline_advantage(token_level_rewards: torch.Tensor, 
     return advantages, returns
 
 
+def varied_groups(uids, values) -> list[str]:
+    """DAPO's dynamic sampling: the groups (``uids``, in order of first appearance) whose
+    responses' ``values`` differ (population std > 0), or that hold one response."""
+    members: dict = {}
+    for uid, value in zip(uids, values):
+        members.setdefault(uid, []).append(float(value))
+    return [uid for uid, group in members.items() if len(group) == 1 or float(np.std(group)) > 0]
+
+
 def pf_ppo_weights(scores: torch.Tensor, method: str, weight_pow: float) -> torch.Tensor:
     """PF-PPO's (Zhu et al. 2024) sampling weight of each response from its score:
     ``pow`` |s|^p, ``max_min`` 1 for the batch's best and worst (else 0), ``max_random``

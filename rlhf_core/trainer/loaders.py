@@ -40,7 +40,7 @@ def make_loader(cfg: RunConfig, state=None):
     rows = load_rows(cfg.data.train_files, cfg.trainer.seed, prompt_key=cfg.data.prompt_key,
                      source_key=cfg.data.reward_fn_key)
     return PromptLoader(rows, PromptTokenizer(model_path),
-                        cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.trainer.seed,
+                        cfg.prompts_per_generation, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
                         truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts,
                         keep_chat=cfg.reward_model.enable)

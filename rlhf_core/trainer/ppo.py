@@ -18,8 +18,10 @@ import torch
 
 from rlhf_core.algorithms import (
     AdaptiveKLController, FixedKLController, apply_kl_penalty, get_adv_estimator_fn, pf_ppo_weights, rollout_correction,
+    varied_groups,
 )
 from rlhf_core.config import RunConfig
+from rlhf_core.data.dataset import Cursor
 from rlhf_core.protocol import DataProto
 from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
@@ -123,6 +125,8 @@ class PPOTrainer:
             batch = self.stage_store.load(iteration, done[-1].name)  # the whole batch (deltas composed)
             if "kl_coef" in batch.meta_info:
                 self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
+            if "prompt_cursor" in batch.meta_info:  # prompts filter_groups already drew stay drawn
+                self.loader.cursor = Cursor(**batch.meta_info["prompt_cursor"])
         elif ahead is not None:
             batch = self._adopt(iteration, ahead, timing)
             done = plan[:len(ahead.stages)]
@@ -187,6 +191,8 @@ class PPOTrainer:
         """The iteration's prompts (advances the data cursor)."""
         batch = self.loader.next_batch()
         batch.meta_info.update(global_step=self.state.global_step, temperature=self.config.rollout.temperature)
+        if self.config.algorithm.filter_groups.enable:  # where filter_groups draws its next prompts from
+            batch.meta_info["prompt_cursor"] = self.loader.cursor.to_dict()
         return batch
 
     def _stage_done(self, name: str) -> None:
@@ -215,12 +221,67 @@ class PPOTrainer:
         cfg, step = self.config, batch.meta_info["global_step"]
         batch = batch.repeat(cfg.rollout.n, interleave=True)  # n responses share a uid
         # one seed per response row: its sample does not depend on batching or restarts
-        batch.batch["sample_seed"] = cfg.rollout.seed + step * 1_000_003 + torch.arange(len(batch))
+        # (filter_groups' further generation batches: seeds after the earlier ones')
+        first = step * 1_000_003 + batch.meta_info.get("generation", 0) * len(batch)
+        batch.batch["sample_seed"] = cfg.rollout.seed + first + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
         batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
         if cfg.trainer.balance_batch and cfg.actor.world_size > 1:  # each rank's chunk: about the same tokens
             batch.reorder(modeling.balanced_order(batch.batch["attention_mask"].sum(dim=1).tolist(),
                                                   cfg.actor.world_size))
+        return batch
+
+    def filter_groups(self, batch: DataProto) -> DataProto:
+        """DAPO's dynamic sampling: keep the groups whose filter_groups.metric varies; while
+        fewer than data.train_batch_size are kept, generate and score the next batch of
+        prompts (the stages before this one) and keep its varied groups too; the first
+        train_batch_size groups are the iteration's batch."""
+        cfg = self.config
+        wanted, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
+        self.loader.cursor = Cursor(**batch.meta_info["prompt_cursor"])
+        scored, parts, uids, generations = batch, [], [], 1
+        while True:
+            keep = varied_groups(scored.non_tensor_batch["uid"].tolist(), self._group_metric(scored))
+            uids += keep[:wanted - len(uids)]
+            parts.append(scored.select_idxs(torch.tensor(
+                [row for row, uid in enumerate(scored.non_tensor_batch["uid"].tolist()) if uid in set(keep)],
+                dtype=torch.long)))
+            if len(uids) >= wanted:
+                break
+            if limit and generations >= limit:
+                raise RuntimeError(f"algorithm.filter_groups.max_num_gen_batches={limit}: {len(uids)} of {wanted} "
+                                   f"groups with a varied {cfg.algorithm.filter_groups.metric} after {generations} "
+                                   f"generation batches (0: no limit)")
+            scored = self._generate_scored(batch.meta_info["global_step"], generations)
+            generations += 1
+        chosen = set(uids)
+        out = DataProto.concat(parts)
+        out = out.select_idxs(torch.tensor([row for row, uid in enumerate(out.non_tensor_batch["uid"].tolist())
+                                            if uid in chosen], dtype=torch.long))
+        if cfg.trainer.balance_batch and cfg.actor.world_size > 1:
+            out.reorder(modeling.balanced_order(out.batch["attention_mask"].sum(dim=1).tolist(), cfg.actor.world_size))
+        out.meta_info = {**batch.meta_info, "prompt_cursor": self.loader.cursor.to_dict()}
+        return self._stage_metrics(out, {"train/num_gen_batches": generations})
+
+    def _group_metric(self, batch: DataProto) -> list[float]:
+        metric = self.config.algorithm.filter_groups.metric
+        if metric in ("seq_reward", "seq_final_reward"):  # no KL penalty before the advantage here
+            return batch.batch["token_level_scores"].sum(dim=-1).tolist()
+        column = batch.non_tensor_batch.get(f"reward_extra/{metric}")
+        if column is None or any(v is None for v in column.tolist()):
+            found = sorted(k[len("reward_extra/"):] for k in batch.non_tensor_batch if k.startswith("reward_extra/"))
+            raise RuntimeError(f"algorithm.filter_groups.metric={metric}: expected seq_reward, seq_final_reward or "
+                               f"a key the reward function returns for every response; it returns {found}")
+        return [float(v) for v in column.tolist()]
+
+    def _generate_scored(self, step: int, generation: int) -> DataProto:
+        """The next generation batch, through the stages before filter_groups."""
+        batch = self.loader.next_batch()
+        batch.meta_info.update(global_step=step, temperature=self.config.rollout.temperature, generation=generation)
+        for stage in self.stages():
+            if stage.name == "filter_groups":
+                break
+            batch = getattr(self, stage.method)(batch)
         return batch
 
     def compute_reward_baseline(self, batch: DataProto) -> DataProto:

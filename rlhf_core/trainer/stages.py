@@ -9,6 +9,8 @@ are loaded, which re-run), the iteration manifest (which snapshots it lists) and
     stateful   it changes worker state (weights, optimizer, engine): on resume it re-runs
                from the restored checkpoint instead of being loaded from its snapshot
     persisted  its output batch is committed as a snapshot, so it can be replayed
+    draws_prompts  it takes further prompts from the data loader (DAPO's dynamic sampling):
+               never computed ahead
     inference  it only reads worker state: the leading run of inference stages can be
                computed ahead (``prefetchable``) while no controller is attached
     side       its input and output are a batch of their own, not the iteration's (validation):
@@ -39,6 +41,7 @@ class Stage:
     enabled: Callable[[RunConfig], bool] = _always
     side: bool = False
     due: Callable[[RunConfig, int], bool] | None = None  # side stages: the iterations that run it
+    draws_prompts: bool = False  # it takes more prompts from the loader (never computed ahead)
 
     @property
     def inference(self) -> bool:
@@ -51,6 +54,8 @@ STAGES: tuple[Stage, ...] = (
           enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
     Stage("rm_score", "compute_rm_score", ("reward_model",), enabled=lambda cfg: cfg.reward_model.enable),
     Stage("reward", "compute_reward", ("reward",)),
+    Stage("filter_groups", "filter_groups", ("actor", "reward"), enabled=lambda cfg: cfg.algorithm.filter_groups.enable,
+          draws_prompts=True),
     Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.runs_old_log_prob_stage),
     Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
     Stage("values", "compute_values", ("critic",), enabled=lambda cfg: cfg.use_critic),
@@ -96,7 +101,7 @@ def prefetchable(cfg: RunConfig) -> list[Stage]:
     right after this one's weight sync (``rlhf_core.session.prefetch``)."""
     stages = []
     for stage in plan(cfg):
-        if not stage.inference:
+        if not stage.inference or stage.draws_prompts:
             break
         stages.append(stage)
     return stages

@@ -1,0 +1,159 @@
+"""DAPO's dynamic sampling (algorithm.filter_groups, data.gen_batch_size): groups whose
+metric does not vary are dropped and more prompts generated until the batch is full; the
+stage is a snapshot, resumes with the prompts it drew and replays exactly. Also a
+scaled-down run with the keys of verl's DAPO recipe script."""
+
+import os
+
+import numpy as np
+import pytest
+
+from helpers import fingerprint, small_config
+from rlhf_core.algorithms import varied_groups
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+from rlhf_core.record.iteration_store import IterationStore
+from rlhf_core.record.run_layout import RunRef
+from rlhf_core.trainer.run import run_direct
+
+pytestmark = pytest.mark.usefixtures("ray_local")
+# a pass/fail column of the built-in task's partial credit: many groups pass or fail whole
+DAPO = ["data.train_batch_size=4", "data.gen_batch_size=8", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=20",
+        "custom_reward_function.name=score"]
+PASS_FAIL = '''
+from rlhf_core.data.builtin import reward_score
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    s = reward_score(data_source, solution_str, ground_truth, extra_info)["score"]
+    return {"score": s, "acc": float(s >= THRESHOLD)}
+'''
+CONSTANT = '''
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.0, "acc": 0.0}
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_cache(tmp_path_factory):
+    os.environ.setdefault("RLHF_CACHE", str(tmp_path_factory.mktemp("rlhf-cache")))
+
+
+def test_varied_groups_keeps_spread_or_lone_responses_in_order():
+    uids = ["a", "a", "b", "b", "c", "d", "d"]
+    values = [1, 0, 1, 1, 0, 0.5, 0.5]
+    assert varied_groups(uids, values) == ["a", "c"]
+
+
+def test_dynamic_sampling_settings_are_checked():
+    with pytest.raises(ConfigError, match="algorithm.filter_groups.metric: expected seq_reward"):
+        apply_overrides(RunConfig(), ["algorithm.filter_groups.enable=true"]).validate()
+    with pytest.raises(ConfigError, match="data.gen_batch_size: differs from data.train_batch_size only with"):
+        apply_overrides(RunConfig(), ["data.gen_batch_size=512"]).validate()
+    with pytest.raises(ConfigError, match="seq_final_reward: the KL penalty"):
+        apply_overrides(RunConfig(), ["algorithm.filter_groups.enable=true", "algorithm.use_kl_in_reward=true",
+                                      "algorithm.filter_groups.metric=seq_final_reward"]).validate()
+
+
+@pytest.fixture(scope="module")
+def dapo_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dapo")
+    (root / "pass_fail.py").write_text(PASS_FAIL.replace("THRESHOLD", "0.4"))
+    cfg = apply_overrides(small_config(root / "out"), DAPO + [f"custom_reward_function.path={root / 'pass_fail.py'}"]
+                          ).validate()
+    result = run_direct(cfg, 2, RunRef(f"file://{root / 'store'}", "r"), log=lambda *a: None)
+    return {"root": root, "cfg": cfg, **result}
+
+
+def test_the_batch_holds_train_batch_size_varied_groups(dapo_run):
+    istore = IterationStore(RunRef(f"file://{dapo_run['root'] / 'store'}", "r"))
+    generations = [row["train/num_gen_batches"] for row in dapo_run["rows"]]
+    assert all(g >= 1 for g in generations) and max(generations) > 1, generations  # it had to draw more
+    for n in range(2):
+        batch = istore.load(n, "filter_groups")
+        uids = batch.non_tensor_batch["uid"].tolist()
+        exact = [float(v) for v in batch.non_tensor_batch["reward_extra/acc"].tolist()]
+        assert len(batch) == 4 * 4 and len(set(uids)) == 4
+        groups = {}
+        for uid, value in zip(uids, exact):
+            groups.setdefault(uid, []).append(value)
+        assert all(np.std(v) > 0 for v in groups.values()), groups
+        assert len(istore.load(n, "reward")) == 8 * 4  # the first generation batch, as generated
+    manifest = istore.read_manifest(1)
+    # the data cursor moved past every prompt drawn: gen_batch_size per generation batch
+    assert manifest["data_cursor"]["position"] == 8 * sum(generations) % 64 or manifest["data_cursor"]["epoch"] > 0
+
+
+def test_a_run_interrupted_after_filter_groups_resumes_with_the_prompts_it_drew(dapo_run, tmp_path):
+    class Crash(RuntimeError):
+        pass
+
+    def crash(iteration, name):
+        if (iteration, name) == (1, "advantage"):
+            raise Crash("injected")
+
+    store = tmp_path / "store"
+    with pytest.raises(Crash):
+        run_direct(dapo_run["cfg"], 2, RunRef(f"file://{store}", "r"), log=lambda *a: None, on_stage=crash)
+    assert (store / "r/iter-000001/filter_groups/SNAPSHOT.json").exists()
+    run_direct(dapo_run["cfg"], 1, RunRef(f"file://{store}", "r"), log=lambda *a: None)
+    a, b = fingerprint(dapo_run["root"] / "store", "r"), fingerprint(store, "r")
+    assert sorted(a) == sorted(b) and not [k for k in a if a[k] != b[k]]
+    assert IterationStore(RunRef(f"file://{store}", "r")).read_manifest(1)["data_cursor"] == \
+        IterationStore(RunRef(f"file://{dapo_run['root'] / 'store'}", "r")).read_manifest(1)["data_cursor"]
+
+
+def test_filter_groups_replays_exactly(dapo_run):
+    from rlhf_core.trainer.replay import replay
+
+    [result] = replay(f"file://{dapo_run['root'] / 'store'}/r/iter-000001", stages=["filter_groups"],
+                      log=lambda *a: None, trust_reward_function=True)
+    assert result.ok, [d for d in result.diffs if not d.equal]
+
+
+def test_too_many_generation_batches_stop_the_run_in_one_line(tmp_path):
+    reward = tmp_path / "constant.py"
+    reward.write_text(CONSTANT)
+    cfg = apply_overrides(small_config(tmp_path / "out"), [
+        "data.train_batch_size=4", "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+        "algorithm.filter_groups.max_num_gen_batches=2", f"custom_reward_function.path={reward}",
+        "custom_reward_function.name=score"]).validate()
+    with pytest.raises(Exception, match=r"max_num_gen_batches=2: 0 of 4 groups with a varied acc after 2 generation"):
+        run_direct(cfg, 1, RunRef(f"file://{tmp_path / 'store'}", "r"), log=lambda *a: None)
+
+
+def test_verls_dapo_recipe_keys_scaled_down_run(tmp_path):
+    """verl's recipe/dapo test_dapo_7b.sh's algorithm keys (dynamic sampling on acc, the
+    dapo reward manager's overlong buffer, clip-higher, token-mean, no KL), with its model,
+    data and sizes scaled down to the built-in task."""
+    from rlhf_core.data.builtin import make_rows
+
+    verl_keys = [
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.kl_coef=0.0",
+        "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.kl_loss_coef=0.0",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.clip_ratio_c=10.0", "algorithm.filter_groups.enable=True",
+        "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+        "data.train_batch_size=4", "data.gen_batch_size=12", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=True",
+        "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=1.0",
+        "data.max_response_length=12", "actor_rollout_ref.actor.optim.lr=1e-5",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps=1", "actor_rollout_ref.actor.optim.weight_decay=0.1",
+        "actor_rollout_ref.rollout.temperature=1.0", "actor_rollout_ref.rollout.top_p=1.0",
+        "trainer.save_freq=-1", "trainer.total_epochs=1",
+    ]
+    reward = tmp_path / "acc.py"
+    reward.write_text("from rlhf_core.data.builtin import reward_score\n\n"
+                      "def acc(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    s = reward_score(data_source, solution_str, ground_truth, extra_info)\n"
+                      "    return float(s['score'] >= 0.4)\n")  # pass/fail, as verl's math_dapo
+    notes: list[str] = []
+    cfg = apply_overrides(small_config(tmp_path / "out"), verl_keys + [
+        f"custom_reward_function.path={reward}", "custom_reward_function.name=acc"], notes=notes).validate()
+    assert cfg.reward_model.reward_kwargs.overlong_buffer_cfg.len == 4 and cfg.data.gen_batch_size == 12
+    result = run_direct(cfg, 2, RunRef(f"file://{tmp_path / 'store'}", "r"), log=lambda *a: None)
+    rows = result["rows"]
+    assert [r["iteration"] for r in rows] == [0, 1] and all(r["train/num_gen_batches"] >= 1 for r in rows)
+    # the dapo manager logs acc for a function returning a number: the filter's metric
+    assert all("critic/reward_extra/acc/mean" in r for r in rows)
