@@ -3,6 +3,7 @@ it, is taken by ``rlhf config`` (recorded from verl's examples/ by
 ``scripts/verl_examples.py``; see docs/verl-examples.md for the notes each prints)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,98 @@ def test_docs_list_what_rlhf_config_says_of_each():
     listing = doc.split("```text\n", 1)[1].split("\n```", 1)[0]
     assert listing == examples_text(SCRIPTS, RECORDED["verl_commit"]), \
         "docs/verl-examples.md is stale: python scripts/verl_examples.py --doc-only"
+
+
+# ------------------------------------------------------------------ scaled-down runs of three scripts
+
+REWARD = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    # varied within a group: credit for an even number of characters
+    return float(len(solution_str) % 2 == 0)
+"""
+
+
+def scaled(path: str, tmp_path, changes: dict[str, str], extra: list[str] = ()) -> list[str]:
+    """A recorded script's arguments with its model, data and sizes scaled to a tiny model
+    on CPU: ``changes`` replace values of keys it sets (a key it does not set is an error),
+    the GPU counts are left out (CPU ranks here), ``extra`` is appended."""
+    from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
+
+    model = build_model_folder(tmp_path / "model")
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    common = {"data.train_files": str(write_verl_parquet(tmp_path / "train.parquet", count=8)),
+              "data.val_files": str(write_verl_parquet(tmp_path / "test.parquet", count=2)),
+              "actor_rollout_ref.model.path": str(model), "actor_rollout_ref.rollout.name": "hf",
+              "data.max_prompt_length": "64", "data.max_response_length": "6", "data.train_batch_size": "4",
+              "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "actor_rollout_ref.rollout.n": "4"}
+    changes = {**common, **changes}
+    args, seen = [], set()
+    for arg in SCRIPTS[path]:
+        key = arg.split("=", 1)[0].lstrip("+")
+        if key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
+            continue
+        seen.add(key)
+        args.append(f"{key}={changes[key]}" if key in changes else arg)
+    assert set(changes) <= seen, sorted(set(changes) - seen)
+    return args + [f"custom_reward_function.path={reward}", "custom_reward_function.name=score", *extra]
+
+
+def run_scaled(args: list[str], tmp_path, iterations: int | None = None) -> list[dict]:
+    from rlhf_core.cli import main
+
+    out = tmp_path / "out"
+    some = ["--more", str(iterations)] if iterations else []
+    assert main(["run", "--direct", *some, "--run-id", "verl", "--store", f"file://{tmp_path / 'store'}", *args,
+                 f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    return [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_verls_gspo_script_scaled_down_runs(tmp_path, ray_local):
+    """examples/gspo_trainer/test_gspo_3b_math.sh: GSPO's sequence-level ratio with its tiny
+    clip range, dynamic batch sizes, the dapo reward manager, a 5% warmup of
+    total_training_steps (verl's ratio: ceil-free int(0.05 x 20) = 1 step)."""
+    args = scaled("examples/gspo_trainer/test_gspo_3b_math.sh", tmp_path, {
+        "trainer.total_training_steps": "20", "reward_model.reward_kwargs.overlong_buffer_cfg.len": "2",
+        "reward_model.reward_kwargs.max_resp_len": "6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4"},
+        extra=["trainer.total_iterations=2"])
+    rows = run_scaled(args, tmp_path)
+    assert len(rows) == 2 and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    assert rows[0]["actor/lr"] == pytest.approx(1e-6)  # warmup of 1 step over, constant after (verl's default)
+
+
+def test_verls_dapo_script_scaled_down_runs(tmp_path, ray_local):
+    """examples/gmpo_trainer/test_dapo_7b_math.sh: GMPO's geometric-mean loss, the dapo
+    manager with an overlong buffer, left truncation, Ulysses (noted), a longer position
+    limit for the model."""
+    args = scaled("examples/gmpo_trainer/test_dapo_7b_math.sh", tmp_path, {
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len": "2", "reward_model.reward_kwargs.max_resp_len": "6",
+        "actor_rollout_ref.model.override_config.max_position_embeddings": "4096",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": "1", "actor_rollout_ref.actor.fsdp_config.fsdp_size": "1",
+        "trainer.total_training_steps": "2"})
+    rows = run_scaled(args, tmp_path)
+    assert len(rows) == 2 and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    assert all("critic/reward_extra/acc/mean" in r for r in rows)  # the dapo manager's acc of a float reward
+
+
+def test_a_script_with_a_cosine_warmup_follows_verls_schedule(tmp_path, ray_local):
+    """The GSPO script with verl's cosine schedule asked for: a warmup of 20% of its 10
+    training steps (2, from 0), then a cosine down to min_lr_ratio; each iteration's update
+    runs at verl's get_cosine_schedule_with_warmup of its step (once per iteration, as
+    verl steps the scheduler), whatever the number of mini-batches."""
+    args = scaled("examples/gspo_trainer/test_gspo_3b_math.sh", tmp_path, {
+        "trainer.total_training_steps": "10", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "0.2",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len": "2", "reward_model.reward_kwargs.max_resp_len": "6",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4"},
+        extra=["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+               "actor_rollout_ref.actor.optim.min_lr_ratio=0.1"])
+    rows = run_scaled(args, tmp_path, iterations=4)
+
+    def verl_cosine(step, warmup=2, total=10, min_ratio=0.1, cycles=0.5):  # verl's lr_lambda, init_lr_ratio 0
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = (step - warmup) / max(1, total - warmup)
+        return max(min_ratio, math.cos(math.pi * cycles * 2 * progress) * (1 - min_ratio) * 0.5 + (1 + min_ratio) * 0.5)
+
+    assert [r["actor/lr"] for r in rows] == pytest.approx([1e-6 * verl_cosine(s) for s in range(4)])
+    assert rows[3]["actor/lr"] == pytest.approx(1e-6 * (0.45 * math.cos(math.pi / 8) + 0.55))
