@@ -540,6 +540,12 @@ class TrainerConfig:
     critic_warmup: int = _f(0, "verl's critic warmup: the actor updates from iteration critic_warmup on, counted "
                             "from 1 as verl does (so N-1 critic-only iterations first; 0 and 1: none)",
                             **NON_NEGATIVE)
+    logger: str = _f("console,mlflow", "where metrics go besides metrics.jsonl and the report (comma-separated; "
+                     "verl's ['console','wandb'] taken): console = the progress line; mlflow = an MLflow run when "
+                     "MLFLOW_TRACKING_URI is set; wandb = a W&B run (offline, under the run's output folder, unless "
+                     "WANDB_API_KEY or WANDB_MODE says otherwise); tensorboard = event files under $TENSORBOARD_DIR "
+                     "or the run's output folder (wandb and tensorboard: pip install 'rlhf-core[trackers]')",
+                     hashed=False)
     project_name: str | None = _f(None, "the MLflow experiment (None: MLflow's $MLFLOW_EXPERIMENT_NAME, else rlhf)",
                                   hashed=False)
     experiment_name: str | None = _f(None, "the MLflow run's name (None: the run id)", hashed=False)
@@ -841,6 +847,9 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs "
                               f"actor.calculate_sum_pi_squared=true (verl's actor_rollout_ref.actor."
                               f"calculate_sum_pi_squared); found false")
+        unknown = [name for name in listed_loggers(self.trainer.logger) if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.logger: expected a list of {', '.join(LOGGERS)}; found {unknown[0]!r}")
         groups = self.algorithm.filter_groups
         if groups.enable and not groups.metric:
             raise ConfigError("algorithm.filter_groups.metric: expected seq_reward, seq_final_reward or a key the "
@@ -1123,6 +1132,15 @@ def _convert(raw: str, annotation, path: str):
         return raw
     except ValueError:
         raise ConfigError(f"{path}: expected {getattr(annotation, '__name__', annotation)}, found {raw!r}") from None
+
+
+#: trainer.logger's names (rlhf_core/record/tracking.py sends each iteration to them).
+LOGGERS = ("console", "mlflow", "wandb", "tensorboard")
+
+
+def listed_loggers(value: str) -> list[str]:
+    """trainer.logger's names, in order: ``console,wandb`` or verl's ``['console','wandb']``."""
+    return [name.strip().strip("'\"") for name in value.strip().strip("[]").split(",") if name.strip()]
 
 
 def _unquoted(item: str) -> str:

@@ -295,8 +295,7 @@ TABLE: dict[str, Rule] = {
     "trainer.val_before_train": _m("trainer.val_before_train", note="validation before the first iteration"),
     "trainer.project_name": _m("trainer.project_name", note="names the MLflow experiment"),
     "trainer.experiment_name": _m("trainer.experiment_name", note="names the MLflow run"),
-    "trainer.logger": _note("metrics go to metrics.jsonl, the Kubeflow report, and MLflow when "
-                            "MLFLOW_TRACKING_URI is set"),
+    "trainer.logger": _m("trainer.logger", convert=lambda raw: ",".join(sorted(_listed(raw), key=raw.find))),
     "trainer.default_local_dir": _note("checkpoints go to the run's store (rlhf run --store)"),
     "trainer.resume_mode": _note("resume is automatic here: a run id with committed iterations continues"),
     "trainer.balance_batch": _m("trainer.balance_batch", note="tokens balanced across the actor's ranks"),

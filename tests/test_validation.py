@@ -5,6 +5,7 @@ report, and never changes what is trained; the fine-tune driver stops at a val s
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -61,11 +62,17 @@ def runs(tmp_path_factory, ray_local):
             f.write(json.dumps(row) + "\n")
     custom = [f"custom_reward_function.path={root / 'reward.py'}", "custom_reward_function.name=my_score"]
     out = {}
+    # W&B offline (no key, no mode, no folder of the user's), TensorBoard under the run
+    patch = pytest.MonkeyPatch()
+    for key in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "TENSORBOARD_DIR", "MLFLOW_TRACKING_URI"):
+        patch.delenv(key, raising=False)
     for name, extra in (("plain", []), ("val", [f"data.val_files={root / 'val.jsonl'}", "trainer.test_freq=2",
-                                                   "trainer.log_val_generations=3"])):
+                                                   "trainer.log_val_generations=3",
+                                                   "trainer.logger=['console','wandb','tensorboard']"])):
         cfg = apply_overrides(small_config(root / name / "out"), custom + extra).validate()
         out[name] = run_direct(cfg, 3, RunRef(f"file://{root / name / 'store'}", "r"), log=lambda *a: None)
         out[name]["store"] = root / name / "store"
+    patch.undo()
     return out
 
 
@@ -137,13 +144,53 @@ def test_log_val_generations_shows_verls_pick_in_the_report_and_mlflow(runs, tmp
                for s in samples) >= 3
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path / 'mlruns'}")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    mlflow_run = tracking.export_iteration("r", istore.read_manifest(2), samples)
+    mlflow_run = tracking.export_iteration("r", istore.read_manifest(2), samples)["mlflow"]
     logged = mlflow.artifacts.load_dict(
         f"{mlflow.MlflowClient().get_run(mlflow_run).info.artifact_uri}/val_generations/iter-000002.json")
     assert logged == {"step": 2, "samples": samples}
     # the validation metrics themselves, '@' renamed as verl's MLflow logger does (MLflow refuses it)
     [point] = mlflow.MlflowClient().get_metric_history(mlflow_run, VAL.replace("@", "_at_"))
     assert point.step == 2 and point.value == istore.read_manifest(2)["metrics"][VAL]
+
+
+def test_the_run_wrote_its_metrics_to_wandb_offline_and_tensorboard(runs):
+    """trainer.logger=['console','wandb','tensorboard'] (verl's syntax): an offline W&B run
+    folder and TensorBoard event files under the run's output folder, each holding every
+    iteration's metrics at step = iteration and the validation samples."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from wandb_records import history
+
+    rows = runs["val"]["rows"]
+    out = Path(runs["val"]["metrics"]).parent
+    [wandb_file] = out.glob("wandb/offline-run-*-rlhf-r/run-rlhf-r.wandb")
+    logged = history(wandb_file)
+    assert [h["_step"] for h in logged] == [0, 1, 2]
+    assert [h["critic/score/mean"] for h in logged] == pytest.approx([r["critic/score/mean"] for r in rows])
+    assert logged[2][VAL] == pytest.approx(rows[2][VAL])
+    assert logged[2]["val/generations/_type"] == "table-file" and logged[2]["val/generations/nrows"] == 3
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("critic/score/mean")] == [0, 1, 2]
+    assert [e.value for e in events.Scalars(VAL)] == pytest.approx([rows[0][VAL], rows[2][VAL]])
+    assert [e.step for e in events.Tensors("val/generations/text_summary")] == [0, 2]
+
+
+def test_a_logger_here_or_its_package_missing_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    from rlhf_core.config import ConfigError
+    from rlhf_core.trainer.preflight import PreflightError, check_loggers
+
+    cfg = apply_overrides(RunConfig(), ["trainer.logger=['console','wandb']"]).validate()
+    assert cfg.trainer.logger == "console,wandb"
+    with pytest.raises(ConfigError, match=r"trainer.logger: expected a list of console, mlflow, wandb, "
+                                          r"tensorboard; found 'swanlab'"):
+        apply_overrides(RunConfig(), ["trainer.logger=[console,swanlab]"]).validate()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(PreflightError, match=r"^trainer.logger lists wandb: expected the wandb package \(pip install "
+                                             r"'rlhf-core\[trackers\]'\); found none installed$"):
+        check_loggers(cfg)
 
 
 class _Validating:

@@ -23,11 +23,22 @@ def check_inputs(cfg: RunConfig) -> None:
     vLLM's CPU engine cannot serve."""
     from rlhf_core.trainer.loaders import make_loader, make_val_loader
 
+    check_loggers(cfg)
     make_loader(cfg)  # tokenizes every prompt as the run's loader will
     if cfg.data.val_files:
         make_val_loader(cfg)
     check_rollout_model(cfg)
     check_critic_model(cfg)
+
+
+def check_loggers(cfg: RunConfig) -> None:
+    """Every tracker trainer.logger lists can be imported."""
+    from rlhf_core.record.tracking import PACKAGES, missing_packages
+
+    missing = missing_packages(cfg.trainer.logger)
+    if missing:
+        raise PreflightError(f"trainer.logger lists {missing[0]}: expected the {PACKAGES[missing[0]]} package "
+                             f"(pip install 'rlhf-core[trackers]'); found none installed")
 
 
 def check_critic_model(cfg: RunConfig) -> None:

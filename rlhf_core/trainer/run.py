@@ -209,11 +209,12 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
     check()
     istore.commit_iteration(iteration, manifest)
-    if tracking.enabled():
+    if tracking.exports(cfg.trainer.logger):
         from rlhf_core.trainer.report import validation_samples
 
         tracking.export_iteration(istore.run_id, istore.read_manifest(iteration),
-                                  validation_samples(istore, iteration, cfg.trainer.log_val_generations))
+                                  validation_samples(istore, iteration, cfg.trainer.log_val_generations),
+                                  cfg.trainer.logger, Path(cfg.trainer.output_dir) / istore.run_id)
     return checkpoint_s
 
 
@@ -272,4 +273,7 @@ def run_direct(cfg: RunConfig, iterations: int, run: RunRef, log=print, time_bud
             workers.kill()
     finally:
         leases.close()
+        from rlhf_core.record import tracking
+
+        tracking.close()  # W&B and TensorBoard write their last records
     return {**finish_outputs(cfg, run_dir, rows, istore, trainer), "started": started}
