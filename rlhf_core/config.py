@@ -15,6 +15,7 @@ import difflib
 import hashlib
 import json
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,6 +166,8 @@ class ActorConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay", **NON_NEGATIVE)
     ppo_mini_batch_size: int = _f(32, "prompts per optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
+    shuffle: bool = _f(True, "each PPO epoch takes its mini-batches in a seeded random order (false, verl's "
+                       "default: in batch order, a group's responses together)")
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank; the mini-batch's "
                                            "gradient accumulates over them (0: the whole mini-batch at once)",
                                            **NON_NEGATIVE)
@@ -283,6 +286,8 @@ class CriticConfig:
                          "head starts the value head); it must share the policy's vocabulary; empty: model.path",
                          checkpoint=True)
     lr: float = _f(1e-3, "AdamW learning rate of the value model", **NON_NEGATIVE)
+    weight_decay: float = _f(0.01, "AdamW weight decay of the value model (torch's and verl's default)",
+                             **NON_NEGATIVE)
     lr_warmup_steps: int = _schedule("lr_warmup_steps")
     lr_warmup_steps_ratio: float = _schedule("lr_warmup_steps_ratio")
     lr_scheduler_type: str = _schedule("lr_scheduler_type")
@@ -290,6 +295,8 @@ class CriticConfig:
     num_cycles: float = _schedule("num_cycles")
     cliprange_value: float = _f(0.5, "value clipping range", **POSITIVE)
     ppo_epochs: int = _f(1, "passes over each iteration's batch", **POSITIVE)
+    shuffle: bool = _f(True, "each PPO epoch takes its mini-batches in a seeded random order (false: in batch "
+                       "order)")
     ppo_mini_batch_size: int = _f(8, "prompts per critic optimizer step (x rollout.n responses)", **POSITIVE)
     ppo_micro_batch_size_per_gpu: int = _f(0, "responses per forward/backward on one rank (0: the whole "
                                            "mini-batch)", **NON_NEGATIVE)
@@ -800,7 +807,7 @@ class RunConfig:
                 raise ConfigError(f"critic.world_size={self.critic.world_size} must split evenly over "
                                   f"resources.critic_nnodes={res.critic_nnodes} nodes of {per_node} ranks each")
         rm = self.reward_model
-        if rm.use_reward_loop and rm.rollout.tensor_model_parallel_size != 1:
+        if rm.enable and rm.use_reward_loop and rm.rollout.tensor_model_parallel_size != 1:
             raise ConfigError(f"reward_model.rollout.tensor_model_parallel_size: expected 1 (one engine per rank of the "
                               f"reward model's pool here); found {rm.rollout.tensor_model_parallel_size}")
         if rm.enable_resource_pool:
@@ -1108,6 +1115,22 @@ def _leaf_paths(obj, prefix="") -> dict[str, Any]:
     return out
 
 
+def grouped_notes(notes: list[str]) -> list[str]:
+    """Notes that say the same of several keys as one line (``k1=v1, k2=v2: why``): a full
+    verl YAML notes hundreds of keys for a few reasons."""
+    by_reason: dict[str, list[str]] = {}
+    for note in notes:
+        head, sep, reason = note.partition(": ")
+        by_reason.setdefault(reason if sep else note, []).append(head if sep else "")
+    return [f"{', '.join(heads)}: {reason}" if heads != [""] else reason for reason, heads in by_reason.items()]
+
+
+def _optional(annotation) -> bool:
+    if isinstance(annotation, str):
+        return "None" in annotation
+    return typing.get_origin(annotation) in (typing.Union, type(int | None)) and type(None) in typing.get_args(annotation)
+
+
 def _convert(raw: str, annotation, path: str):
     hints = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, type(int | None)) else ()
     if hints:  # Optional[X]
@@ -1170,12 +1193,11 @@ def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if notes is None:
-        import sys
-
-        for note in translated.notes:
-            print(f"rlhf: note: verl key {note}", file=sys.stderr)
+        for line in grouped_notes(translated.notes):
+            print(f"rlhf: note: verl key {line}", file=sys.stderr)
     else:
         notes += translated.notes
+    unset: list[str] = []
     for item in translated.overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key.path=value")
@@ -1192,10 +1214,20 @@ def apply_overrides(cfg: RunConfig, overrides: list[str], sources: dict[str, str
         owner = type(target)
         if owner not in hints_cache:
             hints_cache[owner] = typing.get_type_hints(owner)
-        setattr(target, name, _convert(raw, hints_cache[owner][name], path))
+        annotation = hints_cache[owner][name]
+        if raw.strip().lower() in ("null", "none", "~") and not _optional(annotation):
+            # verl's null: unset, its code then falls back on another setting; here the field keeps its value
+            unset.append(f"{path}=null (verl: unset; here it keeps {getattr(target, name)!r}): no effect")
+            continue
+        setattr(target, name, _convert(raw, annotation, path))
         if sources is not None:
             verl = translated.provenance.get(path)
             sources[path] = origin if verl is None else f"verl:{verl}" if origin == "override" else f"{origin} verl:{verl}"
+    if notes is not None:
+        notes += unset
+    else:
+        for line in grouped_notes(unset):
+            print(f"rlhf: note: {line}", file=sys.stderr)
     return cfg
 
 
@@ -1247,7 +1279,12 @@ def config_file_items(path: str) -> list[str]:
         raise ConfigError(f"--config {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of config keys; found {type(data).__name__}")
-    return flatten(data)
+    from rlhf_core.verl_keys import resolve_interpolations
+
+    try:
+        return flatten(resolve_interpolations(data))
+    except ValueError as exc:
+        raise ConfigError(f"--config {path}: {exc}") from None
 
 
 def load_config(path: str | None, overrides: list[str], notes: list[str] | None = None

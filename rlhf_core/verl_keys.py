@@ -18,6 +18,7 @@ another part of the code adds (validation, custom reward files) before they land
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -271,8 +272,6 @@ TABLE: dict[str, Rule] = {
     "reward_model.model.trust_remote_code": Rule(note="false: the model's own classes only",
                                                  refuse="no remote code is run here",
                                                  accepts=lambda raw: raw.lower() in ("false", "0")),
-    "reward_model.micro_batch_size": _refuse("verl's deprecated global micro-batch: use "
-                                             "reward_model.micro_batch_size_per_gpu"),
     "reward_model.launch_reward_fn_async": Rule(note="false: rewards are computed in the reward stage",
                                                 refuse="no asynchronous reward function here",
                                                 accepts=lambda raw: raw.lower() in ("false", "0")),
@@ -300,7 +299,8 @@ TABLE: dict[str, Rule] = {
     "trainer.resume_mode": _note("resume is automatic here: a run id with committed iterations continues"),
     "trainer.balance_batch": _m("trainer.balance_batch", note="tokens balanced across the actor's ranks"),
     "trainer.device": _note("no effect: the device follows resources.gpus_per_node"),
-    "trainer.val_only": _refuse("no validation-only runs here"),
+    "trainer.val_only": Rule(note="false: the run trains", refuse="no validation-only runs here",
+                             accepts=lambda raw: raw.strip().lower() in ("false", "0")),
     **{f"{role}.checkpoint.{what}_contents": Rule(
         note="every checkpoint holds the model, the optimizer and the extra state (an exact resume needs all "
              "three); hf_model is not written at save time: `rlhf export <checkpoint>` writes that folder from any "
@@ -311,6 +311,245 @@ TABLE: dict[str, Rule] = {
             CHECKPOINT_CONTENTS <= _listed(raw) | {"extra"} and "model" in _listed(raw) or _listed(raw) == {"hf_model"}))
        for role in ("actor_rollout_ref.actor", "critic") for what in ("save", "load")},
 }
+
+
+# ---------------------------------------------------------------- verl's full trainer config
+# A YAML as verl's trainer writes it (ppo_trainer.yaml, every default in it) sets ~550 keys.
+# Those for features this trainer does not have are taken at verl's default, which is
+# what happens here (the feature off), and refused at any other value, naming the feature.
+
+
+def _normal(raw: str) -> str:
+    text = str(raw).strip().strip("'\"").lower()
+    if text in ("null", "none", "~", ""):
+        return "null"
+    try:
+        return repr(float(text))
+    except ValueError:
+        return text.replace(" ", "").replace("'", "").replace('"', "")
+
+
+def _only(default: str, note: str, feature: str) -> Rule:
+    """Taken at verl's ``default`` (``note``: why that is what happens here); any other value
+    refused: ``feature`` names what it would ask for."""
+    return Rule(note=f"{default} (verl's default): {note}", refuse=f"{feature} is not here: only {default} is taken",
+                accepts=lambda raw, d=default: _normal(raw) == _normal(d))
+
+
+def _inert(note: str) -> Rule:
+    """A setting with no effect on what is computed here, at any value."""
+    return Rule(note=f"no effect: {note}")
+
+
+KERNEL = "a kernel or compile choice (the same values; log-probs and entropy are computed in token slices here)"
+FEATURE_OFF = "the feature is off, as here"
+FSDP_SECTIONS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.model.fsdp_config",
+                 "reward_model.model.fsdp_config")
+VERL_DEFAULTS: dict[str, Rule] = {
+    **{f"{section}.{key}": rule for section in FSDP_SECTIONS for key, rule in {
+        "wrap_policy.min_num_params": _only("0", "each transformer layer is one FSDP unit", "size-based FSDP wrapping"),
+        "offload_policy": _only("False", "param_offload / optimizer_offload say what is offloaded",
+                                "FSDP2's CPUOffloadPolicy switch"),
+        "forward_prefetch": _only("False", "no explicit forward prefetch", "FSDP forward prefetch"),
+        "model_dtype": _only("fp32", "the trained weights are model.dtype (float32 by default)",
+                             "another master-weight dtype (set model.dtype)"),
+        "use_orig_params": _inert("an FSDP1 setting (FSDP2 here)"),
+        "seed": _inert("every seed here derives from trainer.seed"),
+        "full_determinism": _only("False", "no deterministic-algorithms mode", "torch's deterministic mode"),
+        "ulysses_sequence_parallel_size": Rule(note=ULYSSES_NOTE, refuse="expected a positive integer",
+                                               accepts=lambda raw: raw.strip().isdigit() and int(raw) >= 1),
+        "entropy_from_logits_with_chunking": _inert(KERNEL),
+        "use_torch_compile": _inert(KERNEL),
+        "entropy_checkpointing": _inert(KERNEL),
+        "forward_only": _inert("set by verl for its reference model; the reference here never trains"),
+        "strategy": Rule(note="fsdp and fsdp2 are both FSDP2 here", refuse="only FSDP here",
+                         accepts=lambda raw: raw in ("fsdp", "fsdp2")),
+        "dtype": _only("bfloat16", "mixed precision computes in bfloat16 on GPUs here",
+                       "another mixed-precision compute dtype"),
+        "reshard_after_forward": _only("True", "parameters are resharded after each forward",
+                                       "keeping gathered parameters between forward and backward"),
+        "fsdp_size": _only("-1", "the role is sharded as actor.fsdp_config.fsdp_size says",
+                           "a sharding group size of its own for this role"),
+        "optimizer_offload": _inert("a frozen model has no optimizer state") if section != FSDP_SECTIONS[0] else None,
+        "param_offload": None,
+    }.items() if rule is not None and f"{section}.{key}" not in ()},
+    # optimizer
+    **{f"{role}.optim.{key}": rule for role in ("actor_rollout_ref.actor", "critic") for key, rule in {
+        "optimizer": _only("AdamW", "torch's AdamW", "another optimizer"),
+        "optimizer_impl": _only("torch.optim", "torch's AdamW", "another optimizer implementation"),
+        "betas": _only("[0.9, 0.999]", "AdamW's default betas", "other AdamW betas"),
+        "clip_grad": _inert("verl's engine-worker name; the gradient clip is actor.grad_clip / critic.grad_clip"),
+        "total_training_steps": _only("-1", "the schedule's total is trainer.total_iterations (verl fills it in "
+                                            "the same way)", "a schedule length of its own"),
+        "override_optimizer_config": _only("null", "AdamW as configured", "optimizer overrides"),
+    }.items()},
+    "critic.optim.weight_decay": _m("critic.weight_decay"),
+    # actor / reference / critic sections verl fills from others
+    **{f"{role}.rollout_n": _inert("the responses per prompt are rollout.n")
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")},
+    **{key: _only("null", "micro-batches are set per GPU (..._per_gpu)", "verl's deprecated global micro-batch")
+       for key in ("actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.ref.log_prob_micro_batch_size",
+                   "actor_rollout_ref.rollout.log_prob_micro_batch_size", "critic.ppo_micro_batch_size",
+                   "critic.forward_micro_batch_size", "reward_model.micro_batch_size")},
+    "actor_rollout_ref.actor.freeze_vision_tower": _inert("text models only here"),
+    "actor_rollout_ref.actor.loss_scale_factor": _only("null", "the loss is aggregated as loss_agg_mode says",
+                                                       "a fixed loss scale"),
+    "actor_rollout_ref.actor.calculate_entropy": _inert("the entropy is computed where it is needed (the old_log_prob "
+                                                        "stage, entropy_coeff) and always logged"),
+    **{f"{role}.{key}": _inert(KERNEL) for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")
+       for key in ("use_torch_compile", "entropy_from_logits_with_chunking", "use_fused_kernels")},
+    "actor_rollout_ref.actor.sum_pi_squared_checkpointing": _inert(KERNEL),
+    "actor_rollout_ref.actor.use_remove_padding": _m("model.use_remove_padding"),
+    "actor_rollout_ref.actor.shuffle": _m("actor.shuffle"),
+    "critic.shuffle": _m("critic.shuffle"),
+    **{f"{role}.data_loader_seed": _inert("the mini-batch order is seeded by trainer.seed")
+       for role in ("actor_rollout_ref.actor", "critic")},
+    **{f"{role}.checkpoint.async_save": _only("False", "checkpoints are written while the next stages run, and "
+                                              "committed before the iteration is", "verl's async checkpoint save")
+       for role in ("actor_rollout_ref.actor", "critic")},
+    # rollout
+    "actor_rollout_ref.rollout.ignore_eos": _only("False", "a response ends at its EOS", "generation past EOS"),
+    "actor_rollout_ref.rollout.cudagraph_capture_sizes": _inert("a vLLM compile choice"),
+    **{f"actor_rollout_ref.rollout.{key}": _only("1", "one engine per tensor-parallel group",
+                                                 key.replace("_size", "").replace("_", " "))
+       for key in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")},
+    "actor_rollout_ref.rollout.logprobs_mode": _only("processed_logprobs", "the engine's log-probs are of the "
+                                                     "sampling distribution (after temperature)", "another log-prob mode"),
+    "actor_rollout_ref.rollout.scheduling_policy": _inert("vLLM's request order within one generation call"),
+    "actor_rollout_ref.rollout.disable_log_stats": _inert("vLLM's own logging"),
+    "actor_rollout_ref.rollout.do_sample": _only("True", "training responses are sampled",
+                                                 "greedy training rollouts"),
+    "actor_rollout_ref.rollout.over_sample_rate": _only("0", "every response is awaited", "over-sampling"),
+    "actor_rollout_ref.rollout.multi_stage_wake_up": _inert("the engine's weights and KV cache wake together here"),
+    "actor_rollout_ref.rollout.skip_rollout": _only("False", "every iteration generates (replay reuses a stage's "
+                                                    "snapshot instead)", "verl's rollout dump reuse"),
+    "actor_rollout_ref.rollout.skip_dump_dir": _inert("skip_rollout is off"),
+    "actor_rollout_ref.rollout.skip_tokenizer_init": _inert("the engine is given token ids"),
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": _only("False", FEATURE_OFF, "MoE routing replay"),
+    "actor_rollout_ref.rollout.quantization": _only("null", "the engine serves the policy's own weights",
+                                                    "rollout quantization"),
+    "actor_rollout_ref.rollout.quantization_config_file": _only("null", "no quantization", "rollout quantization"),
+    "actor_rollout_ref.rollout.mtp": _only("null", FEATURE_OFF, "multi-token prediction"),
+    # model
+    "actor_rollout_ref.model.hf_config_path": _only("null", "the config is model.path's", "a separate model config"),
+    "actor_rollout_ref.model.tokenizer_path": _only("null", "the tokenizer is model.path's", "a separate tokenizer"),
+    **{f"{section}.trust_remote_code": _only("False", "the model's own classes only", "remote code")
+       for section in ("actor_rollout_ref.model", "critic.model", "data")},
+    "actor_rollout_ref.model.custom_chat_template": _only("null", "the tokenizer's chat template", "a custom chat "
+                                                          "template"),
+    **{f"{section}.external_lib": _only("null", "no module is imported for the model", "external model libraries")
+       for section in ("actor_rollout_ref.model", "critic.model", "reward_model.model")},
+    **{f"{section}.enable_activation_offload": _only("False", FEATURE_OFF, "activation offload")
+       for section in ("actor_rollout_ref.model", "critic.model")},
+    "actor_rollout_ref.model.use_liger": _inert(KERNEL),
+    "actor_rollout_ref.nccl_timeout": _inert("collectives use the process group's default timeout"),
+    **{f"{section}.use_shm": _inert("model and adapter folders are read where they are")
+       for section in ("critic.model", "reward_model.model", "data")},
+    "reward_model.model.use_fused_kernels": _inert(KERNEL),
+    # data
+    "data.tokenizer": _only("null", "the tokenizer is model.path's", "a separate tokenizer"),
+    **{f"data.{key}_max_samples": _only("-1", "every row of the file", "a row limit") for key in ("train", "val")},
+    "data.val_batch_size": _inert("validation generates every prompt in one batch (verl: deprecated)"),
+    "data.return_raw_input_ids": _inert("the prompts' token ids are kept"),
+    "data.return_full_prompt": _inert("the decoded prompt is kept as raw_prompt"),
+    "data.seed": _only("null", "the data order is seeded by trainer.seed", "a data seed apart from trainer.seed"),
+    "data.dataloader_num_workers": _inert("prompts are read and tokenized once, up front"),
+    **{f"data.{key}": _inert("text prompts only here") for key in ("image_patch_size", "image_key", "video_key",
+                                                                     "return_multi_modal_inputs")},
+    "data.validation_shuffle": _only("False", "validation prompts in file order", "shuffled validation"),
+    "data.filter_overlong_prompts_workers": _inert("filtering runs in the controller"),
+    "data.tool_config_path": _only("null", "no tools", "tool calling"),
+    **{f"data.{section}.{key}": _only("null", "the built-in dataset and sampler", f"a custom {section}")
+       for section, keys in (("custom_cls", ("path", "name")), ("sampler", ("class_path", "class_name")),
+                             ("datagen", ("path", "name"))) for key in keys},
+    # verl's newer reward-manager section (the same choice as reward_model.reward_manager)
+    "reward_manager.source": _only("register", "the managers registered here", "reward managers from a module"),
+    "reward_manager.name": _inert("reward_model.reward_manager names the manager"),
+    "reward_manager.module.path": _only("null", "the managers registered here", "reward managers from a module"),
+    "reward_manager.module.name": _inert("reward_manager.module.path is unset"),
+    # critic
+    "critic.forward_micro_batch_size_per_gpu": _m("critic.forward_micro_batch_size_per_gpu"),
+    # reward model
+    "reward_model.max_length": _m("reward_model.max_length", convert=lambda raw: "0" if _normal(raw) == "null" else raw),
+    "reward_model.reward_loop_source": _only("register", "the reward loop here", "a reward loop from a module"),
+    "reward_model.reward_loop_module_path": _only("null", "the reward loop here", "a reward loop from a module"),
+    "reward_model.reward_loop_class_name": _only("null", "the reward loop here", "a reward loop from a module"),
+    "reward_model.ulysses_sequence_parallel_size": Rule(note=ULYSSES_NOTE, refuse="expected a positive integer",
+                                                        accepts=lambda raw: raw.strip().isdigit() and int(raw) >= 1),
+    **{f"reward_model.rollout.{key}": _inert("an engine setting of verl's reward loop; the reward model's engine "
+                                             "here follows reward_model.rollout.name and gpu_memory_utilization")
+       for key in ("dtype", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine", "max_num_batched_tokens",
+                   "max_model_len", "max_num_seqs", "load_format", "limit_images", "enable_chunked_prefill",
+                   "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init")},
+    **{f"reward_model.rollout.{key}": _only("1", "one engine per rank", key.replace("_size", "").replace("_", " "))
+       for key in ("data_parallel_size", "expert_parallel_size")},
+    # trainer
+    "trainer.rollout_data_dir": _only("null", "every stage's batch is a snapshot in the store (rlhf audit reads "
+                                      "them)", "verl's rollout dump"),
+    "trainer.validation_data_dir": _only("null", "the validation batch is a snapshot in the store",
+                                         "verl's validation dump"),
+    "trainer.esi_redundant_time": _inert("checkpoints follow trainer.save_freq; a preempted run resumes from its "
+                                         "last committed stage"),
+    "trainer.resume_from_path": _only("null", "a run resumes from its own store", "resuming from another path"),
+    "trainer.default_hdfs_dir": _only("null", "checkpoints are in the run's store", "HDFS checkpoint copies"),
+    "trainer.del_local_ckpt_after_load": _inert("checkpoints are in the run's store"),
+    **{f"trainer.max_{role}_ckpt_to_keep": _only("null", "every committed checkpoint is kept (`rlhf retention` "
+                                                 "prunes a run's store)", "checkpoint rotation at save time")
+       for role in ("actor", "critic")},
+    "trainer.ray_wait_register_center_timeout": _inert("worker groups are placed by the controller here"),
+    "transfer_queue.enable": _only("False", FEATURE_OFF, "verl's transfer queue"),
+    "ray_kwargs.ray_init.num_cpus": _only("null", "Ray sizes the local head; a cluster's pool is resources.*",
+                                          "a CPU count for ray.init"),
+    "ray_kwargs.timeline_json_file": _only("null", FEATURE_OFF, "Ray timelines"),
+    # switches of the feature groups below
+    **{f"{role}.profiler.enable": _only("False", FEATURE_OFF, "profiling")
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic",
+                    "reward_model")},
+    **{f"{role}.profiler.tool": _only("null", FEATURE_OFF, "profiling")
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic",
+                    "reward_model")},
+    "global_profiler.tool": _only("null", FEATURE_OFF, "profiling"),
+    "global_profiler.steps": _only("null", FEATURE_OFF, "profiling"),
+    **{f"{section}.{key}": _only("False", FEATURE_OFF, "multi-token prediction")
+       for section in ("actor_rollout_ref.model.mtp", "actor_rollout_ref.rollout.mtp")
+       for key in ("enable", "enable_train", "enable_rollout")},
+    **{f"{role}.router_replay.mode": _only("disabled", FEATURE_OFF, "MoE router replay")
+       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
+    "actor_rollout_ref.rollout.prometheus.enable": _only("False", FEATURE_OFF, "the engine's Prometheus metrics"),
+    "actor_rollout_ref.rollout.trace.backend": _only("null", FEATURE_OFF, "rollout tracing"),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": _only("naive", "the trainer sends the engine its weights "
+                                                                 "one tensor at a time", "another weight-sync engine"),
+    **{f"{section}.tiled_mlp.enabled": _only("False", FEATURE_OFF, "tiled MLP")
+       for section in ("actor_rollout_ref.model", "critic.model")},
+    "actor_rollout_ref.rollout.agent.default_agent_loop": _only("single_turn_agent", "one generation per prompt",
+                                                                "agent loops"),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": _only("null", "one generation per prompt",
+                                                                    "agent loops"),
+    "actor_rollout_ref.rollout.agent.custom_async_server.path": _only("null", "the engines here", "a custom server"),
+}
+#: Groups of verl keys that only act when their feature's switch (in VERL_DEFAULTS) is on.
+VERL_GROUPS: tuple[tuple[re.Pattern, Rule], ...] = (
+    (re.compile(r"\.profiler\.|^global_profiler\."), _inert("no profiler runs (its switch is off)")),
+    (re.compile(r"\.mtp\."), _inert("multi-token prediction is off")),
+    (re.compile(r"\.router_replay\."), _inert("router replay is disabled")),
+    (re.compile(r"\.rollout\.prometheus\."), _inert("the engine's Prometheus metrics are off")),
+    (re.compile(r"\.rollout\.trace\."), _inert("rollout tracing is off")),
+    (re.compile(r"\.rollout\.checkpoint_engine\."), _inert("weights are synced tensor by tensor")),
+    (re.compile(r"\.tiled_mlp\."), _inert("tiled MLP is off")),
+    (re.compile(r"\.rollout\.agent\."), _inert("one generation per prompt (no agent loop)")),
+    (re.compile(r"\.rollout\.multi_turn\."), _inert("multi-turn rollout is off")),
+    (re.compile(r"(^|\.)_target_$"), _inert("verl's dataclass for the section")),
+)
+
+
+def rule_of(path: str) -> Rule | None:
+    """The rule for a verl key: its own row, or its feature group's."""
+    rule = TABLE.get(path) or VERL_DEFAULTS.get(path)
+    if rule is None:
+        rule = next((group for pattern, group in VERL_GROUPS if pattern.search(path)), None)
+    return rule
+
+
 #: Keys whose value is computed from several verl keys together (``translate`` applies them last).
 JOINT = ("trainer.n_gpus_per_node", "trainer.nnodes")
 
@@ -327,7 +566,7 @@ class Translation:
 
 
 def is_verl_key(path: str) -> bool:
-    return path in TABLE or path.split(".", 1)[0] in VERL_ONLY_SECTIONS
+    return path in TABLE or path in VERL_DEFAULTS or path.split(".", 1)[0] in VERL_ONLY_SECTIONS
 
 
 def translate(items: list[str], ours: set[str], current: Callable[[str], object]) -> Translation:
@@ -338,6 +577,10 @@ def translate(items: list[str], ours: set[str], current: Callable[[str], object]
     out = Translation()
     joint: dict[str, str] = {}
     for item in items:
+        if item.partition("=")[2].strip() == "???":  # OmegaConf's "required, not given"
+            out.notes.append(f"{item.partition('=')[0].strip()}=???: not given in verl's file (a value it requires); "
+                             f"the key keeps its value here")
+            continue
         if not item.strip():  # a comment after a line continuation in a shell script
             out.notes.append("an empty argument is ignored (a shell script's line continuation broken by a comment "
                              "ends the command there: the lines after it are not arguments)")
@@ -350,7 +593,7 @@ def translate(items: list[str], ours: set[str], current: Callable[[str], object]
         # the key is what counts (its value is refused where the key is not one)
         path = path.strip().lstrip("+")
         item = f"{path}={raw}"
-        rule = TABLE.get(path)
+        rule = rule_of(path) if path not in ours else TABLE.get(path)
         if rule is None and (path in ours or not is_verl_key(path)):
             out.overrides.append(item)
             continue
@@ -400,6 +643,58 @@ def _place(joint: dict[str, str], current, out: Translation) -> None:
         out.provenance["actor.world_size"] = "trainer.n_gpus_per_node"
 
 
+_INTERPOLATION = re.compile(r"^\$\{\s*(.*?)\s*\}$")
+
+
+def resolve_interpolations(data: dict) -> dict:
+    """``data`` (a verl YAML as its trainer writes it) with each OmegaConf interpolation
+    that is a whole value replaced by what it names: ``${a.b}`` (from the top),
+    ``${.b}`` (beside it), ``${oc.select:a.b,default}`` (the default when ``a.b`` is
+    absent). Other resolvers (``oc.env``, arithmetic) are refused: a file's values are data."""
+
+    def lookup(path: str, section: tuple[str, ...]):
+        """(the value at ``path``, its own path: what its interpolations are relative to)."""
+        parts = (list(section) + path[1:].split(".")) if path.startswith(".") else path.split(".")
+        node = data
+        for part in parts:
+            if not isinstance(node, dict) or part not in node:
+                raise KeyError(path)
+            node = node[part]
+        return node, tuple(parts)
+
+    def resolve(value, section: tuple[str, ...], seen: tuple = ()):
+        if isinstance(value, dict):
+            return {k: resolve(v, section + (k,), seen) for k, v in value.items()}
+        match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+        if match is None:
+            return value
+        expr = match.group(1)
+        if expr in seen:
+            raise ValueError(f"the interpolation ${{{expr}}} refers to itself")
+        default, has_default = None, False
+        if expr.startswith("oc.select:"):
+            expr, _, rest = expr[len("oc.select:"):].partition(",")
+            default, has_default = yaml_scalar(rest.strip()) if rest.strip() else None, bool(rest)
+        elif ":" in expr:
+            raise ValueError(f"the interpolation ${{{match.group(1)}}}: only ${{key}}, ${{.key}} and "
+                             f"${{oc.select:key,default}} are resolved here")
+        try:
+            target, where = lookup(expr.strip(), section[:-1])
+        except KeyError:
+            if has_default:
+                return default
+            raise ValueError(f"the interpolation ${{{match.group(1)}}} names no key of the file") from None
+        return resolve(target, where, seen + (match.group(1),))
+
+    return resolve(data, ())
+
+
+def yaml_scalar(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
 def flatten(data: dict, prefix: str = "") -> list[str]:
     """A nested mapping (a YAML file, ours or verl's) as ``key.path=value`` strings; lists
     and null are written as JSON (``[...]``, ``null``)."""
@@ -417,7 +712,7 @@ def flatten(data: dict, prefix: str = "") -> list[str]:
 def table_text(ours: set[str]) -> str:
     """The table as ``rlhf config --verl`` prints it: verl key, what it becomes, the note."""
     lines = [f"{'verl key':<58} {'here':<44} note"]
-    for key, rule in TABLE.items():
+    for key, rule in {**TABLE, **VERL_DEFAULTS}.items():
         if rule.refuse and rule.accepts is None:
             here = "refused"
             note = rule.refuse
@@ -428,6 +723,8 @@ def table_text(ours: set[str]) -> str:
             note = rule.note if not rule.refuse else f"{rule.note}{'; ' if rule.note else ''}other values: " \
                                                      f"{rule.refuse}"
         lines.append(f"{key:<58} {here:<44} {note}")
+    lines += [f"{'(group) ' + pattern.pattern:<58} {'accepted, no field':<44} {rule.note}"
+              for pattern, rule in VERL_GROUPS]
     lines.append("verl keys of the same name as ours (data.train_batch_size, algorithm.*, critic.ppo_*, ...) are "
                  "ours; any other verl key is refused")
     return "\n".join(lines)

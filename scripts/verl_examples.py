@@ -8,7 +8,8 @@ leaving out scripts for engines and hardware this trainer does not run (Megatron
 NPUs, TensorRT-LLM, vision models, profiling, Slurm), and runs each with ``bash`` and a
 stand-in ``python3`` on PATH that records its arguments (stand-ins for the other tools the
 scripts call do nothing). What ``python3 -m verl.trainer.main_ppo`` would have received is
-written as JSON: ``{"verl_commit": ..., "scripts": {path: [arg, ...]}}``.
+written as JSON: ``{"verl_commit": ..., "scripts": {path: [arg, ...]}, "ppo_trainer_yaml": [key=value,
+...]}`` (the last: verl's trainer config with every default, flattened).
 ``tests/test_verl_examples.py`` reads that file (the test suite needs no verl checkout).
 """
 
@@ -28,6 +29,8 @@ LEFT_OUT_PATHS = re.compile(r"megatron|npu|sglang|sgl_|trtllm|_vl|vl-|vl_|glm41v
                             r"nsys|prof", re.I)
 LEFT_OUT_TEXT = re.compile(r"megatron|sglang", re.I)
 ENTRY = "verl.trainer.main_ppo"
+#: verl's trainer config with every default, as its trainer writes it.
+TRAINER_YAML = "verl/trainer/config/_generated_ppo_trainer.yaml"
 #: Opens the generated listing in docs/verl-examples.md (everything above it is prose).
 FENCE = "```text"
 #: Tools the scripts call besides python3; their stand-ins do nothing and succeed.
@@ -91,6 +94,16 @@ def arguments(root: pathlib.Path, rel: str) -> list[str]:
         return [arg.replace(str(home), HOME) for arg in json.loads(out.read_text().splitlines()[0])]
 
 
+def trainer_yaml_items(root: pathlib.Path) -> list[str]:
+    """verl's whole trainer config as its trainer writes it (every default), flattened to
+    ``key=value`` items, interpolations left as written."""
+    import yaml
+
+    from rlhf_core.verl_keys import flatten
+
+    return flatten(yaml.safe_load((root / TRAINER_YAML).read_text()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkout", type=pathlib.Path, nargs="?", help="a verl checkout (its work tree)")
@@ -106,7 +119,8 @@ def main() -> None:
     commit = args.commit or subprocess.run(["git", "-C", str(args.checkout), "rev-parse", "HEAD"],
                                            capture_output=True, text=True).stdout.strip() or "unknown"
     scripts = {rel: arguments(args.checkout, rel) for rel in selected(args.checkout)}
-    args.out.write_text(json.dumps({"verl_commit": commit, "scripts": scripts}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"verl_commit": commit, "scripts": scripts,
+                                    "ppo_trainer_yaml": trainer_yaml_items(args.checkout)}, indent=1) + "\n")
     print(f"{len(scripts)} scripts -> {args.out}")
     write_doc(args.out, args.doc)
 

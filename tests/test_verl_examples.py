@@ -132,3 +132,60 @@ def test_a_script_with_a_cosine_warmup_follows_verls_schedule(tmp_path, ray_loca
 
     assert [r["actor/lr"] for r in rows] == pytest.approx([1e-6 * verl_cosine(s) for s in range(4)])
     assert rows[3]["actor/lr"] == pytest.approx(1e-6 * (0.45 * math.cos(math.pi / 8) + 0.55))
+
+
+# ------------------------------------------------------------------ verl's whole trainer YAML
+
+def verl_trainer_yaml(tmp_path, **changes) -> Path:
+    """verl's trainer config with every default (recorded flattened, interpolations as
+    written), nested again and written as the YAML its trainer writes; ``changes``: values
+    replaced (dotted keys with __ for dots)."""
+    import yaml
+
+    nested: dict = {}
+    replaced = {key.replace("__", "."): value for key, value in changes.items()}
+    for item in RECORDED["ppo_trainer_yaml"]:
+        key, raw = item.split("=", 1)
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = replaced.pop(key) if key in replaced else yaml.safe_load(raw)
+    assert not replaced, replaced
+    path = tmp_path / "ppo_trainer.yaml"
+    path.write_text(yaml.safe_dump(nested, sort_keys=False))
+    return path
+
+
+def test_verls_whole_trainer_yaml_is_taken_with_verls_meaning(tmp_path):
+    from rlhf_core.config import load_config
+
+    notes: list[str] = []
+    cfg, provenance = load_config(str(verl_trainer_yaml(
+        tmp_path, actor_rollout_ref__actor__ppo_max_token_len_per_gpu=1000, critic__ppo_max_token_len_per_gpu=2000)),
+        [], notes=notes)
+    assert len(RECORDED["ppo_trainer_yaml"]) > 500
+    # verl's defaults where they differ from ours, each with verl's meaning
+    assert cfg.actor.clip_ratio_high == 0.2 and cfg.algorithm.rollout_correction.bypass_mode is False
+    assert cfg.actor.shuffle is False and cfg.critic.weight_decay == 0.01
+    # its interpolations: ${oc.select:...}, ${.key} beside it, and one through another
+    assert cfg.actor.log_prob_max_token_len_per_gpu == 1000  # ref's and rollout's: ${oc.select:actor...}
+    assert cfg.critic.forward_max_token_len_per_gpu == 2000 == cfg.reward_model.forward_max_token_len_per_gpu
+    assert provenance["actor.clip_ratio_high"].endswith("verl:actor_rollout_ref.actor.clip_ratio_high")
+    assert any(note.startswith("actor_rollout_ref.actor.profiler.enable=False") for note in notes)
+    assert any("rollout.name=???" in note for note in notes)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"actor_rollout_ref__actor__profiler__enable": True}, "'actor_rollout_ref.actor.profiler.enable'=True: "
+                                                           "profiling is not here: only False is taken"),
+    ({"actor_rollout_ref__rollout__quantization": "fp8"}, "rollout quantization is not here"),
+    ({"actor_rollout_ref__actor__optim__optimizer": "SGD"}, "another optimizer is not here: only AdamW is taken"),
+    ({"data__seed": "${oc.env:SEED}"}, "only ${key}, ${.key} and ${oc.select:key,default} are resolved here"),
+])
+def test_a_verl_yaml_asking_for_a_feature_not_here_is_refused_in_one_line(tmp_path, changes, message):
+    from rlhf_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(verl_trainer_yaml(tmp_path, **changes)), [], notes=[])
+    assert message in str(refused.value) and "\n" not in str(refused.value)

@@ -47,7 +47,8 @@ class CriticWorker(TrainableWorker):
         source = sharding.FullWeights.of(value_model) if reads and sharding.loads_from_rank0(
             spec.strategy, self.world_size) else None
         self.critic = modeling.init_distributed_model(self, value_model, spec, resources=cfg.resources, source=source)
-        self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.critic), lr=cfg.critic.lr)
+        self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.critic), lr=cfg.critic.lr,
+                                           weight_decay=cfg.critic.weight_decay)
         self.scheduler = self._lr_schedule(cfg.critic)
         return {"rank": self.rank, "parameters": sum(p.numel() for p in self.critic.parameters())}
 

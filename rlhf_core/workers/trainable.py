@@ -113,7 +113,7 @@ class TrainableWorker(Worker):
         model.train()
         shuffle_seed = self.config.trainer.seed + self.seed_offset + step_no
         for batch in data.make_iterator(mini, role_cfg.ppo_epochs, seed=shuffle_seed,
-                                        dataloader_kwargs={"shuffle": True}):
+                                        dataloader_kwargs={"shuffle": role_cfg.shuffle}):
             self.optimizer.zero_grad(set_to_none=True)
             step: dict[str, torch.Tensor] = {}  # summed on the device: read once per optimizer step
             micros = modeling.micro_batches(
