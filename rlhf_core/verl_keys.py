@@ -370,9 +370,8 @@ VERL_DEFAULTS: dict[str, Rule] = {
                                        "keeping gathered parameters between forward and backward"),
         "fsdp_size": _only("-1", "the role is sharded as actor.fsdp_config.fsdp_size says",
                            "a sharding group size of its own for this role"),
-        "optimizer_offload": _inert("a frozen model has no optimizer state") if section != FSDP_SECTIONS[0] else None,
-        "param_offload": None,
-    }.items() if rule is not None and f"{section}.{key}" not in ()},
+        "optimizer_offload": _inert("a frozen model has no optimizer state"),
+    }.items() if f"{section}.{key}" not in TABLE and (key != "optimizer_offload" or "critic" not in section)},
     # optimizer
     **{f"{role}.optim.{key}": rule for role in ("actor_rollout_ref.actor", "critic") for key, rule in {
         "optimizer": _only("AdamW", "torch's AdamW", "another optimizer"),
@@ -712,7 +711,7 @@ def flatten(data: dict, prefix: str = "") -> list[str]:
 def table_text(ours: set[str]) -> str:
     """The table as ``rlhf config --verl`` prints it: verl key, what it becomes, the note."""
     lines = [f"{'verl key':<58} {'here':<44} note"]
-    for key, rule in {**TABLE, **VERL_DEFAULTS}.items():
+    for key, rule in {**TABLE, **{k: r for k, r in VERL_DEFAULTS.items() if k not in TABLE}}.items():
         if rule.refuse and rule.accepts is None:
             here = "refused"
             note = rule.refuse
