@@ -553,9 +553,10 @@ class TrainerConfig:
                      "WANDB_API_KEY or WANDB_MODE says otherwise); tensorboard = event files under $TENSORBOARD_DIR "
                      "or the run's output folder (wandb and tensorboard: pip install 'rlhf-core[trackers]')",
                      hashed=False)
-    project_name: str | None = _f(None, "the MLflow experiment (None: MLflow's $MLFLOW_EXPERIMENT_NAME, else rlhf)",
+    project_name: str | None = _f(None, "the MLflow experiment and W&B project (None: MLflow's "
+                                        "$MLFLOW_EXPERIMENT_NAME, else rlhf)",
                                   hashed=False)
-    experiment_name: str | None = _f(None, "the MLflow run's name (None: the run id)", hashed=False)
+    experiment_name: str | None = _f(None, "the MLflow and W&B run's name (None: the run id)", hashed=False)
     seed: int = _f(0, "seed for data order, model init and everything else", **NON_NEGATIVE)
     output_dir: str = _f("runs", "local folder for metrics.jsonl, the curve and logs", hashed=False)
     cpus_per_worker: float = _f(2.0, "CPUs reserved per worker process in the Ray pool (also its torch "
