@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.algorithms import entropy_from_logits
 from rlhf_core.config import LOGIT_BUDGET_BYTES  # (validate()'s memory estimate counts it too)
 
 
@@ -142,7 +141,7 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None)
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                        with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False,
-                       with_sum_pi_squared: bool = False, statistic: str = "entropy"):
+                       with_sum_pi_squared: bool = False):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
     (0 where a row's response has ended, or, padded, where every row's has: see
     ``trim_padding``).
@@ -154,13 +153,18 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     ``chunk_tokens`` given) are computed in slices of tokens: the vocabulary projection
     runs inside the model's forward (where FSDP has gathered its parameters) on the
     response positions only, and the batch's full logits never exist at once.
-    ``with_sum_pi_squared``: a third output, sum over the vocabulary of pi^2 per token
-    (verl's ``calculate_sum_pi_squared``, the optimal token baseline's input).
+    Returns (log-probs, entropies or None), and ``with_sum_pi_squared`` a third output from
+    the same pass: sum over the vocabulary of pi^2 per token (verl's
+    ``calculate_sum_pi_squared``, the optimal token baseline's input).
     """
-    if with_sum_pi_squared:
-        return _with_sum_pi_squared(model, input_ids, attention_mask, position_ids, response_length, temperature,
-                                    with_entropy, chunk_tokens, packed)
     from rlhf_core.distributed import sharding
+
+    stats = ("entropy",) * with_entropy + ("sum_pi_squared",) * with_sum_pi_squared
+
+    def outputs(log_probs, values, finish):
+        named = dict(zip(stats, (finish(v) for v in values)))
+        out = (finish(log_probs), named.get("entropy"))
+        return out + (named["sum_pi_squared"],) if with_sum_pi_squared else out
 
     inner = sharding.unwrap(model)  # (DDP hides the model's own methods)
     head = inner.get_output_embeddings()
@@ -180,9 +184,10 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             # one full-vocabulary pass, as it always was (bit for bit)
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
             logits = logits[:, -kept - 1:-1].float() / temperature
-            log_probs = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-            entropy = _pad_responses(_second_statistic(logits, statistic), response_length) if with_entropy else None
-            return _pad_responses(log_probs, response_length), entropy
+            every = torch.log_softmax(logits, dim=-1)
+            log_probs = every.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+            pad = lambda values: _pad_responses(values, response_length)
+            return outputs(log_probs, [_statistic(every, name) for name in stats], pad)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "logits_to_keep": kept + 1}
         targets = responses.reshape(-1)
@@ -195,8 +200,9 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     if chunk_tokens is None and targets.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
         logits = select(model(**inputs).logits).float() / temperature
-        log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return finish(log_probs), finish(_second_statistic(logits, statistic)) if with_entropy else None
+        every = torch.log_softmax(logits, dim=-1)
+        log_probs = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return outputs(log_probs, [_statistic(every, name) for name in stats], finish)
     chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
     original = head.forward
 
@@ -208,48 +214,34 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             if torch.is_grad_enabled() and flat.requires_grad:
                 from torch.utils.checkpoint import checkpoint
 
-                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, with_entropy, statistic,
-                                        use_reentrant=False))
+                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, stats, use_reentrant=False))
             else:
-                parts.append(_token_log_probs(original, *piece, temperature, with_entropy, statistic))
-        # a copy (2 numbers a token), not a view: FSDP2 hooks its module's output for the backward
+                parts.append(_token_log_probs(original, *piece, temperature, stats))
+        # a copy (a few numbers a token), not a view: FSDP2 hooks its module's output for the backward
         return torch.cat(parts).clone()
 
-    head.forward = project  # what the model's forward returns as its logits: [tokens, (log-prob, entropy)]
+    head.forward = project  # what the model's forward returns as its logits: [tokens, (log-prob, stats...)]
     try:
         out = model(**inputs).logits
     finally:
         head.forward = original
-    return finish(out[:, 0]), finish(out[:, 1]) if with_entropy else None
+    return outputs(out[:, 0], [out[:, 1 + i] for i in range(len(stats))], finish)
 
 
-def _with_sum_pi_squared(model, input_ids, attention_mask, position_ids, response_length, temperature,
-                         with_entropy, chunk_tokens, packed):
-    """(log-probs, entropies or None, sum of pi^2): one pass whose second statistic is
-    sum pi^2 (exp(logsumexp(2 log pi))), a second pass for the entropies when asked."""
-    log_probs, sum_pi_squared = response_log_probs(model, input_ids, attention_mask, position_ids, response_length,
-                                                   temperature, True, chunk_tokens, packed,
-                                                   statistic="sum_pi_squared")
-    entropy = response_log_probs(model, input_ids, attention_mask, position_ids, response_length, temperature,
-                                 True, chunk_tokens, packed)[1] if with_entropy else None
-    return log_probs, entropy, sum_pi_squared
-
-
-def _second_statistic(logits: torch.Tensor, statistic: str) -> torch.Tensor:
-    """Per position: the entropy, or sum over the vocabulary of pi^2."""
-    if statistic == "sum_pi_squared":
-        return torch.exp(torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1))
-    return entropy_from_logits(logits)
+def _statistic(log_probs: torch.Tensor, name: str) -> torch.Tensor:
+    """Per position, from the full log-softmax: the entropy, or sum over the vocabulary of
+    pi^2 (exp(logsumexp(2 log pi)))."""
+    if name == "sum_pi_squared":
+        return torch.exp(torch.logsumexp(2 * log_probs, dim=-1))
+    return -(log_probs.exp() * log_probs).sum(dim=-1)
 
 
 def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool, statistic: str = "entropy") -> torch.Tensor:
-    """(log-prob of each target, ``statistic`` or 0) of one slice of tokens: [tokens, 2]."""
-    logits = projection(hidden).float() / temperature
-    log_probs = torch.log_softmax(logits, dim=-1)
-    chosen = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = _second_statistic(logits, statistic) if with_entropy else torch.zeros_like(chosen)
-    return torch.stack([chosen, entropy], dim=-1)
+                     stats: tuple[str, ...] = ()) -> torch.Tensor:
+    """(log-prob of each target, then each of ``stats``) of one slice of tokens: [tokens, 1 + len(stats)]."""
+    every = torch.log_softmax(projection(hidden).float() / temperature, dim=-1)
+    chosen = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.stack([chosen, *(_statistic(every, name) for name in stats)], dim=-1)
 
 
 def is_sequence_classifier(path: str) -> bool:
