@@ -81,7 +81,7 @@ def test_the_batch_holds_train_batch_size_varied_groups(dapo_run):
         assert len(istore.load(n, "reward")) == 8 * 4  # the first generation batch, as generated
     manifest = istore.read_manifest(1)
     # the data cursor moved past every prompt drawn: gen_batch_size per generation batch
-    assert manifest["data_cursor"]["position"] == 8 * sum(generations) % 64 or manifest["data_cursor"]["epoch"] > 0
+    assert manifest["data_cursor"] == {"epoch": 0, "position": 8 * sum(generations)}
 
 
 def test_a_run_interrupted_after_filter_groups_resumes_with_the_prompts_it_drew(dapo_run, tmp_path):
