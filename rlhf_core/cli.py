@@ -583,7 +583,9 @@ def _rlhf_demo_round(args: argparse.Namespace, out, r: int, store: str | None, b
                                              args.seed + 1000 * r, noise=args.noise, degenerate=args.degenerate)
         earlier = (out / (f"preferences-round{r - 1}.jsonl" if r > 1 else "preferences.jsonl")).read_text() \
             if r else ""
-        pairs.write_text(earlier + "".join(json.dumps(row) + "\n" for row in rows))  # every pair so far
+        partial = pairs.with_name(pairs.name + ".partial")  # a kill mid-write leaves no short file to reuse
+        partial.write_text(earlier + "".join(json.dumps(row) + "\n" for row in rows))  # every pair so far
+        partial.replace(pairs)
         print(f"[rlhf-demo] round {r}: {counts['pairs']} new preference pairs from the simulated annotator "
               f"({counts['flipped']} labels flipped, {counts['ties_skipped']} ties and {counts['empty_skipped']} "
               f"empty responses passed on): {pairs}")

@@ -702,6 +702,24 @@ class RunConfig:
             return None
         return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
 
+    def _check_engine_token_budget(self, longest: int) -> None:
+        """vLLM's own rules for rollout.max_num_batched_tokens (its SchedulerConfig), before
+        any engine starts: at least max_num_seqs, and without chunked prefill (always off
+        on CPU nodes; vLLM's default on GPUs is on) at least the engine's max_model_len."""
+        rollout, budget = self.rollout, self.rollout.max_num_batched_tokens
+        if rollout.name != "vllm" or not budget:
+            return
+        if budget < rollout.max_num_seqs:
+            raise ConfigError(f"rollout.max_num_batched_tokens: expected at least rollout.max_num_seqs="
+                              f"{rollout.max_num_seqs} (vLLM's rule); found {budget}")
+        chunked = bool(self.resources.gpus_per_node) and rollout.enable_chunked_prefill is not False
+        model_len = rollout.max_model_len or max(64, longest)  # the engine's (workers/actor.py)
+        if not chunked and budget < model_len:
+            raise ConfigError(f"rollout.max_num_batched_tokens: expected at least the engine's max_model_len="
+                              f"{model_len} without chunked prefill (vLLM's rule; it is off on CPU nodes or with "
+                              f"enable_chunked_prefill=false); "
+                              f"found {budget}")
+
     def _check_rollout_correction(self) -> None:
         from rlhf_core.algorithms import rollout_correction
 
@@ -875,6 +893,7 @@ class RunConfig:
             raise ConfigError(f"algorithm.use_pf_ppo: PF-PPO resamples after GAE (verl's rule: adv_estimator=gae); "
                               f"found adv_estimator={self.algorithm.adv_estimator}")
         longest = self.data.max_prompt_length + self.rollout.response_length
+        self._check_engine_token_budget(longest)
         if self.rollout.max_model_len and self.rollout.max_model_len < longest:
             raise ConfigError(f"rollout.max_model_len: expected at least data.max_prompt_length + "
                               f"rollout.response_length = {longest} (verl's rule); found {self.rollout.max_model_len}")

@@ -4,6 +4,7 @@ list runs here with its entry point changed and nothing else."""
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import pytest
@@ -321,3 +322,18 @@ def test_every_command_that_takes_a_config_takes_a_verl_yaml_under_its_overrides
     path.write_text("- not a mapping\n")
     with pytest.raises(SystemExit, match=r"--config .*ppo_trainer.yaml: expected a mapping of config keys; found list"):
         main(["config", "--config", str(path)])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.max_num_batched_tokens=512"], "rollout.max_num_batched_tokens: expected at least "
+                                             "rollout.max_num_seqs=1024 (vLLM's rule); found 512"),
+    (["rollout.max_num_batched_tokens=32", "rollout.max_num_seqs=8", "data.max_prompt_length=64"],
+     "rollout.max_num_batched_tokens: expected at least the engine's max_model_len=72 without chunked prefill"),
+])
+def test_vllms_token_budget_rules_are_checked_before_any_engine_starts(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        apply_overrides(RunConfig(), overrides + ["rollout.name=vllm"]).validate()
+    # on GPU nodes chunked prefill is vLLM's default: a prompt may span engine steps
+    apply_overrides(RunConfig(), ["rollout.max_num_batched_tokens=32", "rollout.max_num_seqs=8",
+                                  "data.max_prompt_length=64", "rollout.name=vllm",
+                                  "resources.gpus_per_node=1"]).validate()
