@@ -60,7 +60,7 @@ def _config(overrides: list[str], config_file: str | None = None):
     from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_file_items
 
     try:
-        items = config_file_items(config_file) if config_file else []
+        items = config_file_items(config_file, overrides) if config_file else []
         return apply_overrides(RunConfig(), [*items, *overrides]).validate()
     except ConfigError as exc:
         raise SystemExit(f"rlhf: config error: {exc}") from None

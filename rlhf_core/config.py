@@ -1284,10 +1284,13 @@ def config_from_handover(config, config_hash, field: str = "config") -> RunConfi
     return cfg
 
 
-def config_file_items(path: str) -> list[str]:
+def config_file_items(path: str, overrides: list[str] = ()) -> list[str]:
     """The ``key=value`` items of a config file (``--config``: YAML or JSON, ours or verl's
     layout, nested as verl's trainer writes it), in its order; refused in one line when it
-    cannot be read or is not a mapping."""
+    cannot be read or is not a mapping. ``overrides`` that set a key of the file replace it
+    before its interpolations are resolved, as Hydra does: an override of
+    ``actor_rollout_ref.actor.ppo_mini_batch_size`` reaches ``critic.ppo_mini_batch_size``
+    through the file's ``${oc.select:...}``."""
     import yaml
 
     from rlhf_core.verl_keys import flatten
@@ -1299,8 +1302,16 @@ def config_file_items(path: str) -> list[str]:
         raise ConfigError(f"--config {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"--config {path}: expected a mapping of config keys; found {type(data).__name__}")
-    from rlhf_core.verl_keys import resolve_interpolations
+    from rlhf_core.verl_keys import resolve_interpolations, yaml_scalar
 
+    for item in overrides:
+        key, sep, raw = _unquoted(item).partition("=")
+        *parents, leaf = key.strip().lstrip("+").split(".")
+        node = data
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if sep and isinstance(node, dict) and leaf in node:
+            node[leaf] = yaml_scalar(raw) if raw.strip() else raw
     try:
         return flatten(resolve_interpolations(data))
     except ValueError as exc:
@@ -1315,7 +1326,7 @@ def load_config(path: str | None, overrides: list[str], notes: list[str] | None 
     for a verl key in the file), kept outside the config (its hash is unchanged)."""
     cfg, sources = RunConfig(), {}
     if path is not None:
-        apply_overrides(cfg, config_file_items(path), sources, origin=f"file:{path}", notes=notes)
+        apply_overrides(cfg, config_file_items(path, overrides), sources, origin=f"file:{path}", notes=notes)
     apply_overrides(cfg, overrides, sources, notes=notes)
     cfg.validate()
     return cfg, {key: sources.get(key, "default") for key in _leaf_paths(cfg)}

@@ -173,6 +173,10 @@ def test_verls_whole_trainer_yaml_is_taken_with_verls_meaning(tmp_path):
     assert cfg.critic.forward_max_token_len_per_gpu == 2000 == cfg.reward_model.forward_max_token_len_per_gpu
     assert provenance["actor.clip_ratio_high"].endswith("verl:actor_rollout_ref.actor.clip_ratio_high")
     assert any(note.startswith("actor_rollout_ref.actor.profiler.enable=False") for note in notes)
+    # an override of a key the file interpolates reaches the keys that name it, as Hydra resolves
+    cfg, _ = load_config(str(verl_trainer_yaml(tmp_path)), ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
+                         notes=[])
+    assert cfg.actor.ppo_mini_batch_size == 8 == cfg.critic.ppo_mini_batch_size
     assert any("rollout.name=???" in note for note in notes)
 
 
@@ -189,3 +193,33 @@ def test_a_verl_yaml_asking_for_a_feature_not_here_is_refused_in_one_line(tmp_pa
     with pytest.raises(ConfigError) as refused:
         load_config(str(verl_trainer_yaml(tmp_path, **changes)), [], notes=[])
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_verls_whole_trainer_yaml_runs_scaled_down(tmp_path, ray_local):
+    """`rlhf run --config` of verl's whole trainer YAML (PPO with a critic: verl's default
+    estimator is gae) with the model, data, sizes and GPU counts overridden on the command
+    line, as a user moving a verl run to a CPU machine would."""
+    from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
+
+    model = build_model_folder(tmp_path / "model")
+    data = write_verl_parquet(tmp_path / "train.parquet", count=8)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    overrides = [f"actor_rollout_ref.model.path={model}", f"critic.model.path={model}", f"data.train_files={data}",
+                 "data.val_files=", "data.max_prompt_length=64", "data.max_response_length=6",
+                 "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "critic.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+                 "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+                 "resources.gpus_per_node=0", "actor.world_size=1",
+                 "reward_model.n_gpus_per_node=0", f"custom_reward_function.path={reward}",
+                 "custom_reward_function.name=score"]
+    from rlhf_core.cli import main
+
+    out = tmp_path / "out"
+    assert main(["run", "--direct", "--more", "2", "--run-id", "verl", "--store", f"file://{tmp_path / 'store'}",
+                 "--config", str(verl_trainer_yaml(tmp_path)), *overrides, f"trainer.output_dir={out}",
+                 "trainer.progress=false"]) == 0
+    rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(math.isfinite(r["critic/vf_loss"]) and math.isfinite(r["actor/pg_loss"])
+                                  for r in rows)
