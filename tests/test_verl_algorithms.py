@@ -210,7 +210,7 @@ def _score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def test_prime_scores_in_processes_and_a_failing_or_hanging_call_scores_zero(monkeypatch):
-    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 15.0)  # the hanging call costs this
     texts = ["7", "raise", "hang", "dict", "8"]
     rows = ScoringRows(["d"] * 5, texts, ["7"] * 5, [None] * 5, list("abcde"), [1] * 5)
     scores, extras = reward_managers.prime(_score, "score", rows, RunConfig())
