@@ -689,9 +689,9 @@ class RunConfig:
         weights that sampled the batch, so the old log-probs are the update's own forward
         (detached; the ratio is exactly 1) and the ``old_log_prob`` stage is skipped, unless
         the KL penalty in the reward needs them before the update."""
-        correction = self.algorithm.rollout_correction  # without bypass mode it compares old and rollout log-probs
+        correction = self.algorithm.rollout_correction  # it compares the rollout's log-probs with the policy's
         return (self.actor.ppo_epochs == 1 and self.actor.ppo_mini_batch_size == self.data.train_batch_size
-                and not self.algorithm.use_kl_in_reward and (correction.bypass_mode or not correction.active))
+                and not self.algorithm.use_kl_in_reward and not correction.active)
 
     @property
     def old_log_prob_column(self) -> str | None:
@@ -730,6 +730,10 @@ class RunConfig:
                 rollout_correction.rejection_bounds(options, correction.rollout_rs_threshold)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if correction.active and self.rollout.name == "vllm" and self.rollout.temperature != 1:
+            raise ConfigError(f"algorithm.rollout_correction: expected rollout.temperature=1 with rollout.name=vllm "
+                              f"(the engine's log-probs here are the raw model's, before temperature: the weights "
+                              f"would measure the temperature); found {self.rollout.temperature}")
         if correction.rollout_is and not correction.bypass_mode and \
                 self.actor.policy_loss not in rollout_correction.WEIGHABLE_LOSSES:
             raise ConfigError(f"algorithm.rollout_correction.rollout_is: without bypass mode the weights scale the "
@@ -1311,7 +1315,11 @@ def config_file_items(path: str, overrides: list[str] = ()) -> list[str]:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if sep and isinstance(node, dict) and leaf in node:
-            node[leaf] = yaml_scalar(raw) if raw.strip() else raw
+            try:  # as the file would hold it; a value YAML cannot read (or reads as a mapping) stays text
+                value = yaml_scalar(raw) if raw.strip() else raw
+            except yaml.YAMLError:
+                value = raw
+            node[leaf] = raw if isinstance(value, dict) else value
     try:
         return flatten(resolve_interpolations(data))
     except ValueError as exc:

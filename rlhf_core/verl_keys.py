@@ -412,8 +412,9 @@ VERL_DEFAULTS: dict[str, Rule] = {
     **{f"actor_rollout_ref.rollout.{key}": _only("1", "one engine per tensor-parallel group",
                                                  key.replace("_size", "").replace("_", " "))
        for key in ("data_parallel_size", "expert_parallel_size", "pipeline_model_parallel_size")},
-    "actor_rollout_ref.rollout.logprobs_mode": _only("processed_logprobs", "the engine's log-probs are of the "
-                                                     "sampling distribution (after temperature)", "another log-prob mode"),
+    "actor_rollout_ref.rollout.logprobs_mode": _only("processed_logprobs", "the engine's log-probs are used only "
+                                                     "where they are the sampling distribution's (with vLLM: "
+                                                     "temperature 1, checked)", "another log-prob mode"),
     "actor_rollout_ref.rollout.scheduling_policy": _inert("vLLM's request order within one generation call"),
     "actor_rollout_ref.rollout.disable_log_stats": _inert("vLLM's own logging"),
     "actor_rollout_ref.rollout.do_sample": _only("True", "training responses are sampled",

@@ -157,3 +157,23 @@ def test_verls_dapo_recipe_keys_scaled_down_run(tmp_path):
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["train/num_gen_batches"] >= 1 for r in rows)
     # the dapo manager logs acc for a function returning a number: the filter's metric
     assert all("critic/reward_extra/acc/mean" in r for r in rows)
+
+
+def test_an_iteration_that_needs_many_generation_batches_completes(tmp_path):
+    """Groups vary only for prompts whose answer starts with 0 or 1: an iteration draws three
+    or more generation batches (each with its own meta and, for some, reward columns of its
+    own) and still yields train_batch_size varied groups."""
+    reward = tmp_path / "rare.py"
+    reward.write_text(
+        "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if ground_truth[0] not in '01':\n"
+        "        return {'score': 0.0, 'acc': 0.0}\n"
+        "    return {'score': 0.5, 'acc': float(len(solution_str) % 2), 'eligible': 1.0}\n")
+    cfg = apply_overrides(small_config(tmp_path / "out"), [
+        "data.train_batch_size=4", "data.gen_batch_size=4", "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=acc", f"custom_reward_function.path={reward}",
+        "custom_reward_function.name=score"]).validate()
+    rows = run_direct(cfg, 1, RunRef(f"file://{tmp_path / 'store'}", "r"), log=lambda *a: None)["rows"]
+    assert rows[0]["train/num_gen_batches"] >= 3, rows[0]["train/num_gen_batches"]
+    batch = IterationStore(RunRef(f"file://{tmp_path / 'store'}", "r")).load(0, "filter_groups")
+    assert len(set(batch.non_tensor_batch["uid"].tolist())) == 4

@@ -65,12 +65,24 @@ def test_rejection_by_token_k1_bounds_and_sequence_max_k2():
     (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=false",
       "actor.policy_loss=clip_cov"], "supported here for actor.policy_loss in vanilla"),
     (["algorithm.use_pf_ppo=true"], "algorithm.use_pf_ppo: PF-PPO resamples after GAE"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.bypass_mode=false",
+      "rollout.name=vllm", "rollout.temperature=0.7"], "expected rollout.temperature=1 with rollout.name=vllm"),
     (["algorithm.adv_estimator=optimal_token_baseline"], "needs actor.calculate_sum_pi_squared=true"),
 ])
 def test_bad_settings_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as refused:
         apply_overrides(RunConfig(), overrides).validate()
     assert "\n" not in str(refused.value)
+
+
+def test_bypass_mode_correction_reads_the_rollouts_log_probs_even_with_one_mini_batch():
+    """One epoch over one mini-batch is on-policy (old = the update's own forward) unless a
+    rollout correction needs the engine's log-probs: then they are the old ones (verl)."""
+    one = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    assert apply_overrides(RunConfig(), one).validate().old_log_prob_column is None
+    cfg = apply_overrides(RunConfig(), one + ["algorithm.rollout_correction.rollout_is=token",
+                                             "algorithm.rollout_correction.loss_type=reinforce"]).validate()
+    assert cfg.old_log_prob_column == "rollout_log_probs"
 
 
 def test_reinforce_loss_is_weighted_log_likelihood():
@@ -218,6 +230,23 @@ def test_prime_scores_in_processes_and_a_failing_or_hanging_call_scores_zero(mon
     assert extras["prime_failed"] == [0.0, 1.0, 1.0, 0.0, 0.0] and extras["acc"][3] is True
 
 
+def test_prime_runs_a_reward_file_and_the_sandbox_router(tmp_path, monkeypatch):
+    """A reward file's function (its module is not importable) and a closure cannot be
+    pickled: the forked workers inherit them instead."""
+    from rlhf_core.workers.reward import load_reward_file
+
+    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 60.0)
+    path = tmp_path / "mine.py"
+    path.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(solution_str == ground_truth)\n")
+    fn, name = load_reward_file(str(path), "score")
+    rows = ScoringRows(["d"] * 3, ["7", "8", "7"], ["7"] * 3, [None] * 3, list("abc"), [1] * 3)
+    scores, extras = reward_managers.prime(fn, name, rows, RunConfig())
+    assert scores == [1.0, 0.0, 1.0] and extras["prime_failed"] == [0.0] * 3
+    closure = (lambda offset: lambda data_source, solution_str, ground_truth, extra_info=None: offset)(0.25)
+    assert reward_managers.prime(closure, "closure", rows, RunConfig())[0] == [0.25] * 3
+
+
 @pytest.fixture
 def sandbox():
     """A stand-in for a SandboxFusion server: runs the posted Python with the posted stdin
@@ -252,3 +281,7 @@ def test_sandbox_fusion_scores_code_sources_and_leaves_the_rest(sandbox):
     assert sandbox.requests[0]["body"]["memory_limit_MB"] == 1024
     assert fn("openai/gsm8k", "#### 4", "4")["score"] == 1.0  # gsm8k's rows keep reward.function
     assert "sandbox_fusion" in name
+    cut = "```python\na, b = map(int, input().split())\nprint(a + b)\n"  # cut off at the length limit
+    assert fn("codeforces", cut, cases) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="call-style test cases"):
+        fn("apps", good, json.dumps({"inputs": [[1]], "outputs": [1], "fn_name": "f"}))

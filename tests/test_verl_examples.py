@@ -177,6 +177,10 @@ def test_verls_whole_trainer_yaml_is_taken_with_verls_meaning(tmp_path):
     cfg, _ = load_config(str(verl_trainer_yaml(tmp_path)), ["actor_rollout_ref.actor.ppo_mini_batch_size=8"],
                          notes=[])
     assert cfg.actor.ppo_mini_batch_size == 8 == cfg.critic.ppo_mini_batch_size
+    # a value YAML cannot read, or reads as a mapping, is the text it is
+    cfg, _ = load_config(str(verl_trainer_yaml(tmp_path)), ["trainer.experiment_name=@run",
+                                                            "trainer.project_name=a: b"], notes=[])
+    assert (cfg.trainer.experiment_name, cfg.trainer.project_name) == ("@run", "a: b")
     assert any("rollout.name=???" in note for note in notes)
 
 

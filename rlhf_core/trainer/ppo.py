@@ -11,6 +11,8 @@ outside the batch: they are measurements, not results.
 from __future__ import annotations
 
 import time
+
+import numpy as np
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
@@ -243,9 +245,12 @@ class PPOTrainer:
         while True:
             keep = varied_groups(scored.non_tensor_batch["uid"].tolist(), self._group_metric(scored))
             uids += keep[:wanted - len(uids)]
-            parts.append(scored.select_idxs(torch.tensor(
-                [row for row, uid in enumerate(scored.non_tensor_batch["uid"].tolist()) if uid in set(keep)],
-                dtype=torch.long)))
+            kept = set(keep)
+            part = scored.select_idxs(torch.tensor(
+                [row for row, uid in enumerate(scored.non_tensor_batch["uid"].tolist()) if uid in kept],
+                dtype=torch.long))
+            part.meta_info = {}  # each generation batch's own (the first batch's is the output's)
+            parts.append(part)
             if len(uids) >= wanted:
                 break
             if limit and generations >= limit:
@@ -255,6 +260,10 @@ class PPOTrainer:
             scored = self._generate_scored(batch.meta_info["global_step"], generations)
             generations += 1
         chosen = set(uids)
+        columns = {key for part in parts for key in part.non_tensor_batch}
+        for part in parts:  # a reward function may return a key for some batches only
+            for key in columns - set(part.non_tensor_batch):
+                part.non_tensor_batch[key] = np.array([None] * len(part), dtype=object)
         out = DataProto.concat(parts)
         out = out.select_idxs(torch.tensor([row for row, uid in enumerate(out.non_tensor_batch["uid"].tolist())
                                             if uid in chosen], dtype=torch.long))

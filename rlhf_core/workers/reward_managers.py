@@ -131,6 +131,13 @@ def batch(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
 PRIME_TIMEOUT_S = 300.0
 
 
+_PRIME_FN: Callable | None = None
+
+
+def _prime_call(*args):
+    return _PRIME_FN(*args)
+
+
 def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
     """verl's prime manager: naive's calls, each in a pool of forked processes (code a
     response wrote may hang or crash its scorer); a call that raises, returns no score or
@@ -138,11 +145,14 @@ def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
     import multiprocessing
     import os
 
+    global _PRIME_FN
     count = len(rows.uids)
     workers = max(1, min(64, os.cpu_count() or 1, count))
+    # the forked workers inherit the function (a reward file's or a closure cannot be pickled)
+    _PRIME_FN = fn
     pool = multiprocessing.get_context("fork").Pool(workers)
     try:
-        pending = [pool.apply_async(fn, (src, sol, gt, copy.deepcopy(extra))) for src, sol, gt, extra in
+        pending = [pool.apply_async(_prime_call, (src, sol, gt, copy.deepcopy(extra))) for src, sol, gt, extra in
                    zip(rows.data_sources, rows.solutions, rows.ground_truths, rows.extra_infos)]
         deadline = time.monotonic() + PRIME_TIMEOUT_S
         scores, extras, failed = [], {}, [0.0] * count

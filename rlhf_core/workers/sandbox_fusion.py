@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 MAX_CASES = 10
 COMPILE_TIMEOUT_S = RUN_TIMEOUT_S = 10
-_FENCED = re.compile(r"```(\w*)\n(.*?)```", re.S)
+# a block cut off at the response's length limit has no closing fence: it runs to the end
+_FENCED = re.compile(r"```(\w*)\n(.*?)(?:```|\Z)", re.S)
 _SEMAPHORES: dict[tuple[str, int], threading.BoundedSemaphore] = {}
 _LOCK = threading.Lock()
 
@@ -45,7 +46,13 @@ def extract_code(response: str) -> str | None:
 def cases_of(ground_truth) -> tuple[list, list]:
     """(inputs, expected outputs) of a coding prompt's ground truth; ValueError when it
     has neither."""
-    cases = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
+    try:
+        cases = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
+    except ValueError:
+        cases = None
+    if isinstance(cases, dict) and cases.get("fn_name"):
+        raise ValueError(f"sandbox_fusion: call-style test cases (fn_name={cases['fn_name']!r}) are not run here; "
+                         f"only stdin/stdout cases")
     if not isinstance(cases, dict) or not isinstance(cases.get("inputs"), list) or \
             not isinstance(cases.get("outputs"), list) or len(cases["inputs"]) != len(cases["outputs"]):
         raise ValueError(f"sandbox_fusion: expected a ground truth with equal-length 'inputs' and 'outputs' "
