@@ -221,7 +221,7 @@ def _score(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str == ground_truth)
 
 
-def test_prime_scores_in_processes_and_a_failing_or_hanging_call_scores_zero(monkeypatch):
+def test_prime_scores_side_by_side_and_a_failing_or_hanging_call_scores_zero(monkeypatch):
     monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 15.0)  # the hanging call costs this
     texts = ["7", "raise", "hang", "dict", "8"]
     rows = ScoringRows(["d"] * 5, texts, ["7"] * 5, [None] * 5, list("abcde"), [1] * 5)
@@ -230,9 +230,9 @@ def test_prime_scores_in_processes_and_a_failing_or_hanging_call_scores_zero(mon
     assert extras["prime_failed"] == [0.0, 1.0, 1.0, 0.0, 0.0] and extras["acc"][3] is True
 
 
-def test_prime_runs_a_reward_file_and_the_sandbox_router(tmp_path, monkeypatch):
-    """A reward file's function (its module is not importable) and a closure cannot be
-    pickled: the forked workers inherit them instead."""
+def test_prime_runs_a_reward_file_and_a_closure(tmp_path, monkeypatch):
+    """A reward file's function (its module is not importable) and a closure (the sandbox
+    router) score as they do called directly: nothing is pickled."""
     from rlhf_core.workers.reward import load_reward_file
 
     monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 60.0)

@@ -10,7 +10,7 @@ an entry in ``MANAGERS``; ``config`` is the run's ``RunConfig``.
   number has it logged as ``acc`` too, as verl's manager does;
 - ``batch``: the function once per batch, with lists (``data_sources``, ``solution_strs``,
   ``ground_truths``, ``extra_infos``), returning one result per response;
-- ``prime``: naive's calls in a pool of processes, one that raises or hangs scoring 0.
+- ``prime``: naive's calls side by side, one that raises or hangs scoring 0.
 
 With a reward model in the run, its scores are the rewards under every manager (verl's
 rule), unless a custom reward function is set (``workers/reward.py``).
@@ -129,43 +129,47 @@ def batch(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
 
 #: prime: how long one call may take before it scores 0 (verl's 300 s).
 PRIME_TIMEOUT_S = 300.0
-
-
-_PRIME_FN: Callable | None = None
-
-
-def _prime_call(*args):
-    return _PRIME_FN(*args)
+PRIME_WORKERS = 64
 
 
 def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
-    """verl's prime manager: naive's calls, each in a pool of forked processes (code a
-    response wrote may hang or crash its scorer); a call that raises, returns no score or
-    outlasts ``PRIME_TIMEOUT_S`` scores 0, counted in the ``prime_failed`` column."""
-    import multiprocessing
-    import os
+    """verl's prime manager: naive's calls run side by side (sandboxed code a response
+    wrote may take long or never return), each in a daemon thread of its own, at most
+    ``PRIME_WORKERS`` at once; a call that raises, returns no score or outlasts
+    ``PRIME_TIMEOUT_S`` scores 0, counted in the ``prime_failed`` column. A call that never
+    returns is abandoned, not killed (verl kills its pool's processes; forking this process,
+    a Ray worker with threads of its own, can deadlock the child)."""
+    import threading
 
-    global _PRIME_FN
     count = len(rows.uids)
-    workers = max(1, min(64, os.cpu_count() or 1, count))
-    # the forked workers inherit the function (a reward file's or a closure cannot be pickled)
-    _PRIME_FN = fn
-    pool = multiprocessing.get_context("fork").Pool(workers)
-    try:
-        pending = [pool.apply_async(_prime_call, (src, sol, gt, copy.deepcopy(extra))) for src, sol, gt, extra in
-                   zip(rows.data_sources, rows.solutions, rows.ground_truths, rows.extra_infos)]
-        deadline = time.monotonic() + PRIME_TIMEOUT_S
-        scores, extras, failed = [], {}, [0.0] * count
-        for i, (result, uid) in enumerate(zip(pending, rows.uids)):
+    results: list = [None] * count
+    finished = [threading.Event() for _ in range(count)]
+    gate = threading.BoundedSemaphore(PRIME_WORKERS)
+
+    def call(i: int, args: tuple) -> None:
+        with gate:
             try:
-                scores.append(checked_score(result.get(max(0.0, deadline - time.monotonic())), name, uid, i, extras,
-                                            count))
-            except Exception:  # raised, timed out, or not a score: verl's prime scores it 0
-                scores.append(0.0)
-                failed[i] = 1.0
-    finally:
-        pool.terminate()  # a call still running (a hung program) is killed, not waited for
-        pool.join()
+                results[i] = ("ok", fn(*args))
+            except BaseException as exc:  # the call's failure is its score of 0, never the batch's
+                results[i] = ("raised", exc)
+            finally:
+                finished[i].set()
+
+    for i, args in enumerate(zip(rows.data_sources, rows.solutions, rows.ground_truths,
+                                 (copy.deepcopy(extra) for extra in rows.extra_infos))):
+        threading.Thread(target=call, args=(i, args), daemon=True, name=f"prime-{i}").start()
+    deadline = time.monotonic() + PRIME_TIMEOUT_S
+    scores, extras, failed = [], {}, [0.0] * count
+    for i, uid in enumerate(rows.uids):
+        finished[i].wait(max(0.0, deadline - time.monotonic()))
+        outcome = results[i]
+        try:
+            if outcome is None or outcome[0] != "ok":
+                raise RewardFunctionError("raised or timed out")
+            scores.append(checked_score(outcome[1], name, uid, i, extras, count))
+        except RewardFunctionError:  # verl's prime scores it 0
+            scores.append(0.0)
+            failed[i] = 1.0
     extras["prime_failed"] = failed
     return scores, extras
 
