@@ -44,7 +44,8 @@ def measure(model_dir: str, batch, response_length: int, max_model_len: int, rep
     """tokens/s of each engine over ``repeats`` timed batches (after a warm-up batch)."""
     from rlhf_core.config import RunConfig
     from rlhf_core.workers import modeling
-    from rlhf_core.workers.rollout import HFRollout, VLLMRollout
+    from rlhf_core.rollout.engines.hf import HFEngine as HFRollout
+    from rlhf_core.rollout.engines.vllm import VLLMEngine as VLLMRollout
 
     cfg = RunConfig().rollout
     cfg.response_length = response_length
@@ -52,11 +53,11 @@ def measure(model_dir: str, batch, response_length: int, max_model_len: int, rep
     for name in ("vllm", "hf"):
         engine = (VLLMRollout(model_dir, cfg, seed=0, max_model_len=max_model_len) if name == "vllm" else
                   HFRollout(modeling.load_causal_lm(model_dir), modeling.load_tokenizer(model_dir), cfg, seed=0))
-        engine.generate(batch)  # warm-up (vLLM compiles and sizes its cache on first use)
+        engine.generate_batch(batch)  # warm-up (vLLM compiles and sizes its cache on first use)
         tokens, seconds = 0, 0.0
         for _ in range(repeats):
             t0 = time.perf_counter()
-            out = engine.generate(batch)
+            out = engine.generate_batch(batch)
             seconds += time.perf_counter() - t0
             tokens += int(out.batch["response_mask"].sum())
         results[name] = {"tokens_per_s": tokens / seconds, "tokens_per_batch": tokens / repeats,

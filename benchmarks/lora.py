@@ -117,7 +117,7 @@ def measure_engine(folder: str, served: str, repeats: int) -> dict:
     from rlhf_core.distributed import sharding
     from rlhf_core.protocol import DataProto
     from rlhf_core.workers import lora, modeling
-    from rlhf_core.workers.rollout import VLLMRollout
+    from rlhf_core.rollout.engines.vllm import VLLMEngine as VLLMRollout
 
     rank = MODELS["154M"][4]
     policy = lora.apply_lora(modeling.load_causal_lm(folder), ModelConfig(path=folder, lora_rank=rank,
@@ -147,7 +147,7 @@ def measure_engine(folder: str, served: str, repeats: int) -> dict:
         sync()
         sync_s.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        out = engine.generate(prompts)
+        out = engine.generate_batch(prompts)
         tps.append(int(out.batch["response_mask"].sum()) / (time.perf_counter() - t0))
     return {"sync_s": min(sync_s), "generate_tps": max(tps)}
 

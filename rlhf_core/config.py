@@ -20,6 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlhf_core.rollout import EngineConfigError, engine_class, engine_names
+
 
 def _f(default, help: str, *, choices: tuple | None = None, registry: str | None = None, ge=None, gt=None,
        le=None, lt=None, hashed: bool = True, checkpoint: bool = False, **kw):
@@ -41,8 +43,6 @@ NON_NEGATIVE = {"ge": 0}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 #: ``actor.strategy``: how ranks share a trained model (``rlhf_core.distributed.sharding``).
 STRATEGIES = ("fsdp", "ddp")
-#: ``rollout.name``: the generation engines (``rlhf_core.workers.rollout``).
-ROLLOUT_ENGINES = ("vllm", "hf")
 #: Reward functions named by a word in ``reward.function`` (else ``module:function``).
 NAMED_REWARDS = {"builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
                  "gsm8k": "rlhf_core.data.gsm8k:compute_score"}      # the number after '####'
@@ -226,16 +226,16 @@ class ValKwargsConfig:
                    "training's random draws", **NON_NEGATIVE, hashed=False)
 
 
-#: The ranks vLLM's engine can be started for (its ``max_lora_rank``): an adapter is served
-#: from the smallest one that holds its rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
 @dataclass
 class RolloutConfig:
     name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
                    "for the demo's tiny model and short responses) or vllm (an in-process engine per rank: "
-                   "for real models and long responses; benchmarks/generation.py)", choices=ROLLOUT_ENGINES)
+                   "for real models and long responses; benchmarks/generation.py); an engine is a module of "
+                   "rlhf_core/rollout/engines", registry="rollout.engines")
+    mode: str = _f("sync", "how generation is served (verl's rollout.mode): sync, each actor rank generates its "
+                   "static share of the batch in one call; async, each rank (or tensor-parallel group) is a "
+                   "replica server and a manager balances requests over them as they free up (docs/rollout.md)",
+                   choices=("sync", "async"))
     n: int = _f(8, "responses sampled per prompt (GRPO group size)", ge=1)
     temperature: float = _f(1.0, "sampling temperature", **POSITIVE)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
@@ -702,24 +702,6 @@ class RunConfig:
             return None
         return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
 
-    def _check_engine_token_budget(self, longest: int) -> None:
-        """vLLM's own rules for rollout.max_num_batched_tokens (its SchedulerConfig), before
-        any engine starts: at least max_num_seqs, and without chunked prefill (always off
-        on CPU nodes; vLLM's default on GPUs is on) at least the engine's max_model_len."""
-        rollout, budget = self.rollout, self.rollout.max_num_batched_tokens
-        if rollout.name != "vllm" or not budget:
-            return
-        if budget < rollout.max_num_seqs:
-            raise ConfigError(f"rollout.max_num_batched_tokens: expected at least rollout.max_num_seqs="
-                              f"{rollout.max_num_seqs} (vLLM's rule); found {budget}")
-        chunked = bool(self.resources.gpus_per_node) and rollout.enable_chunked_prefill is not False
-        model_len = rollout.max_model_len or max(64, longest)  # the engine's (workers/actor.py)
-        if not chunked and budget < model_len:
-            raise ConfigError(f"rollout.max_num_batched_tokens: expected at least the engine's max_model_len="
-                              f"{model_len} without chunked prefill (vLLM's rule; it is off on CPU nodes or with "
-                              f"enable_chunked_prefill=false); "
-                              f"found {budget}")
-
     def _check_rollout_correction(self) -> None:
         from rlhf_core.algorithms import rollout_correction
 
@@ -730,10 +712,6 @@ class RunConfig:
                 rollout_correction.rejection_bounds(options, correction.rollout_rs_threshold)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if correction.active and self.rollout.name == "vllm" and self.rollout.temperature != 1:
-            raise ConfigError(f"algorithm.rollout_correction: expected rollout.temperature=1 with rollout.name=vllm "
-                              f"(the engine's log-probs here are the raw model's, before temperature: the weights "
-                              f"would measure the temperature); found {self.rollout.temperature}")
         if correction.rollout_is and not correction.bypass_mode and \
                 self.actor.policy_loss not in rollout_correction.WEIGHABLE_LOSSES:
             raise ConfigError(f"algorithm.rollout_correction.rollout_is: without bypass mode the weights scale the "
@@ -864,12 +842,10 @@ class RunConfig:
         if self.estimator.needs_critic and self.critic.enable is False:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
                               f"found critic.enable=False")
-        if self.old_log_prob_column == "rollout_log_probs" and (
-                self.rollout.top_p != 1 or self.rollout.top_k > 0 or
-                (self.rollout.name == "vllm" and self.rollout.temperature != 1)):
+        if self.old_log_prob_column == "rollout_log_probs" and (self.rollout.top_p != 1 or self.rollout.top_k > 0):
             raise ConfigError(f"algorithm.rollout_correction.bypass_mode: expected false when sampling is not "
-                              f"the plain softmax{' at temperature 1' if self.rollout.name == 'vllm' else ''} "
-                              f"(the engine's log-probs would not be the policy's); found true with rollout.top_p="
+                              f"the plain softmax (the engine's log-probs would not be the policy's); found true "
+                              f"with rollout.top_p="
                               f"{self.rollout.top_p}, rollout.top_k={self.rollout.top_k}, rollout.temperature="
                               f"{self.rollout.temperature}")
         self._check_rollout_correction()
@@ -897,7 +873,6 @@ class RunConfig:
             raise ConfigError(f"algorithm.use_pf_ppo: PF-PPO resamples after GAE (verl's rule: adv_estimator=gae); "
                               f"found adv_estimator={self.algorithm.adv_estimator}")
         longest = self.data.max_prompt_length + self.rollout.response_length
-        self._check_engine_token_budget(longest)
         if self.rollout.max_model_len and self.rollout.max_model_len < longest:
             raise ConfigError(f"rollout.max_model_len: expected at least data.max_prompt_length + "
                               f"rollout.response_length = {longest} (verl's rule); found {self.rollout.max_model_len}")
@@ -921,10 +896,10 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator}: expected an estimator "
                               f"without a greedy reward baseline with reward_model.enable=True (the baseline is "
                               f"scored by the reward function here); found one")
-        if self.model.lora_rank and self.rollout.name == "vllm":
-            if self.model.lora_rank > VLLM_LORA_RANKS[-1]:
-                raise ConfigError(f"model.lora_rank: expected at most {VLLM_LORA_RANKS[-1]} with rollout.name=vllm "
-                                  f"(the largest rank vLLM serves); found {self.model.lora_rank}")
+        try:  # the engine's own rules (rlhf_core/rollout/engines/<name>.py)
+            engine_class(self.rollout.name).check(self)
+        except EngineConfigError as exc:
+            raise ConfigError(str(exc)) from None
         if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
             shape = ModelShape.from_folder(self.model.path)
             if shape is not None:
@@ -934,7 +909,9 @@ class RunConfig:
 
 def registered(registry: str) -> list[str]:
     """The names registered in ``rlhf_core.algorithms.<registry>`` (imported when asked:
-    the registries import torch)."""
+    the registries import torch), or the rollout engines (``rollout.engines``)."""
+    if registry == "rollout.engines":
+        return list(engine_names())
     from rlhf_core import algorithms
 
     return sorted(getattr(algorithms, registry))

@@ -224,7 +224,8 @@ TABLE: dict[str, Rule] = {
     **{R + key: _m(f"rollout.{key}", note="vLLM's engine setting") for key in (
         "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "max_model_len")},
     "algorithm.kl_penalty": _m("algorithm.kl_penalty", note="verl's kl is k1 here", convert=_kl_name),
-    R + "mode": _note("no effect: generation is synchronous per rank here"),
+    R + "mode": _m("rollout.mode", note="async: the actor's ranks serve as replicas behind a balancing manager; "
+                                        "sync: each rank generates its static share"),
     R + "load_format": _note("no effect: the engine gets the policy's weights from the trainer before it first "
                              "generates"),
     R + "layered_summon": _note("no effect: a LoRA policy sends vLLM its adapter, gathered one tensor at a time, "

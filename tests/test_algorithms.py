@@ -199,7 +199,7 @@ def test_what_masked_positions_hold_never_reaches_a_value_or_a_gradient():
 
 def test_rollout_log_probs_after_a_responses_end_are_zero_not_minus_infinity():
     from rlhf_core.protocol import DataProto
-    from rlhf_core.workers.rollout import _finish_tensors
+    from rlhf_core.rollout import responses_from_tensors as _finish_tensors
 
     prompts = DataProto.from_dict({"input_ids": torch.tensor([[5, 6], [7, 8]]),
                                    "attention_mask": torch.ones(2, 2, dtype=torch.long)})

@@ -310,7 +310,7 @@ def test_vllm_serves_the_adapter_the_actor_sends_with_the_actors_log_probs(tmp_p
     from rlhf_core.protocol import DataProto
     from rlhf_core.testing.model_folders import build_model_folder
     from rlhf_core.workers import lora, modeling
-    from rlhf_core.workers.rollout import VLLMRollout
+    from rlhf_core.rollout.engines.vllm import VLLMEngine as VLLMRollout
 
     folder = str(build_model_folder(tmp_path / "tiny"))
     policy = lora.apply_lora(modeling.load_causal_lm(folder, "float32"), ModelConfig(path=folder, lora_rank=4,
@@ -327,7 +327,7 @@ def test_vllm_serves_the_adapter_the_actor_sends_with_the_actors_log_probs(tmp_p
             policy, keep=lora.is_adapter)), lora.settings(policy))
 
     def engine_matches_policy() -> torch.Tensor:
-        out = engine.generate(prompts)
+        out = engine.generate_batch(prompts)
         with torch.no_grad():
             expected, _ = modeling.response_log_probs(policy, out.batch["input_ids"], out.batch["attention_mask"],
                                                       out.batch["position_ids"], 10)
@@ -444,7 +444,7 @@ def test_vllm_is_started_for_the_next_rank_it_serves_and_refused_above_its_large
     with pytest.raises(lora.LoraError, match=r"^model.lora_adapter_path: expected an adapter of rank at most 512"):
         lora.engine_max_rank(600)
     apply_overrides(RunConfig(), ["rollout.name=vllm", "model.lora_rank=64"]).validate()
-    with pytest.raises(ConfigError, match=r"^model.lora_rank: expected at most 512 with rollout.name=vllm .*found 600$"):
+    with pytest.raises(ConfigError, match=r"^model.lora_rank: expected an adapter of rank at most 512 with rollout.name=vllm .*found rank 600$"):
         apply_overrides(RunConfig(), ["rollout.name=vllm", "model.lora_rank=600"]).validate()
     apply_overrides(RunConfig(), ["rollout.name=hf", "model.lora_rank=600"]).validate()  # peft takes any rank
 
@@ -494,7 +494,7 @@ def test_the_vllm_lora_calls_the_rollout_makes_exist_in_the_pinned_version():
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from rlhf_core.config import VLLM_LORA_RANKS
+    from rlhf_core.rollout.engines.vllm import LORA_RANKS as VLLM_LORA_RANKS
 
     assert typing.get_args(MaxLoRARanks) == VLLM_LORA_RANKS
     request = LoRARequest("policy", 1, "/dev/shm/x", load_inplace=True)

@@ -146,3 +146,26 @@ def test_verls_dapo_reward_keys_with_hydras_plus_are_taken():
     assert (kwargs.overlong_buffer_cfg.enable, kwargs.overlong_buffer_cfg.len, kwargs.max_resp_len) == (True, 4, 20)
     with pytest.raises(ConfigError, match=r"^verl key 'reward_model.reward_kwargs.nope': no counterpart here"):
         apply_overrides(RunConfig(), ["+reward_model.reward_kwargs.nope=1"], notes=[])
+
+
+def test_a_multi_turn_row_is_scored_on_its_whole_text_at_the_policys_last_token(folders, functions):  # noqa: F811
+    """``response_mask`` leaves out tokens others inserted (a tool's answer): the reward
+    function reads every response token (verl's), and the score sits on the last token the
+    policy generated, not on the last token of the row."""
+    worker = reward_worker(folders, [f"custom_reward_function.path={functions}", "custom_reward_function.name=score"])
+    data = responses(folders)
+    attention = data.batch["response_mask"].clone()
+    data.batch["attention_mask"] = torch.cat([torch.ones(3, PROMPT, dtype=torch.long), attention], dim=1)
+    inserted = data.batch["response_mask"].clone()
+    inserted[0, 4:] = 0  # row 0: the policy's 4 tokens, then 4 tokens of a tool
+    inserted[1, 1:3] = 0  # row 1: a tool's 2 tokens between the policy's
+    data.batch["response_mask"] = inserted
+    out = worker.compute_reward(data)
+    scores = out.batch["token_level_scores"]
+    plain = worker.compute_reward(responses(folders)).batch["token_level_scores"]
+    assert plain.sum(dim=1).ne(0).all()  # every row scores (the texts hold their truths)
+    assert scores.nonzero().tolist() == [[0, 3], [1, 4], [2, 2]]
+    assert out.non_tensor_batch["response_text"].tolist() == responses(folders).non_tensor_batch.get(
+        "response_text", worker.compute_reward(responses(folders)).non_tensor_batch["response_text"]).tolist()
+    assert scores.sum(dim=1).tolist() == worker.compute_reward(responses(folders)).batch["token_level_scores"].sum(
+        dim=1).tolist()

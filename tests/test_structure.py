@@ -22,6 +22,8 @@ FORBIDDEN = ("components", "pipelines", "kfp", "kubernetes")
 FLOORS = (
     ("runtime", "protocol", "verl_keys"),       # this machine's processes; the data contract
     ("snapshot", "algorithms", "controller", "distributed"),
+    ("rollout",),                                # generation as a service: engines (the config asks their
+                                                 # rules), replicas and the manager balancing them
     ("config",),
     ("verl_examples",),                          # what `rlhf config` says of verl's own scripts
     ("checkpoint",),                             # a checkpoint folder's files

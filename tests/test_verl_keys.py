@@ -251,7 +251,8 @@ def test_top_k_is_verls_for_both_engines_and_off_means_off(tmp_path):
     from rlhf_core.protocol import DataProto
     from rlhf_core.testing.model_folders import build_model_folder
     from rlhf_core.workers import modeling
-    from rlhf_core.workers.rollout import HFRollout, top_k_setting
+    from rlhf_core.rollout import top_k_setting
+    from rlhf_core.rollout.engines.hf import HFEngine as HFRollout
 
     cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.rollout.top_k=1",
                                         "actor_rollout_ref.rollout.val_kwargs.top_k=5"], notes=[])
@@ -272,9 +273,9 @@ def test_top_k_is_verls_for_both_engines_and_off_means_off(tmp_path):
     greedy_prompts = prompts()
     greedy_prompts.meta_info["do_sample"] = False
     settings = dict(response_length=6, temperature=3.0)
-    greedy = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate(greedy_prompts)
-    top1 = HFRollout(model, tokenizer, RolloutConfig(**settings, top_k=1), seed=0).generate(prompts())
-    sampled = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate(prompts())
+    greedy = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate_batch(greedy_prompts)
+    top1 = HFRollout(model, tokenizer, RolloutConfig(**settings, top_k=1), seed=0).generate_batch(prompts())
+    sampled = HFRollout(model, tokenizer, RolloutConfig(**settings), seed=0).generate_batch(prompts())
     assert torch.equal(top1.batch["responses"], greedy.batch["responses"])  # one token left: the argmax
     assert not torch.equal(sampled.batch["responses"], greedy.batch["responses"])
 

@@ -23,9 +23,9 @@ import vllm
 
 from rlhf_core.config import RolloutConfig
 from rlhf_core.protocol import DataProto
-from rlhf_core.workers import rollout as rollout_module
+from rlhf_core.rollout import engine as rollout_module
 from rlhf_core.workers.actor import ActorRolloutRefWorker
-from rlhf_core.workers.rollout import VLLMRollout
+from rlhf_core.rollout.engines.vllm import VLLMEngine as VLLMRollout
 
 ROOT = Path(__file__).resolve().parent.parent
 LLM = vllm.LLM  # the real class (the fake engine below takes its place in the rollout)
@@ -164,7 +164,7 @@ def test_engine_sleeps_at_level_2_and_wakes_weights_then_kv_cache_around_weight_
     assert not rollout.needs_weights
     log.clear()
 
-    out = rollout.generate(prompts())  # the next iteration's rollout
+    out = rollout.generate_batch(prompts())  # the next iteration's rollout
     assert log == [("empty_cache",), ("wake_up", ["kv_cache"]), ("generate", 2), ("sleep", 2), ("empty_cache",)]
     assert out.batch["responses"][:, 0].tolist() == [5, 5]
     assert rollout.needs_weights
@@ -183,7 +183,7 @@ def test_a_second_sync_before_generating_loads_without_waking_again(engine):
 def test_generate_refuses_an_engine_whose_weights_were_discarded(engine):
     rollout, log = engine
     with pytest.raises(RuntimeError, match="holds no weights .* call update_weights"):
-        rollout.generate(prompts())
+        rollout.generate_batch(prompts())
     assert ("generate", 2) not in log
 
 
@@ -193,7 +193,7 @@ def test_the_actor_pushes_weights_before_generating_with_an_engine_that_discarde
     the policy's weights in first, exactly like a weight sync."""
     rollout, log = engine
     synced = []
-    actor = SimpleNamespace(rollout=rollout,
+    actor = SimpleNamespace(rollout=rollout, weight_version=0, policy_version=0,
                             sync_weights=lambda: synced.append(1) or rollout.update_weights(weights()))
     ActorRolloutRefWorker.generate_sequences(actor, prompts())
     ActorRolloutRefWorker.generate_sequences(actor, prompts())
@@ -210,7 +210,7 @@ def test_without_sleep_mode_weights_load_in_place_and_the_prefix_cache_is_reset(
     rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=False, response_length=4), seed=0,
                           max_model_len=64)
     rollout.update_weights(weights())
-    rollout.generate(prompts())
+    rollout.generate_batch(prompts())
     assert log == [("init", False), ("collective_rpc", "reload_weights", ["embed.weight", "head.weight"]),
                    ("empty_cache",), ("reset_prefix_cache",), ("generate", 2)]
     assert not rollout.needs_weights
@@ -262,7 +262,7 @@ def test_a_gpu_engine_without_sleep_mode_holds_the_synced_weights(monkeypatch):
     assert rollout.needs_weights
     rollout.update_weights(weights())
     assert not rollout.needs_weights
-    rollout.generate(prompts())
+    rollout.generate_batch(prompts())
     assert not rollout.needs_weights  # no sleep discarded them
 
 
@@ -297,7 +297,7 @@ def test_a_seed_per_call_gives_the_same_samples_for_the_same_seed_and_batch(tmp_
         return DataProto.from_dict({"input_ids": ids, "attention_mask": (ids != 0).long(),
                                     "sample_seed": first_seed + torch.arange(4)})
 
-    first, again, other = (rollout.generate(batch(s)).batch["responses"] for s in (11, 11, 12))
+    first, again, other = (rollout.generate_batch(batch(s)).batch["responses"] for s in (11, 11, 12))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert not torch.equal(first[0], first[3])  # one seed for the call, not one per row: rows differ
@@ -334,7 +334,7 @@ def test_a_lora_policy_on_a_gpu_engine_sends_its_base_after_each_sleep_and_its_a
     rollout = VLLMRollout("/models/m", RolloutConfig(free_cache_engine=True, response_length=4), seed=0,
                           max_model_len=64, dtype="bfloat16", lora_rank=lora.settings(policy).r)
     assert (inits[0]["enable_lora"], inits[0]["max_loras"], inits[0]["max_lora_rank"]) == (True, 1, 16)
-    actor = SimpleNamespace(rollout=rollout, policy=policy, sync_dtype=torch.bfloat16, serves_adapter=True,
+    actor = SimpleNamespace(rollout=rollout, policy=policy, weight_version=0, policy_version=0, sync_dtype=torch.bfloat16, serves_adapter=True,
                             config=SimpleNamespace(model=model_cfg))
     actor.sync_weights = lambda: ActorRolloutRefWorker.sync_weights(actor)
     base_names = [name for name in policy.get_base_model().state_dict() if ".lora_" not in name]

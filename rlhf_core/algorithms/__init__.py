@@ -6,7 +6,7 @@ from rlhf_core.algorithms.core import (  # noqa: F401  (the package's public API
     compute_policy_loss, compute_reinforce_plus_plus_outcome_advantage,
     compute_remax_outcome_advantage, compute_rloo_outcome_advantage, compute_value_loss,
     entropy_from_logits, get_adv_estimator_fn, get_adv_estimator_spec, get_kl_estimator_fn, get_policy_loss_fn, kl_penalty,
-    loss_settings, pf_ppo_weights, varied_groups,
+    last_token_index, loss_settings, pf_ppo_weights, varied_groups,
     masked_mean, masked_sum, masked_var, masked_whiten, register_adv_est, register_kl_estimator,
     register_policy_loss,
 )

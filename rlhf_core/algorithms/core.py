@@ -124,6 +124,14 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tens
     return weighted.sum() if dim is None else weighted.sum(dim=dim)
 
 
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's index of its last nonzero mask entry (0 for a row without one): with
+    ``response_mask``, the last token the policy generated, where an outcome reward or a
+    reward model's score goes (in a multi-turn row, tokens others inserted may follow it)."""
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).max(dim=-1).values.clamp(min=0)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean over positions where mask is 1 (0 when the mask is empty)."""
     count = mask.sum() if dim is None else mask.sum(dim=dim)

@@ -139,6 +139,7 @@ class RayWorkerGroup:
         self._collect_cache: dict[str, list[bool]] = {}
         # the claim every registered call of this handle carries (``set_fence``); None: unfenced
         self.fence_claim: int | None = None
+        self._method_prefix = ""  # a colocated role's view calls "{role}__{method}"
         if worker_names is not None:
             self._attach(worker_names, namespace)
         else:
@@ -279,6 +280,13 @@ class RayWorkerGroup:
                 for r, w in enumerate(self._workers)]
         return refs, list(range(n))
 
+    def submit_to_rank(self, rank: int, method: str, *args, **kwargs):
+        """Call the registered ``method`` on one rank with these arguments as they are (no
+        dispatch); returns its ObjectRef. What a manager of servers among the ranks uses."""
+        if self.fence_claim is not None:
+            kwargs = {**kwargs, FENCE_KWARG: self.fence_claim}
+        return getattr(self._workers[rank], f"{self._method_prefix}{method}").remote(*args, **kwargs)
+
     def execute_all(self, method: str, *args, **kwargs) -> list:
         """Call ``method`` on every rank with the same arguments; blocking, ranked errors."""
         refs = [getattr(w, method).remote(*args, **kwargs) for w in self._workers]
@@ -307,6 +315,7 @@ class RayWorkerGroup:
             view.__dict__.update({k: v for k, v in self.__dict__.items()
                                   if not callable(v) or k.startswith("_")})
             view.role = role
+            view._method_prefix = f"{role}__"
             view._dispatch_cache, view._collect_cache = {}, {}
             view._bind_methods(methods, prefix=f"{role}__")
             views[role] = view

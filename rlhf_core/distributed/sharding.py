@@ -329,14 +329,16 @@ def all_gather_objects(obj) -> list:
 
 
 class GatherMeter:
-    """Peak bytes of gathered (whole) tensors alive at once while streaming weights."""
+    """Peak bytes of gathered (whole) tensors alive at once while streaming weights, and
+    the bytes streamed in all."""
 
     def __init__(self) -> None:
-        self.live = self.peak = self.count = 0
+        self.live = self.peak = self.count = self.total = 0
 
     def track(self, tensor: torch.Tensor) -> torch.Tensor:
         size = tensor.numel() * tensor.element_size()
         self.live += size
+        self.total += size
         self.count += 1
         self.peak = max(self.peak, self.live)
         weakref.finalize(tensor, self._freed, size)

@@ -27,8 +27,9 @@ def _stats(prefix: str, values: torch.Tensor) -> dict:
 
 
 def compute_data_metrics(batch: DataProto, entropys: torch.Tensor | None, use_critic: bool) -> dict:
-    mask = batch.batch["response_mask"].float()
-    response_length = mask.sum(dim=-1)
+    mask = batch.batch["response_mask"].float()  # the tokens trained on
+    # a response's length is every token after the prompt (verl's: a multi-turn row's tool answers included)
+    response_length = batch.batch["attention_mask"][:, -mask.shape[1]:].float().sum(dim=-1)
     prompt_length = batch.batch["prompts"].ne(0).sum(dim=-1) if "prompts" in batch.batch.keys() else None
     seq_mask = response_length > 0
     metrics = {}

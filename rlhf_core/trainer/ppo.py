@@ -25,6 +25,8 @@ from rlhf_core.algorithms import (
 from rlhf_core.config import RunConfig
 from rlhf_core.data.dataset import Cursor
 from rlhf_core.protocol import DataProto
+from rlhf_core.rollout import engine_class, requests_of, responses_of, sampling_of
+from rlhf_core.rollout.manager import RayReplicaTransport, RolloutManager, replicas_of
 from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics, validation_metrics
@@ -88,6 +90,12 @@ class PPOTrainer:
         self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
         self._val_loader = None
         self._reward_model_identity: dict | None = None
+        # rollout.mode=async: the actor's ranks serve as replicas behind one manager
+        self.rollout_manager = (RolloutManager(replicas_of(config.actor.world_size,
+                                                           *engine_class(config.rollout.name).replica_shape(config)),
+                                               RayReplicaTransport(self.actor))
+                                if config.rollout.mode == "async" else None)
+        self.generation_metrics: dict = {}  # measured by the manager: timing, not data
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -116,6 +124,7 @@ class PPOTrainer:
         timing: dict[str, float] = {}
         self.worker_time = {}
         t_start = time.perf_counter()
+        self.generation_metrics = {}
         batch = self.first_batch()
         plan = self.stages()
         done = self._committed_prefix(iteration, plan)
@@ -227,11 +236,28 @@ class PPOTrainer:
         first = step * 1_000_003 + batch.meta_info.get("generation", 0) * len(batch)
         batch.batch["sample_seed"] = cfg.rollout.seed + first + torch.arange(len(batch))
         prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
-        batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
+        batch = batch.union(self.generate_sequences(prompts, step))
         if cfg.trainer.balance_batch and cfg.actor.world_size > 1:  # each rank's chunk: about the same tokens
             batch.reorder(modeling.balanced_order(batch.batch["attention_mask"].sum(dim=1).tolist(),
                                                   cfg.actor.world_size))
         return batch
+
+    def generate_sequences(self, prompts: DataProto, step: int) -> DataProto:
+        """The one generation call site (training rollouts, DAPO's further batches,
+        ReMax's greedy baseline, validation): the rollout's columns for left-padded prompt
+        rows with a ``sample_seed`` each, plus ``weight_version``, the trainer step whose
+        weights generated each row (``step``: every row's, here where the rollout waits for
+        the update). ``rollout.mode=sync``: each actor rank its static share, one call;
+        ``async``: requests balanced over the replicas by the manager."""
+        if self.rollout_manager is None:
+            return self._take(self.actor.generate_sequences(prompts))
+        completions, versions, stats = self.rollout_manager.generate(
+            requests_of(prompts), sampling_of(prompts, self.config.rollout), version=step)
+        out = responses_of(prompts, completions, self.config.rollout.response_length, stats.pad_id)
+        out.batch["weight_version"] = torch.tensor(versions, dtype=torch.long)
+        self.generation_metrics.update(stats.metrics())
+        self.worker_time[self.current_stage] = stats.seconds
+        return out
 
     def filter_groups(self, batch: DataProto) -> DataProto:
         """DAPO's dynamic sampling: keep the groups whose filter_groups.metric varies; while
@@ -306,12 +332,13 @@ class PPOTrainer:
             "input_ids": batch.batch["prompts"][rows],
             "attention_mask": batch.batch["attention_mask"][rows, :prompt_len],
             "sample_seed": torch.zeros(len(rows), dtype=torch.long)}, meta_info={"do_sample": False})
-        greedy = self._take(self.actor.generate_sequences(greedy_in))
+        greedy = self.generate_sequences(greedy_in, batch.meta_info["global_step"])
         for key in ("uid", "data_source", "ground_truth", "extra_info"):
             if key in batch.non_tensor_batch:
                 greedy.non_tensor_batch[key] = batch.non_tensor_batch[key][rows]
         scored = self._take(self.reward.compute_reward(
-            greedy.select(["responses", "response_mask"], ["uid", "data_source", "ground_truth", "extra_info"])))
+            greedy.select(["responses", "response_mask", "attention_mask"],
+                          ["uid", "data_source", "ground_truth", "extra_info"])))
         by_uid = dict(zip(uids[rows].tolist(), scored.batch["token_level_scores"].sum(dim=-1).tolist()))
         batch.batch["reward_baselines"] = torch.tensor([by_uid[u] for u in uids.tolist()], dtype=torch.float32)
         return batch
@@ -328,7 +355,7 @@ class PPOTrainer:
         prompts.meta_info = {"do_sample": val.do_sample and val.temperature > 0,
                              "sampling": {"temperature": val.temperature, "top_p": val.top_p,
                                           "top_k": val.top_k}}
-        batch = batch.union(self._take(self.actor.generate_sequences(prompts)))
+        batch = batch.union(self.generate_sequences(prompts, step))
         if self.reward_model is not None:  # validation is scored as training is (verl's rule)
             batch = self.compute_rm_score(batch)
         batch = self.compute_reward(batch)
@@ -358,11 +385,12 @@ class PPOTrainer:
     def compute_rm_score(self, batch: DataProto) -> DataProto:
         """The reward model's score of each response (``rm_scores``, at its last token)."""
         chat = [key for key in ("raw_prompt", "raw_chat") if key in batch.non_tensor_batch]
-        return batch.union(self._take(self.reward_model.compute_rm_score(batch.select(SEQUENCE_KEYS, chat))))
+        return batch.union(self._take(self.reward_model.compute_rm_score(
+            batch.select(SEQUENCE_KEYS + ["response_mask"], chat))))
 
     def compute_reward(self, batch: DataProto) -> DataProto:
         scored = ["rm_scores"] if "rm_scores" in batch.batch.keys() else []
-        needed = batch.select(["responses", "response_mask"] + scored,
+        needed = batch.select(["responses", "response_mask", "attention_mask"] + scored,
                               ["uid", "data_source", "ground_truth", "extra_info"])
         return batch.union(self._take(self.reward.compute_reward(needed)))
 
@@ -439,10 +467,13 @@ class PPOTrainer:
         return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def weight_sync(self, batch: DataProto) -> DataProto:
-        synced = self.actor.sync_weights()
+        """The updated weights to the rollout engines, as version ``global_step + 1``."""
+        synced = self.actor.sync_weights(batch.meta_info["global_step"] + 1)
         self.worker_time[self.current_stage] = max(s["seconds"] for s in synced)
         return self._stage_metrics(batch, {
-            "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20})
+            "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20,
+            "perf/weight_sync_bytes": float(max(s["bytes"] for s in synced)),
+            "training/weight_version": float(synced[0]["version"])})
 
     # ---------------------------------------------------------------- helpers
 
@@ -481,4 +512,5 @@ class PPOTrainer:
         metrics["perf/throughput"] = tokens / total
         metrics["training/global_step"] = self.state.global_step
         metrics.update(self.side_metrics)
+        metrics.update(self.generation_metrics)
         return metrics

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 from rlhf_core.config import RunConfig
 
-#: vLLM's CPU attention backend refuses smaller heads, at the first generation.
-VLLM_CPU_MIN_HEAD_DIM = 32
-
-
 class PreflightError(ValueError):
     """An input the run cannot use; one line naming the field, what was expected, what was found."""
 
@@ -58,17 +54,19 @@ def check_critic_model(cfg: RunConfig) -> None:
 
 
 def check_rollout_model(cfg: RunConfig) -> None:
-    """``rollout.name=vllm`` on CPU workers needs heads of at least 32 dimensions."""
-    if cfg.rollout.name != "vllm" or cfg.resources.gpus_per_node > 0:
+    """What the rollout engine needs of the policy's model config (its ``check_model``:
+    vLLM's CPU attention, heads of at least 32 dimensions)."""
+    from rlhf_core.rollout import EngineConfigError, engine_class
+
+    check = getattr(engine_class(cfg.rollout.name), "check_model", None)
+    if check is None:
         return
     from transformers import AutoConfig
 
     from rlhf_core.workers import modeling
 
     path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, progress=False, weights=False)
-    config = AutoConfig.from_pretrained(path)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim < VLLM_CPU_MIN_HEAD_DIM:
-        raise PreflightError(f"rollout.name=vllm: vLLM's CPU attention needs a head_dim of at least "
-                             f"{VLLM_CPU_MIN_HEAD_DIM}; found {head_dim} in model.path {cfg.model.path} (use "
-                             f"rollout.name=hf on CPU workers, or GPUs: resources.gpus_per_node)")
+    try:
+        check(cfg, AutoConfig.from_pretrained(path))
+    except EngineConfigError as exc:
+        raise PreflightError(str(exc)) from None

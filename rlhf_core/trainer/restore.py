@@ -125,6 +125,7 @@ def load_checkpoint(workers: WorkerSet, istore, step: int, trainer=None) -> list
         redo_updates(trainer, istore, iteration)
     if redo:
         trainer.actor.sync_weights()  # the engine generates with the redone weights
+    workers.set_weight_version(step)  # the weights are the trainer's after `step` iterations
     return redo
 
 

@@ -21,7 +21,9 @@ from rlhf_core.controller.dispatch import make_nd_compute_dataproto_dispatch_fn
 from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
 from rlhf_core.workers import devices, lora, modeling, packing
-from rlhf_core.workers.rollout import HFRollout, VLLMRollout
+from rlhf_core.rollout import engine_class
+from rlhf_core.rollout.engine import GenerationRequest
+from rlhf_core.rollout.manager import WeightVersionError
 from rlhf_core.workers.trainable import TrainableWorker
 
 
@@ -72,26 +74,20 @@ class ActorRolloutRefWorker(TrainableWorker):
         # ranks of one tensor-parallel engine get the same prompts; one of them answers
         tp = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
-        max_len = cfg.data.max_prompt_length + cfg.rollout.response_length
-        self.sync_dtype = None  # HF generation runs on the policy itself: nothing is synced
-        self.serves_adapter = False
-        if cfg.rollout.name == "vllm":
-            dtype = cfg.rollout.dtype
-            if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
-                dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
-            # a LoRA policy: its adapter as a LoRA request, or merged into weights the engine serves as a full policy's
-            self.serves_adapter = cfg.model.lora and not (
-                cfg.rollout.lora_merge if cfg.rollout.lora_merge is not None else not torch.cuda.is_available())
-            if self.serves_adapter:
-                lora.check_engine_serves(sharding.unwrap(self.policy))
-            self.rollout = VLLMRollout(self.model_path, cfg.rollout, seed=cfg.trainer.seed,
-                                       max_model_len=max(64, max_len), dtype=dtype,
-                                       lora_rank=lora.settings(sharding.unwrap(self.policy)).r if self.serves_adapter
-                                       else 0, hf_overrides=modeling.config_overrides(cfg.model))
-            self.sync_dtype = getattr(torch, dtype)  # what the engine keeps: gather no more bytes
-        else:
-            self.rollout = HFRollout(sharding.unwrap(self.policy), self.tokenizer, cfg.rollout, cfg.trainer.seed,
-                                     synced=sharding.is_sharded(self.policy))
+        # the policy's LoRA rank, for an engine that serves the adapter as a LoRA request
+        lora_rank = lora.settings(sharding.unwrap(self.policy)).r if cfg.model.lora else 0
+        self.rollout = engine_class(cfg.rollout.name).build(
+            policy=sharding.unwrap(self.policy), tokenizer=self.tokenizer, model_path=self.model_path, cfg=cfg,
+            sharded=sharding.is_sharded(self.policy), lora_rank=lora_rank,
+            hf_overrides=modeling.config_overrides(cfg.model))
+        if self.rollout.serves_adapter:
+            lora.check_engine_serves(sharding.unwrap(self.policy))
+        self.sync_dtype = self.rollout.sync_dtype  # what the engine keeps (None: it runs on the policy itself)
+        self.serves_adapter = self.rollout.serves_adapter
+        # the trainer step whose weights the policy holds, and the one whose weights the
+        # engine holds (every generated row records it): they differ only between an
+        # update and a completed sync
+        self.policy_version = self.weight_version = 0
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
         return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
                 "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
@@ -105,9 +101,35 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn("rollout"))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """``rollout.mode=sync``: this rank's static share of the prompts, as one call."""
         if self.rollout.needs_weights:  # the engine's sleep after its last generate discarded them
             self.sync_weights()
-        return self.rollout.generate(prompts)
+        out = self.rollout.generate_batch(prompts)
+        out.batch["weight_version"] = torch.full((len(out),), self.weight_version, dtype=torch.long)
+        return out
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def generate_requests(self, requests: list, sampling, version: int | None = None) -> dict:
+        """``rollout.mode=async``: this rank as a replica (the manager calls it alone, or
+        with the rest of its tensor-parallel group). ``requests``: (id, prompt token ids,
+        seed, own token limit or None); ``version``: the weight version they must be
+        generated with."""
+        t0 = time.perf_counter()
+        if self.rollout.needs_weights:  # discarded by a sleep, or a sync that failed: the policy's again
+            self.sync_weights()
+        if version is not None and version != self.weight_version:
+            raise WeightVersionError(f"rollout replica (rank {self.rank}): expected weight version {version}; "
+                                     f"found {self.weight_version} (the manager pinned the requests to weights "
+                                     f"this replica does not hold)")
+        completions = self.rollout.generate([GenerationRequest(i, tuple(ids), seed, limit)
+                                             for i, ids, seed, limit in requests], sampling)
+        return {"completions": [(c.request_id, c.token_ids, c.log_probs) for c in completions],
+                "version": self.weight_version, "seconds": time.perf_counter() - t0, "pad_id": self.rollout.pad_id}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_weight_version(self, version: int) -> None:
+        """The trainer step whose weights the policy and engine hold (a restored checkpoint's)."""
+        self.policy_version = self.weight_version = int(version)
 
     def _log_probs(self, model, data: DataProto, with_entropy: bool, with_sum_pi_squared: bool = False):
         return modeling.response_log_probs(
@@ -198,12 +220,17 @@ class ActorRolloutRefWorker(TrainableWorker):
         return loss, parts
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def sync_weights(self) -> dict:
+    def sync_weights(self, version: int | None = None) -> dict:
         """Stream the policy's weights into the generation engine, one whole tensor at a
         time; returns seconds taken and the peak bytes of gathered tensors alive at once.
         A LoRA policy sends its adapter (verl's LoRA request path), and its frozen base
         only when the engine holds none; or (``rollout.lora_merge``) its weights with the
-        adapter merged in."""
+        adapter merged in. ``version``: the trainer step these weights are (None: the
+        policy's, as after a sleep that discarded them). A sync that fails leaves the
+        engine's version where it was and the engine asking for weights: nothing is
+        generated from a part of them."""
+        if version is not None:
+            self.policy_version = int(version)
         t0 = time.perf_counter()
         meter = sharding.GatherMeter()
         if not self.config.model.lora:
@@ -217,7 +244,9 @@ class ActorRolloutRefWorker(TrainableWorker):
                     self.policy, meter, self.sync_dtype, keep=lora.is_base))
             self.rollout.update_adapter(((lora.saved_name(name), t) for name, t in sharding.stream_full_parameters(
                 self.policy, meter, self.sync_dtype, keep=lora.is_adapter)), lora.settings(sharding.unwrap(self.policy)))
-        return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count}
+        self.weight_version = self.policy_version
+        return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count,
+                "bytes": meter.total, "version": self.weight_version}
 
     # ---------------------------------------------------------------- checkpoints
 

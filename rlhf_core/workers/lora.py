@@ -135,13 +135,13 @@ def reference_forward(model: torch.nn.Module):
 def engine_max_rank(rank: int) -> int:
     """vLLM's ``max_lora_rank`` for an adapter of ``rank`` (``model.lora_rank`` is checked
     with the config; a saved adapter's own rank is checked here)."""
-    from rlhf_core.config import VLLM_LORA_RANKS
+    from rlhf_core.rollout import EngineConfigError
+    from rlhf_core.rollout.engines.vllm import max_lora_rank
 
-    for allowed in VLLM_LORA_RANKS:
-        if rank <= allowed:
-            return allowed
-    raise LoraError(f"model.lora_adapter_path: expected an adapter of rank at most {VLLM_LORA_RANKS[-1]} with "
-                    f"rollout.name=vllm (the largest rank vLLM serves); found rank {rank}")
+    try:
+        return max_lora_rank(rank)
+    except EngineConfigError as exc:
+        raise LoraError(str(exc)) from None
 
 
 #: Modules a LoRA adapter may adapt that vLLM's LoRA requests do not serve (0.32 refuses

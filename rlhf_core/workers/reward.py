@@ -17,6 +17,7 @@ import importlib
 import numpy as np
 import torch
 
+from rlhf_core.algorithms import last_token_index
 from rlhf_core.config import NAMED_REWARDS, RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
@@ -110,10 +111,14 @@ class RewardWorker(Worker):
         batch, they are the rewards, unless a custom reward function is set: it scores, and
         sees the model's score as ``extra_info["rm_score"]``."""
         responses, mask = data.batch["responses"], data.batch["response_mask"]
+        # the text scored is every response token (verl's: a multi-turn row's tool answers
+        # included); the score goes on the last token the policy generated
+        valid = data.batch["attention_mask"][:, -responses.shape[1]:] if "attention_mask" in data.batch.keys() \
+            else mask
         texts = [self.tokenizer.decode([t for t, keep in zip(row, row_mask) if keep], skip_special_tokens=True)
-                 for row, row_mask in zip(responses.tolist(), mask.tolist())]
+                 for row, row_mask in zip(responses.tolist(), valid.tolist())]
         nt = data.non_tensor_batch
-        lengths = mask.sum(dim=1).tolist()
+        lengths = valid.sum(dim=1).tolist()
 
         def rows(extra_infos) -> ScoringRows:
             return ScoringRows(nt["data_source"], texts, nt["ground_truth"], extra_infos, nt["uid"], lengths)
@@ -133,7 +138,7 @@ class RewardWorker(Worker):
         manager = MANAGERS[self.config.reward_model.reward_manager]
         scores, extras = manager(self.fn, self.fn_name, rows(extra_infos), self.config)
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
-        last = (mask.sum(dim=1) - 1).clamp(min=0)  # outcome reward on the last token
+        last = last_token_index(mask)  # an outcome reward: on the last token the policy generated
         token_level_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         for key, values in extras.items():
             columns[f"reward_extra/{key}"] = object_column(values)

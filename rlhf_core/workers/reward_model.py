@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.algorithms import last_token_index
 from rlhf_core.config import RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto
@@ -200,12 +201,11 @@ def right_padded(rows: list[list[int]], pad: int | None) -> tuple[torch.Tensor, 
 
 
 def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[rows, response_length] with each score at its response's last valid token (0 for
-    a row without a response token)."""
+    """[rows, response_length] with each score at its response's last generated token
+    (``response_mask``'s last 1; 0 for a row without a response token)."""
     out = torch.zeros(response_mask.shape, dtype=torch.float32)
-    length = response_mask.sum(dim=1)
-    has = length > 0
-    out[has.nonzero().flatten(), (length[has] - 1)] = scores[has].float().cpu()
+    has = response_mask.bool().any(dim=1)
+    out[has.nonzero().flatten(), last_token_index(response_mask)[has]] = scores[has].float().cpu()
     return out
 
 
@@ -301,9 +301,10 @@ class RewardModelWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        """``rm_scores`` [rows, response_length]: each response's score at its last valid token."""
+        """``rm_scores`` [rows, response_length]: each response's score at its last generated token."""
         rm = self.config.reward_model
-        response_mask = data.batch["attention_mask"][:, -data.batch["responses"].shape[1]:]
+        response_mask = (data.batch["response_mask"] if "response_mask" in data.batch.keys()
+                         else data.batch["attention_mask"][:, -data.batch["responses"].shape[1]:])
         if len(data) == 0:  # every rank gets none together (a batch is padded to the world size), so none waits
             return DataProto.from_dict({"rm_scores": torch.zeros(response_mask.shape, dtype=torch.float32)})
         if self.retemplates:

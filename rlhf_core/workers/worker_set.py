@@ -247,6 +247,10 @@ class WorkerSet:
                 digests.update(written or {})
         return digests
 
+    def set_weight_version(self, version: int) -> None:
+        """The trainer step whose weights the actor's policy and engines hold (after a restore)."""
+        self.roles["actor"].set_weight_version(version)
+
     def load_checkpoint(self, uri: str, storage_options: dict | None = None, expected: dict | None = None) -> None:
         """Restore every trainable role from the files ``expected`` lists ({file: sha256},
         as the checkpoint's commit recorded it). A file that differs is refused, in one

@@ -1,0 +1,1 @@
+"""One module per generation engine (``rollout.name``); see ``rlhf_core.rollout.registry``."""
