@@ -227,6 +227,17 @@ class ValKwargsConfig:
 
 
 @dataclass
+class CheckpointEngineConfig:
+    backend: str = _f("naive", "how the trainer's weights reach the rollout replicas (verl's rollout.checkpoint_engine."
+                      "backend): naive, in place, the replicas being the actor's own ranks (rollout.nnodes=0); nccl "
+                      "(GPU) or gloo (CPU), bucketed broadcasts over a collective group from the actor's first rank to "
+                      "a rollout pool of its own", choices=("naive", "nccl", "gloo"))
+    update_weights_bucket_megabytes: int = _f(2048, "MiB of weights per broadcast bucket (verl's default; a "
+                                              "tensor larger than a bucket goes alone): the most any rank holds "
+                                              "for the transfer, never the whole model", **POSITIVE, hashed=False)
+
+
+@dataclass
 class RolloutConfig:
     name: str = _f("hf", "generation engine: hf (transformers generate on the actor's own model: fastest "
                    "for the demo's tiny model and short responses) or vllm (an in-process engine per rank: "
@@ -275,7 +286,23 @@ class RolloutConfig:
                                  "adapter as a LoRA request (verl's FSDP path: a small sync, LoRA kernels while "
                                  "generating); None: false on GPU, true on CPU, where vLLM's LoRA kernels "
                                  "generated 4x slower (benchmarks/lora.py)", hashed=False)
+    nnodes: int = _f(0, "nodes of a rollout pool of its own (verl's fully-async rollout.nnodes): replicas there "
+                     "receive the trainer's weights through rollout.checkpoint_engine; 0: the replicas are the actor's "
+                     "ranks (colocated, hybrid)", **NON_NEGATIVE)
+    n_gpus_per_node: int = _f(1, "ranks per node of the rollout's own pool: one GPU each on GPU nodes, "
+                              "trainer.cpus_per_worker CPUs each on CPU nodes (no effect with rollout.nnodes=0)",
+                              **POSITIVE)
+    checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+
+    @property
+    def own_pool(self) -> bool:
+        """Whether the replicas run on a pool of their own (else they are the actor's ranks)."""
+        return self.nnodes > 0
+
+    @property
+    def own_pool_world_size(self) -> int:
+        return self.nnodes * self.n_gpus_per_node if self.own_pool else 0
 
 
 @dataclass
@@ -702,6 +729,38 @@ class RunConfig:
             return None
         return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
 
+    def _check_rollout_pool(self) -> None:
+        """A rollout pool of its own: served replicas (async), fed by a collective backend
+        that fits the nodes; colocated replicas: the in-place backend."""
+        rollout, res = self.rollout, self.resources
+        backend = rollout.checkpoint_engine.backend
+        if not rollout.own_pool:
+            if backend != "naive":
+                raise ConfigError(f"rollout.checkpoint_engine.backend: expected naive (in place) with the replicas on the "
+                                  f"actor's ranks (rollout.nnodes=0); found {backend}, which needs a rollout pool of "
+                                  f"its own (rollout.nnodes >= 1)")
+            return
+        per_node = res.ranks_per_node(self.trainer.cpus_per_worker)
+        if rollout.mode != "async":
+            raise ConfigError(f"rollout.mode: expected async with a rollout pool of its own (rollout.nnodes="
+                              f"{rollout.nnodes}: its replicas serve requests); found {rollout.mode}")
+        if rollout.n_gpus_per_node > per_node:
+            raise ConfigError(f"rollout.n_gpus_per_node: expected at most {per_node} ranks per node (the training "
+                              f"pool's node shape); found {rollout.n_gpus_per_node}")
+        wanted = "nccl" if res.gpus_per_node else "gloo"
+        if backend != wanted:
+            raise ConfigError(f"rollout.checkpoint_engine.backend: expected {wanted} with a rollout pool of its own on "
+                              f"{'GPU' if res.gpus_per_node else 'CPU'} nodes (resources.gpus_per_node="
+                              f"{res.gpus_per_node}); found {backend}")
+        if rollout.own_pool_world_size % rollout.tensor_model_parallel_size:
+            raise ConfigError(f"rollout.tensor_model_parallel_size: expected a divisor of the rollout pool's "
+                              f"{rollout.own_pool_world_size} ranks (rollout.nnodes x n_gpus_per_node); found "
+                              f"{rollout.tensor_model_parallel_size}")
+        if self.model.lora:
+            raise ConfigError(f"rollout.nnodes: expected 0 with a LoRA policy (model.lora_rank={self.model.lora_rank}): "
+                              f"sending an adapter to a rollout pool of its own is not built yet; found "
+                              f"{rollout.nnodes}")
+
     def _check_rollout_correction(self) -> None:
         from rlhf_core.algorithms import rollout_correction
 
@@ -820,6 +879,7 @@ class RunConfig:
                 raise ConfigError(f"reward_model.n_gpus_per_node, reward_model.nnodes: expected 1 to {per_node} "
                                   f"ranks on each of at least 1 node (the training pool's node shape) with "
                                   f"enable_resource_pool; found {rm.n_gpus_per_node} x {rm.nnodes}")
+        self._check_rollout_pool()
         tp = self.rollout.tensor_model_parallel_size
         if tp > 1 and not res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected 1 on CPU nodes "

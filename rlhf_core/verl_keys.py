@@ -518,8 +518,9 @@ VERL_DEFAULTS: dict[str, Rule] = {
        for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref")},
     "actor_rollout_ref.rollout.prometheus.enable": _only("False", FEATURE_OFF, "the engine's Prometheus metrics"),
     "actor_rollout_ref.rollout.trace.backend": _only("null", FEATURE_OFF, "rollout tracing"),
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": _only("naive", "the trainer sends the engine its weights "
-                                                                 "one tensor at a time", "another weight-sync engine"),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": _m("rollout.checkpoint_engine.backend"),
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        _m("rollout.checkpoint_engine.update_weights_bucket_megabytes"),
     **{f"{section}.tiled_mlp.enabled": _only("False", FEATURE_OFF, "tiled MLP")
        for section in ("actor_rollout_ref.model", "critic.model")},
     "actor_rollout_ref.rollout.agent.default_agent_loop": _only("single_turn_agent", "one generation per prompt",
@@ -535,7 +536,8 @@ VERL_GROUPS: tuple[tuple[re.Pattern, Rule], ...] = (
     (re.compile(r"\.router_replay\."), _inert("router replay is disabled")),
     (re.compile(r"\.rollout\.prometheus\."), _inert("the engine's Prometheus metrics are off")),
     (re.compile(r"\.rollout\.trace\."), _inert("rollout tracing is off")),
-    (re.compile(r"\.rollout\.checkpoint_engine\."), _inert("weights are synced tensor by tensor")),
+    (re.compile(r"\.rollout\.checkpoint_engine\."), _inert("the checkpoint engine's other settings are verl's "
+                                                           "backends' own")),
     (re.compile(r"\.tiled_mlp\."), _inert("tiled MLP is off")),
     (re.compile(r"\.rollout\.agent\."), _inert("one generation per prompt (no agent loop)")),
     (re.compile(r"\.rollout\.multi_turn\."), _inert("multi-turn rollout is off")),

@@ -172,7 +172,8 @@ def test_a_reward_model_pool_of_its_own_takes_the_reward_model_out_of_the_traini
                                                       "reward_model.nnodes=2"]).validate())
     assert [(p.name, p.process_on_nodes, p.roles) for p in own] == [
         ("train", (2,), ("actor", "reward")), ("reward_model", (3, 3), ("reward_model",))]
-    assert pool_prefixes("global_pool") == ["global_pool", "global_pool_critic", "global_pool_reward_model"]
+    assert pool_prefixes("global_pool") == ["global_pool", "global_pool_critic", "global_pool_reward_model",
+                                            "global_pool_rollout"]
     for extra, message in (
             (["reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=5", "reward_model.nnodes=1"],
              "reward_model.n_gpus_per_node, reward_model.nnodes: expected 1 to 4 ranks on each of at least 1 node "

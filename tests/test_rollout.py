@@ -293,3 +293,148 @@ def test_the_last_generated_token_is_read_from_the_response_mask():
     metrics = compute_data_metrics(batch, None, use_critic=False)
     assert (metrics["response_length/max"], metrics["response_length/min"]) == (8.0, 0.0)
     assert metrics["response_length/mean"] == (6 + 3 + 0 + 8) / 4
+
+
+# ---------------------------------------------------------------- the checkpoint engine
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("embed.weight", torch.randn(64, 32, generator=g)),                      # 8 KiB
+            ("layer.norm", torch.randn(32, generator=g).to(torch.bfloat16)),         # odd sizes and dtypes
+            ("layer.proj", torch.randn(96, 100, generator=g)),                       # 37.5 KiB: over a bucket
+            ("layer.count", torch.arange(7, dtype=torch.int64)),
+            ("head.weight", torch.randn(16, 32, generator=g).to(torch.float16))]
+
+
+def _weight_group_rank(rank: int, port: int, bucket: int, fail_after: int | None, out: str) -> None:
+    from rlhf_core.rollout import checkpoint_engine
+
+    torch.set_num_threads(1)
+    if rank == 0:
+        store, _ = None, None
+        import torch.distributed as dist
+        from datetime import timedelta
+
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60), wait_for_workers=False)
+        group = checkpoint_engine.WeightGroup("", 0, 0, 2, "gloo", timeout_s=60, store=store)
+
+        def stream():
+            for i, item in enumerate(_weights()):
+                if fail_after is not None and i == fail_after:
+                    raise RuntimeError("the trainer failed mid-sync")
+                yield item
+
+        try:
+            sent = checkpoint_engine.send(group, stream(), bucket, version=7)
+            torch.save({"sent": sent}, out + ".0")
+        except RuntimeError as exc:
+            torch.save({"error": str(exc)}, out + ".0")
+    else:
+        group = checkpoint_engine.WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=10)
+        got, versions, buckets = {}, [], []
+        try:
+            for name, tensor in checkpoint_engine.receive(group, on_version=versions.append):
+                got[name] = tensor.clone()
+                buckets.append(tensor.untyped_storage().nbytes())
+            torch.save({"got": got, "versions": versions, "largest": max(buckets)}, out + ".1")
+        except Exception as exc:  # the sender went away mid-stream
+            torch.save({"got": got, "versions": versions, "error": type(exc).__name__}, out + ".1")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_checkpoint_engine_sends_every_tensor_in_bounded_buckets_and_the_version_last(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "run")
+    bucket = 16 * 1024
+    mp.start_processes(_weight_group_rank, args=(_free_port(), bucket, None, out), nprocs=2, start_method="spawn")
+    sender, receiver = torch.load(out + ".0"), torch.load(out + ".1")
+    expected = dict(_weights())
+    assert list(receiver["got"]) == list(expected)
+    assert all(torch.equal(receiver["got"][k], v) and receiver["got"][k].dtype == v.dtype for k, v in expected.items())
+    assert receiver["versions"] == [7]
+    # no buffer holds more than a bucket, but for a tensor larger than one, which goes alone
+    assert receiver["largest"] <= max(bucket, 96 * 100 * 4 + 64) and sender["sent"] >= sum(
+        t.numel() * t.element_size() for t in expected.values())
+
+
+def test_a_sync_that_fails_midway_gives_the_replica_no_version(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "run")
+    # a one-tensor bucket: the receiver has taken some tensors when the sender fails
+    mp.start_processes(_weight_group_rank, args=(_free_port(), 1, 3, out), nprocs=2, start_method="spawn")
+    sender, receiver = torch.load(out + ".0"), torch.load(out + ".1")
+    assert sender["error"] == "the trainer failed mid-sync"
+    assert receiver["versions"] == [] and "error" in receiver and 0 < len(receiver["got"]) < 5
+
+
+def test_a_rollout_pool_of_its_own_is_checked_before_anything_is_placed():
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+    from rlhf_core.workers.worker_set import pool_plan
+
+    own = ["rollout.mode=async", "rollout.nnodes=1", "rollout.checkpoint_engine.backend=gloo"]
+    cfg = apply_overrides(RunConfig(), own).validate()
+    assert [(p.name, p.process_on_nodes, p.roles) for p in pool_plan(cfg)][-1] == ("rollout", (1,), ("rollout",))
+    for overrides, message in [
+        (own[:2], r"^rollout.checkpoint_engine.backend: expected gloo with a rollout pool of its own on CPU nodes "
+                  r"\(resources.gpus_per_node=0\); found naive$"),
+        (["rollout.nnodes=1", "rollout.checkpoint_engine.backend=gloo"],
+         r"^rollout.mode: expected async with a rollout pool of its own"),
+        (["rollout.checkpoint_engine.backend=gloo"], r"^rollout.checkpoint_engine.backend: expected naive \(in place\)"),
+        (own + ["rollout.checkpoint_engine.backend=nccl"], r"^rollout.checkpoint_engine.backend: expected gloo"),
+        (own + ["rollout.n_gpus_per_node=3"], r"^rollout.n_gpus_per_node: expected at most 2 ranks per node"),
+        (own + ["model.lora_rank=8"], r"^rollout.nnodes: expected 0 with a LoRA policy"),
+        (own + ["rollout.checkpoint_engine.backend=nixl"], r"^rollout.checkpoint_engine.backend: expected one of"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(RunConfig(), overrides).validate()
+    # verl's names: the checkpoint engine's keys under actor_rollout_ref.rollout, the pool's as fully-async names them
+    cfg = apply_overrides(RunConfig(), ["actor_rollout_ref.rollout.mode=async", "rollout.nnodes=1",
+                                        "actor_rollout_ref.rollout.checkpoint_engine.backend=gloo",
+                                        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64"],
+                          notes=[]).validate()
+    assert (cfg.rollout.checkpoint_engine.backend, cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes) == \
+        ("gloo", 64)
+
+
+def test_a_rollout_pool_of_its_own_runs_records_versions_and_replays_exactly(tmp_path, ray_local):
+    """Trainer ranks on one side, one replica on the other (the HF engine on a copy of the
+    policy it loaded, fed through gloo buckets): the run gives the colocated run's rewards
+    bit for bit, every row records the weights that made it, every stage replays exactly."""
+    import json
+
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.replay import replay
+
+    common = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=4", "trainer.progress=false",
+              "trainer.cpus_per_worker=1",
+              "rollout.checkpoint_engine.update_weights_bucket_megabytes=1",  # several buckets a sync
+              f"trainer.output_dir={tmp_path / 'out'}"]
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["run", "--direct", "--iterations", "3", "--run-id", "pool", "--store", store, *common,
+                 "rollout.mode=async", "rollout.nnodes=1", "rollout.checkpoint_engine.backend=gloo"]) == 0
+    assert main(["run", "--direct", "--iterations", "3", "--run-id", "colocated", "--store", store, *common]) == 0
+
+    def rows(run):
+        return [json.loads(line) for line in (tmp_path / "out" / run / "metrics.jsonl").read_text().splitlines()]
+
+    keys = ("critic/score/mean", "actor/pg_loss", "actor/entropy")
+    assert [[r[k] for k in keys] for r in rows("pool")] == [[r[k] for k in keys] for r in rows("colocated")]
+    pool = rows("pool")
+    assert [r["training/weight_version"] for r in pool] == [1.0, 2.0, 3.0]
+    assert all(r["perf/weight_sync_bytes"] > 1 * 2**20 for r in pool)  # the whole policy went through the group
+    istore = IterationStore(RunRef(store, "pool"))
+    for iteration in range(3):
+        assert istore.load(iteration, "rollout").batch["weight_version"].tolist() == [iteration] * 32
+    for r in replay(f"{store}/pool/iter-000002", log=lambda *a: None):
+        assert r.ok and r.diffs and all(d.max_abs == 0 for d in r.diffs), (r.stage, r.diffs)

@@ -198,3 +198,29 @@ class RayResourcePool(ResourcePool):
         for pg in self._pgs or []:
             ray.util.remove_placement_group(pg)
         self._pgs = None
+
+
+def check_pools_fit(pools: list["RayResourcePool"]) -> None:
+    """Fail at once when the run's pools together need more of a resource than the live
+    nodes hold (each may fit alone: a rollout or reward-model pool beside the training
+    pool), instead of a placement wait that ends without saying why. Skipped where an
+    autoscaler may start nodes (placing is what asks it to)."""
+    import ray
+
+    if not pools or any(pool.autoscaler_nodes for pool in pools):
+        return
+    total: dict[str, float] = {}
+    for node in (n["Resources"] for n in ray.nodes() if n.get("Alive")):
+        for key, value in node.items():
+            total[key] = total.get(key, 0.0) + value
+    need: dict[str, float] = {}
+    for pool in pools:
+        for key, value in pool.bundle().items():
+            need[key] = need.get(key, 0.0) + value * pool.world_size
+    short = [key for key, value in need.items() if value > total.get(key, 0.0) + 1e-9]
+    if short:
+        parts = ", ".join(f"{pool.name_prefix!r} {pool.world_size} x {pool.bundle()}" for pool in pools)
+        raise ResourcePoolError(f"the run's pools need {', '.join(f'{need[k]:g} {k}' for k in short)} together "
+                                f"({parts}); the cluster's live nodes hold "
+                                f"{', '.join(f'{total.get(k, 0.0):g} {k}' for k in short)} (fewer ranks per pool, or "
+                                f"trainer.cpus_per_worker smaller)")

@@ -179,6 +179,16 @@ def responses_from_tensors(prompts: "DataProto", resp: "torch.Tensor", rollout_l
     })
 
 
+def engine_dtype(cfg) -> str:
+    """The dtype an engine serves (``rollout.dtype``; auto: bf16 copies of the fp32 master
+    weights on GPU, ``model.dtype`` on CPU): what weight syncs send."""
+    import torch
+
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    return "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
+
+
 def free_cached_memory() -> None:
     """Return the blocks torch's caching allocator holds to the device (vLLM's sleep-mode
     memory is allocated outside that cache and cannot reuse them). No-op on CPU."""

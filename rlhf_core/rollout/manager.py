@@ -248,6 +248,19 @@ class RayReplicaTransport:
         return Answer(completions, first["version"], max(a["seconds"] for a in answers), first["pad_id"])
 
 
+def serve(engine, requests: list, sampling: Sampling, version: int | None, held: int, name: str) -> dict:
+    """A replica's answer to one call (``requests``: (id, prompt ids, seed, own token limit
+    or None)): refused when it is pinned to a ``version`` other than the ``held`` one."""
+    if version is not None and version != held:
+        raise WeightVersionError(f"rollout replica ({name}): expected weight version {version}; found {held} (the "
+                                 f"manager pinned the requests to weights this replica does not hold)")
+    t0 = time.perf_counter()
+    completions = engine.generate([GenerationRequest(i, tuple(ids), seed, limit) for i, ids, seed, limit in requests],
+                                  sampling)
+    return {"completions": [(c.request_id, c.token_ids, c.log_probs) for c in completions], "version": held,
+            "seconds": time.perf_counter() - t0, "pad_id": engine.pad_id}
+
+
 def replicas_of(world_size: int, ranks_per_replica: int = 1, splits: bool = False) -> list[Replica]:
     """The actor's ranks as replicas of consecutive ranks (an engine's ``replica_shape``)."""
     return [Replica(i, list(range(i * ranks_per_replica, (i + 1) * ranks_per_replica)), splits)

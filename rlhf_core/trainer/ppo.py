@@ -90,11 +90,16 @@ class PPOTrainer:
         self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
         self._val_loader = None
         self._reward_model_identity: dict | None = None
-        # rollout.mode=async: the actor's ranks serve as replicas behind one manager
-        self.rollout_manager = (RolloutManager(replicas_of(config.actor.world_size,
-                                                           *engine_class(config.rollout.name).replica_shape(config)),
-                                               RayReplicaTransport(self.actor))
-                                if config.rollout.mode == "async" else None)
+        # rollout.mode=async: replicas behind one manager, the actor's ranks or a pool of their own
+        self.replicas = workers.get("rollout")  # a rollout pool of its own (rollout.nnodes > 0)
+        self._weight_group = None  # its weight group's address, once opened
+        self.rollout_manager = None
+        if config.rollout.mode == "async":
+            shape = ((config.rollout.tensor_model_parallel_size, False) if self.replicas is not None
+                     else engine_class(config.rollout.name).replica_shape(config))
+            world = config.rollout.own_pool_world_size or config.actor.world_size
+            self.rollout_manager = RolloutManager(replicas_of(world, *shape),
+                                                  RayReplicaTransport(self.replicas or self.actor))
         self.generation_metrics: dict = {}  # measured by the manager: timing, not data
 
     def stages(self) -> list[stage_table.Stage]:
@@ -251,6 +256,8 @@ class PPOTrainer:
         ``async``: requests balanced over the replicas by the manager."""
         if self.rollout_manager is None:
             return self._take(self.actor.generate_sequences(prompts))
+        if self.replicas is not None and any(v != step for v in self.replicas.held_version()):
+            self._send_weights(step)  # a first rollout, or after a restore: the trainer's weights first
         completions, versions, stats = self.rollout_manager.generate(
             requests_of(prompts), sampling_of(prompts, self.config.rollout), version=step)
         out = responses_of(prompts, completions, self.config.rollout.response_length, stats.pad_id)
@@ -467,13 +474,34 @@ class PPOTrainer:
         return self._stage_metrics(batch, reduce_metrics(out.meta_info["metrics"]))
 
     def weight_sync(self, batch: DataProto) -> DataProto:
-        """The updated weights to the rollout engines, as version ``global_step + 1``."""
-        synced = self.actor.sync_weights(batch.meta_info["global_step"] + 1)
+        """The updated weights to the rollout engines, as version ``global_step + 1``: in
+        place on the actor's ranks, or through the checkpoint engine to a pool of their own."""
+        if self.replicas is not None:
+            synced = self._send_weights(batch.meta_info["global_step"] + 1)
+        else:
+            synced = self.actor.sync_weights(batch.meta_info["global_step"] + 1)
         self.worker_time[self.current_stage] = max(s["seconds"] for s in synced)
         return self._stage_metrics(batch, {
             "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20,
             "perf/weight_sync_bytes": float(max(s["bytes"] for s in synced)),
             "training/weight_version": float(synced[0]["version"])})
+
+    def _send_weights(self, version: int) -> list[dict]:
+        """The checkpoint engine: the actor's ranks gather the policy, its first rank
+        broadcasts it in buckets to every replica rank, all at once; returns the actor
+        ranks' reports. A transfer that fails raises: no replica holds the version then."""
+        from rlhf_core.controller.worker_group import ray_get_ranked
+
+        size = 1 + self.replicas.world_size
+        if self._weight_group is None:
+            self._weight_group = self.actor.open_weight_group(size)[0]
+        host, port = self._weight_group
+        senders = [self.actor.submit_to_rank(r, "send_weights", version) for r in range(self.actor.world_size)]
+        receivers = [self.replicas.submit_to_rank(r, "receive_weights", host, port, 1, size)
+                     for r in range(self.replicas.world_size)]
+        # one wait over both sides: the first failure raises at once (the others wait in the broadcast)
+        return ray_get_ranked(senders + receivers, "actor -> rollout", "send_weights / receive_weights")[
+            :len(senders)]
 
     # ---------------------------------------------------------------- helpers
 

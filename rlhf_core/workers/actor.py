@@ -22,8 +22,9 @@ from rlhf_core.protocol import DataProto
 from rlhf_core.distributed import sharding
 from rlhf_core.workers import devices, lora, modeling, packing
 from rlhf_core.rollout import engine_class
-from rlhf_core.rollout.engine import GenerationRequest
-from rlhf_core.rollout.manager import WeightVersionError
+from rlhf_core.rollout import checkpoint_engine
+from rlhf_core.rollout.engine import engine_dtype
+from rlhf_core.rollout.manager import serve
 from rlhf_core.workers.trainable import TrainableWorker
 
 
@@ -74,6 +75,12 @@ class ActorRolloutRefWorker(TrainableWorker):
         # ranks of one tensor-parallel engine get the same prompts; one of them answers
         tp = cfg.rollout.tensor_model_parallel_size
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
+        self.policy_version = self.weight_version = 0
+        self.rollout, self.sync_dtype, self.serves_adapter = None, getattr(torch, engine_dtype(cfg)), False
+        if cfg.rollout.own_pool:  # the replicas have engines of their own (workers/rollout_replica.py)
+            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
+            return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
+                    "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
         # the policy's LoRA rank, for an engine that serves the adapter as a LoRA request
         lora_rank = lora.settings(sharding.unwrap(self.policy)).r if cfg.model.lora else 0
         self.rollout = engine_class(cfg.rollout.name).build(
@@ -84,10 +91,6 @@ class ActorRolloutRefWorker(TrainableWorker):
             lora.check_engine_serves(sharding.unwrap(self.policy))
         self.sync_dtype = self.rollout.sync_dtype  # what the engine keeps (None: it runs on the policy itself)
         self.serves_adapter = self.rollout.serves_adapter
-        # the trainer step whose weights the policy holds, and the one whose weights the
-        # engine holds (every generated row records it): they differ only between an
-        # update and a completed sync
-        self.policy_version = self.weight_version = 0
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
         return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
                 "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
@@ -114,17 +117,9 @@ class ActorRolloutRefWorker(TrainableWorker):
         with the rest of its tensor-parallel group). ``requests``: (id, prompt token ids,
         seed, own token limit or None); ``version``: the weight version they must be
         generated with."""
-        t0 = time.perf_counter()
         if self.rollout.needs_weights:  # discarded by a sleep, or a sync that failed: the policy's again
             self.sync_weights()
-        if version is not None and version != self.weight_version:
-            raise WeightVersionError(f"rollout replica (rank {self.rank}): expected weight version {version}; "
-                                     f"found {self.weight_version} (the manager pinned the requests to weights "
-                                     f"this replica does not hold)")
-        completions = self.rollout.generate([GenerationRequest(i, tuple(ids), seed, limit)
-                                             for i, ids, seed, limit in requests], sampling)
-        return {"completions": [(c.request_id, c.token_ids, c.log_probs) for c in completions],
-                "version": self.weight_version, "seconds": time.perf_counter() - t0, "pad_id": self.rollout.pad_id}
+        return serve(self.rollout, requests, sampling, version, self.weight_version, f"rank {self.rank}")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_weight_version(self, version: int) -> None:
@@ -233,7 +228,9 @@ class ActorRolloutRefWorker(TrainableWorker):
             self.policy_version = int(version)
         t0 = time.perf_counter()
         meter = sharding.GatherMeter()
-        if not self.config.model.lora:
+        if self.rollout is None:  # the replicas are on a pool of their own: send_weights feeds them
+            pass
+        elif not self.config.model.lora:
             self.rollout.update_weights(sharding.stream_full_parameters(self.policy, meter, self.sync_dtype))
         elif not self.serves_adapter:
             self.rollout.update_weights(lora.merged_stream(sharding.unwrap(self.policy), sharding.stream_full_parameters(
@@ -247,6 +244,46 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.weight_version = self.policy_version
         return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "gathered": meter.count,
                 "bytes": meter.total, "version": self.weight_version}
+
+    # ------------------------------------------------ the checkpoint engine (a rollout pool of its own)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def open_weight_group(self, size: int) -> tuple[str, int] | None:
+        """On the first rank: host the store of the process group the weights go out on
+        (``size``: this rank and every replica rank); returns its address."""
+        if self.rank != 0:
+            return None
+        if getattr(self, "_weight_address", None) is not None and self._weight_group_size == size:
+            return self._weight_address  # a controller of a later iteration: the same group
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        self._weight_store, port = checkpoint_engine.WeightGroup.host_store(host, size)
+        self._weight_group_size, self._weight_group, self._weight_address = size, None, (host, port)
+        return self._weight_address
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self, version: int) -> dict:
+        """The policy's weights to the rollout pool, as ``version``: every rank takes part
+        in gathering them (FSDP), the first broadcasts them in buckets."""
+        self.policy_version = int(version)
+        t0 = time.perf_counter()
+        meter = sharding.GatherMeter()
+        stream = sharding.stream_full_parameters(self.policy, meter, self.sync_dtype)
+        sent = 0
+        if self.rank == 0:
+            if self._weight_group is None:
+                self._weight_group = checkpoint_engine.WeightGroup(
+                    "", 0, 0, self._weight_group_size, self.config.rollout.checkpoint_engine.backend,
+                    store=self._weight_store)
+            sent = checkpoint_engine.send(
+                self._weight_group, stream,
+                self.config.rollout.checkpoint_engine.update_weights_bucket_megabytes * 2**20, self.policy_version)
+        else:
+            for _ in stream:  # the gathers are collective: every rank walks the same stream
+                pass
+        return {"seconds": time.perf_counter() - t0, "peak_gathered_bytes": meter.peak, "bytes": sent,
+                "version": self.policy_version}
 
     # ---------------------------------------------------------------- checkpoints
 

@@ -45,6 +45,8 @@ ROLES: tuple[Role, ...] = (
     Role("critic", "rlhf_core.workers.critic:CriticWorker", trainable=True, enabled=lambda cfg: cfg.use_critic),
     Role("reward_model", "rlhf_core.workers.reward_model:RewardModelWorker", trainable=False,
          enabled=lambda cfg: cfg.reward_model.enable),
+    Role("rollout", "rlhf_core.workers.rollout_replica:RolloutReplicaWorker", trainable=False,
+         enabled=lambda cfg: cfg.rollout.own_pool),
 )
 
 
@@ -66,10 +68,10 @@ class Pool:
         return sum(self.process_on_nodes)
 
 
-TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL = "train", "critic", "reward_model"
+TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL, ROLLOUT_POOL = "train", "critic", "reward_model", "rollout"
 
 
-POOL_KINDS = (TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL)
+POOL_KINDS = (TRAIN_POOL, CRITIC_POOL, REWARD_MODEL_POOL, ROLLOUT_POOL)
 
 
 def pool_prefix(pool_name: str, kind: str) -> str:
@@ -88,7 +90,9 @@ def pool_plan(cfg: RunConfig) -> list[Pool]:
     and (by default) the critic and the reward model; with ``critic.world_size > 0`` the
     critic gets a ``critic`` pool of its own (``resources.critic_nnodes`` nodes), with
     ``reward_model.enable_resource_pool`` the reward model a ``reward_model`` pool
-    (``reward_model.nnodes`` x ``reward_model.n_gpus_per_node``, verl's)."""
+    (``reward_model.nnodes`` x ``reward_model.n_gpus_per_node``, verl's), with
+    ``rollout.nnodes`` the rollout replicas a ``rollout`` pool (``rollout.n_gpus_per_node``
+    ranks per node, verl's fully-async names)."""
     res, rm = cfg.resources, cfg.reward_model
     names = [r.name for r in roles_of(cfg)]
     own = []
@@ -97,6 +101,8 @@ def pool_plan(cfg: RunConfig) -> list[Pool]:
         own.append(Pool(CRITIC_POOL, tuple([cfg.critic.world_size // nodes] * nodes), ("critic",)))
     if rm.enable and rm.enable_resource_pool:
         own.append(Pool(REWARD_MODEL_POOL, tuple([rm.n_gpus_per_node] * rm.nnodes), ("reward_model",)))
+    if cfg.rollout.own_pool:
+        own.append(Pool(ROLLOUT_POOL, tuple([cfg.rollout.n_gpus_per_node] * cfg.rollout.nnodes), ("rollout",)))
     elsewhere = {role for pool in own for role in pool.roles}
     return [Pool(TRAIN_POOL, tuple(res.process_on_nodes(cfg.actor.world_size)),
                  tuple(n for n in names if n not in elsewhere)), *own]
@@ -147,22 +153,25 @@ class WorkerSet:
         roles; ``detached`` ones outlive this driver (the long-lived session's). Models
         are initialized before returning."""
         from rlhf_core.controller import RayResourcePool, RayWorkerGroup
+        from rlhf_core.controller.resource_pool import check_pools_fit
 
         # the pools' shape comes from the config, not from this process's hardware: on a
         # cluster the driver runs on a head node without GPUs
         res = cfg.resources
         groups, pools = [], []
+        plans = pool_plan(cfg)
         try:
-            for plan in pool_plan(cfg):
-                suffix = pool_prefix("", plan.name)
-                pool = RayResourcePool(list(plan.process_on_nodes), use_gpu=res.gpus_per_node > 0,
-                                       accelerator_resource=res.accelerator_resource,
-                                       cpus_per_process=cfg.trainer.cpus_per_worker, name_prefix=pool_name + suffix,
-                                       max_colocate_count=1, detached=detached,
-                                       ready_timeout_s=res.placement_timeout_s)
-                pools.append(pool)
-                groups.append(RayWorkerGroup(pool, colocated_class(cfg, plan.roles), name_prefix=name_prefix + suffix,
-                                             detached=detached))
+            for plan in plans:
+                pools.append(RayResourcePool(list(plan.process_on_nodes), use_gpu=res.gpus_per_node > 0,
+                                             accelerator_resource=res.accelerator_resource,
+                                             cpus_per_process=cfg.trainer.cpus_per_worker,
+                                             name_prefix=pool_name + pool_prefix("", plan.name),
+                                             max_colocate_count=1, detached=detached,
+                                             ready_timeout_s=res.placement_timeout_s))
+            check_pools_fit(pools)
+            for plan, pool in zip(plans, pools):
+                groups.append(RayWorkerGroup(pool, colocated_class(cfg, plan.roles),
+                                             name_prefix=name_prefix + pool_prefix("", plan.name), detached=detached))
         except BaseException:
             for group in groups:
                 group.kill()

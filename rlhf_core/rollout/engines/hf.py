@@ -10,12 +10,18 @@ from rlhf_core.rollout.registry import register_engine
 
 @register_engine("hf")
 class HFEngine(RolloutEngine):
-    needs_weights = needs_base_weights = False  # it generates with the training model: always current
-    sync_dtype = None  # nothing is sent to it
-    serves_adapter = False
+    """On the actor's ranks it generates with the training model itself (always current:
+    nothing is sent to it); a replica on a pool of its own (``owns_weights``) generates with
+    a copy it loads, replaced tensor by tensor at each weight sync."""
 
-    def __init__(self, model, tokenizer, config, seed: int, synced: bool = False) -> None:
+    needs_base_weights = False
+    sync_dtype = None  # nothing is sent to it on the actor's ranks
+    serves_adapter = False
+    runs_on_policy = True  # generates with a model object it is given (a replica loads one)
+
+    def __init__(self, model, tokenizer, config, seed: int, synced: bool = False, owns_weights: bool = False) -> None:
         self.model, self.config, self.seed = model, config, seed
+        self.owns_weights, self.loading = owns_weights, False
         # a sharded model gathers layers collectively: every rank must run as many decoding
         # steps as the longest, so ranks that finish early keep stepping (synced_gpus)
         self.synced = synced
@@ -23,8 +29,12 @@ class HFEngine(RolloutEngine):
         self.eos_id = tokenizer.eos_token_id
 
     @classmethod
-    def build(cls, *, policy, tokenizer, cfg, sharded: bool, **_) -> "HFEngine":
-        return cls(policy, tokenizer, cfg.rollout, cfg.trainer.seed, synced=sharded)
+    def build(cls, *, policy, tokenizer, cfg, sharded: bool, owns_weights: bool = False, **_) -> "HFEngine":
+        return cls(policy, tokenizer, cfg.rollout, cfg.trainer.seed, synced=sharded, owns_weights=owns_weights)
+
+    @property
+    def needs_weights(self) -> bool:
+        return self.loading  # a load that began and did not finish
 
     @classmethod
     def replica_shape(cls, cfg) -> tuple[int, bool]:
@@ -79,7 +89,18 @@ class HFEngine(RolloutEngine):
         return completions
 
     def update_weights(self, named_tensors) -> None:
-        pass  # generates with the training model: always current
+        if not self.owns_weights:  # generates with the training model: always current
+            return
+        import torch
+
+        held = self.model.state_dict(keep_vars=True)
+        self.loading = True  # until the last tensor is in (a failed load must not be generated from)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in held:
+                    raise KeyError(f"HFEngine.update_weights: {name!r} is not a tensor of the replica's model")
+                held[name].data.copy_(tensor)
+        self.loading = False
 
     def update_adapter(self, named_tensors, config) -> None:
         pass  # the training model's own adapter is active while it generates

@@ -98,9 +98,7 @@ class VLLMEngine(RolloutEngine):
     def build(cls, *, model_path: str, cfg, lora_rank: int, hf_overrides: dict | None, **_) -> "VLLMEngine":
         import torch
 
-        dtype = cfg.rollout.dtype
-        if dtype == "auto":  # fp32 master weights train; the engine serves bf16 copies on GPU
-            dtype = "bfloat16" if torch.cuda.is_available() else cfg.model.dtype
+        dtype = engine_module.engine_dtype(cfg)
         merge = cfg.rollout.lora_merge if cfg.rollout.lora_merge is not None else not torch.cuda.is_available()
         engine = cls(model_path, cfg.rollout, seed=cfg.trainer.seed, max_model_len=engine_max_model_len(cfg),
                      dtype=dtype, lora_rank=lora_rank if lora_rank and not merge else 0, hf_overrides=hf_overrides)
