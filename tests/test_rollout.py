@@ -306,7 +306,8 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
             ("head.weight", torch.randn(16, 32, generator=g).to(torch.float16))]
 
 
-def _weight_group_rank(rank: int, port: int, bucket: int, fail_after: int | None, out: str) -> None:
+def _weight_group_rank(rank: int, port: int, bucket: int, fail_after: int | None, out: str,
+                       receiver_node: str | None = None) -> None:
     from rlhf_core.rollout import checkpoint_engine
 
     torch.set_num_threads(1)
@@ -330,13 +331,14 @@ def _weight_group_rank(rank: int, port: int, bucket: int, fail_after: int | None
         except RuntimeError as exc:
             torch.save({"error": str(exc)}, out + ".0")
     else:
-        group = checkpoint_engine.WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=10)
+        group = checkpoint_engine.WeightGroup("127.0.0.1", port, 1, 2, "gloo", timeout_s=10, node=receiver_node)
         got, versions, buckets = {}, [], []
         try:
             for name, tensor in checkpoint_engine.receive(group, on_version=versions.append):
                 got[name] = tensor.clone()
                 buckets.append(tensor.untyped_storage().nbytes())
-            torch.save({"got": got, "versions": versions, "largest": max(buckets)}, out + ".1")
+            torch.save({"got": got, "versions": versions, "largest": max(buckets),
+                        "shared": any("rlhf-weights-" in str(p) for p in group._shared)}, out + ".1")
         except Exception as exc:  # the sender went away mid-stream
             torch.save({"got": got, "versions": versions, "error": type(exc).__name__}, out + ".1")
 
@@ -349,13 +351,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_the_checkpoint_engine_sends_every_tensor_in_bounded_buckets_and_the_version_last(tmp_path):
+@pytest.mark.parametrize("receiver_node", [None, "another-node"])
+def test_the_checkpoint_engine_sends_every_tensor_in_bounded_buckets_and_the_version_last(tmp_path, receiver_node):
+    """On one node the buckets go through shared memory; with a member on another node,
+    through the group's broadcasts: the same tensors either way."""
     import torch.multiprocessing as mp
 
     out = str(tmp_path / "run")
     bucket = 16 * 1024
-    mp.start_processes(_weight_group_rank, args=(_free_port(), bucket, None, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_weight_group_rank, args=(_free_port(), bucket, None, out, receiver_node), nprocs=2,
+                       start_method="spawn")
     sender, receiver = torch.load(out + ".0"), torch.load(out + ".1")
+    assert receiver["shared"] == (receiver_node is None)
     expected = dict(_weights())
     assert list(receiver["got"]) == list(expected)
     assert all(torch.equal(receiver["got"][k], v) and receiver["got"][k].dtype == v.dtype for k, v in expected.items())
