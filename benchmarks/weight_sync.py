@@ -96,6 +96,7 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     raw = Path(args.out).with_suffix(".raw")
     mp.start_processes(_rank, args=(port, args.megabytes, args.bucket_mb, args.repeats, str(raw)), nprocs=2,
                        start_method="spawn")

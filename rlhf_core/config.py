@@ -819,7 +819,12 @@ class RunConfig:
         """Every field's type, choices and range first (so nothing below divides by zero or
         meets NaN), then the settings that must agree. Raises ``ConfigError`` naming the
         field, what was expected and what was found."""
+        from rlhf_core.algorithms.core import NOT_HERE
+
         for path, f in _leaf_paths(self).items():
+            value = _get(self, path)
+            if isinstance(value, str) and value in NOT_HERE and (f.metadata.get("registry") or f.metadata.get("choices")):
+                raise ConfigError(f"{path}={value}: {NOT_HERE[value]}")
             check_field(path, f, _get(self, path))
             if f.metadata.get("registry"):
                 names = registered(f.metadata["registry"])

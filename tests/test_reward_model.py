@@ -493,3 +493,26 @@ def test_the_memory_estimate_skips_models_that_do_not_name_its_sizes():
     assert ModelShape.from_hf_config(SimpleNamespace(vocab_size=50257, hidden_size=768, num_hidden_layers=12)) is None
     assert ModelShape.from_hf_config(SimpleNamespace(vocab_size=10, hidden_size=8, intermediate_size=None,
                                                      num_hidden_layers=1)) is None
+
+
+def test_a_reward_model_whose_tokenizer_outgrows_its_embedding_is_refused_at_load(folders, tmp_path):
+    """A tokenizer that adds its own special token when the folder loads makes an id the
+    embedding has no row for: one line naming the folder and both sizes, at load."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rlhf_core.workers.reward_model import RewardModelError, check_vocabulary
+
+    check_vocabulary(AutoTokenizer.from_pretrained(folders["other"]), str(folders["other"]))  # as built: fits
+    folder = tmp_path / "rm-grown"
+    shutil.copytree(folders["other"], folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = AutoConfig.from_pretrained(folder).vocab_size
+    tokenizer.add_special_tokens({"additional_special_tokens": [f"<extra_{i}>" for i in range(rows - len(tokenizer) + 1)]})
+    tokenizer.save_pretrained(folder)
+    grown = AutoTokenizer.from_pretrained(folder)
+    with pytest.raises(RewardModelError, match=rf"^reward_model.model.path: expected token ids that fit the model's "
+                                               rf"embedding; found a tokenizer of {rows + 1} tokens for {rows} "
+                                               rf"embedding rows in .*rm-grown$"):
+        check_vocabulary(grown, str(folder))

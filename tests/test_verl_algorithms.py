@@ -285,3 +285,83 @@ def test_sandbox_fusion_scores_code_sources_and_leaves_the_rest(sandbox):
     assert fn("codeforces", cut, cases) == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="call-style test cases"):
         fn("apps", good, json.dumps({"inputs": [[1]], "outputs": [1], "fn_name": "f"}))
+
+
+# ---------------------------------------------------------------- rollout correction as verl computes it
+
+def test_a_sequence_level_fraction_over_the_threshold_counts_sequences():
+    """Lengths 3 and 1, log-ratios [.3, .3, .3] and [.1], threshold 2: the first sequence's
+    weight exp(.9) = 2.46 is over, the second's exp(.1) = 1.105 is not: half the
+    sequences (verl's count), not three quarters of the tokens."""
+    from rlhf_core.algorithms.rollout_correction import importance_weights
+
+    log_ratio = torch.tensor([[0.3, 0.3, 0.3], [0.1, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    _, metrics = importance_weights(log_ratio, mask, "sequence", 2.0)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.5
+    _, metrics = importance_weights(log_ratio, mask, "token", 1.3)  # tokens: exp(.3) = 1.35 over, exp(.1) not
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 0.75
+
+
+def _bypass_loss(overrides, log_prob, rollout_log_prob, mask, advantages):
+    from types import SimpleNamespace
+
+    from rlhf_core.algorithms import get_policy_loss_fn
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.workers.actor import ActorRolloutRefWorker
+
+    cfg = apply_overrides(RunConfig(), ["algorithm.rollout_correction.bypass_mode=true", "actor.entropy_coeff=0",
+                                        *overrides]).validate()
+    leaf = torch.tensor(log_prob, requires_grad=True)
+    actor = SimpleNamespace(config=cfg, policy=None, _log_probs=lambda model, batch, with_entropy: (leaf, None))
+    batch = DataProto.from_dict({"response_mask": torch.tensor(mask), "advantages": torch.tensor(advantages),
+                                 "old_log_probs": torch.tensor(rollout_log_prob)})  # the rollout's, renamed
+    loss, parts = ActorRolloutRefWorker._policy_loss(actor, batch, get_policy_loss_fn(cfg.actor.policy_loss))
+    loss.backward()
+    return loss, parts, leaf.grad
+
+
+def test_bypass_reinforce_without_weights_or_rejection_is_reinforce():
+    """One token, A = 1, rollout log-prob -2, log pi -1: verl's -A log pi, loss 1.0 and
+    gradient -1 (not PPO-clip's against the rollout's log-prob)."""
+    loss, parts, grad = _bypass_loss(["algorithm.rollout_correction.loss_type=reinforce"], [[-1.0]], [[-2.0]],
+                                     [[1]], [[1.0]])
+    assert loss.item() == 1.0 and grad.tolist() == [[-1.0]]
+    assert parts["ppo_kl"].item() == -1.0  # old - log pi
+
+
+def test_bypass_reinforce_with_rejection_measures_ppo_kl_over_the_tokens_kept():
+    """Token 2's ratio pi_rollout / pi = exp(-2) is outside token_k1's [1/1.5, 1.5]: it is
+    rejected, and ppo_kl (old - log pi) is the mean over token 1 alone: 0, not -1."""
+    loss, parts, grad = _bypass_loss(["algorithm.rollout_correction.loss_type=reinforce",
+                                      "algorithm.rollout_correction.rollout_rs=token_k1",
+                                      "algorithm.rollout_correction.rollout_rs_threshold=1.5"],
+                                     [[-1.0, -1.0]], [[-1.0, -3.0]], [[1, 1]], [[1.0, 1.0]])
+    assert parts["ppo_kl"].item() == 0.0
+    assert loss.item() == 1.0 and grad.tolist() == [[-1.0, 0.0]]  # the rejected token has no gradient
+
+
+def test_verls_vectorized_estimators_are_taken_and_names_not_here_refused_in_one_line():
+    """grpo_vectorized with verl's edges: groups a = [1, 0] (mean .5, unbiased std .7071:
+    +-.7071), b = [2] alone (mean 0, std 1: its score), c = [1, 1] (variance floored: 0);
+    rloo_vectorized is RLOO; the multi-turn OTB and seq-mean-token-sum-norm are refused."""
+    from rlhf_core.algorithms import get_adv_estimator_fn
+
+    rewards = torch.zeros(5, 2)
+    rewards[:, 1] = torch.tensor([1.0, 0.0, 2.0, 1.0, 1.0])
+    mask = torch.ones(5, 2)
+    index = ["a", "a", "b", "c", "c"]
+    adv, _ = get_adv_estimator_fn("grpo_vectorized")(token_level_rewards=rewards, response_mask=mask, index=index)
+    expected = [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 2.0 / (1 + 1e-6), 0.0, 0.0]
+    assert torch.allclose(adv[:, 0], torch.tensor(expected), atol=1e-6)
+    rloo, _ = get_adv_estimator_fn("rloo_vectorized")(token_level_rewards=rewards, response_mask=mask, index=index)
+    assert rloo[:, 0].tolist() == [1.0, -1.0, 0.0, 0.0, 0.0]
+    apply_overrides(RunConfig(), ["algorithm.adv_estimator=grpo_vectorized"]).validate()
+    for override, message in (
+            ("algorithm.adv_estimator=tir_optimal_token_baseline",
+             r"^algorithm.adv_estimator=tir_optimal_token_baseline: verl's multi-turn optimal token baseline"),
+            ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+             r"^actor.loss_agg_mode=seq-mean-token-sum-norm: verl's seq-mean-token-sum-norm .* is not here")):
+        with pytest.raises(ConfigError, match=message) as refused:
+            apply_overrides(RunConfig(), [override], notes=[]).validate()
+        assert "\n" not in str(refused.value)

@@ -140,10 +140,16 @@ def importance_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, 
         per_seq = torch.clamp(masked_sum(log_ratio, mask, dim=-1), -_CLAMP, _CLAMP)
         weights = torch.exp(per_seq).unsqueeze(-1).expand_as(mask).clone()
     weights = weights * mask
+    over = (weights > threshold).float()
+    if level == "sequence":  # verl counts sequences over the threshold, not their tokens
+        has = mask.sum(dim=-1) > 0
+        high = float(over.amax(dim=-1)[has].mean()) if has.any() else 0.0
+    else:
+        high = float(masked_mean(over, mask))
     metrics = {"rollout_corr/rollout_is_mean": float(masked_mean(weights, mask)),
                "rollout_corr/rollout_is_max": float(torch.where(mask.bool(), weights, -torch.inf).max())
                if mask.any() else 0.0,
-               "rollout_corr/rollout_is_ratio_fraction_high": float(masked_mean((weights > threshold).float(), mask))}
+               "rollout_corr/rollout_is_ratio_fraction_high": high}
     weights = torch.clamp(weights, max=threshold)
     if batch_normalize:
         if level == "token":

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from rlhf_core.protocol import wire
+import rlhf_core.protocol.wire as wire
 from rlhf_core.protocol.columns import (NonTensorData, NonTensorStack, TensorDict, _cat_rows, _check_index_tensor,
                                         _describe, _merge_meta, _merge_metrics, _repeat_rows, _same_value,
                                         _take_rows, object_column, union_numpy_dict, union_tensor_dict)

@@ -9,7 +9,7 @@ from typing import Self, Sequence
 import numpy as np
 import torch
 
-from rlhf_core.protocol import wire
+import rlhf_core.protocol.wire as wire
 from rlhf_core.protocol.columns import TensorDict, _describe, _same_value
 from rlhf_core.protocol.errors import (BatchSizeMismatchError, ChunkSizeError, DataProtoError, DataProtoTypeError,
                                        UnionConflictError)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from rlhf_core.rollout import engines as _engines_package
+import rlhf_core.rollout.engines as _engines_package
 from rlhf_core.rollout.engine import EngineConfigError, RolloutEngine
 
 _REGISTERED: dict[str, type[RolloutEngine]] = {}

@@ -181,20 +181,21 @@ class ActorRolloutRefWorker(TrainableWorker):
         no_stage = self.config.old_log_prob_column != "old_log_probs"
         log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or no_stage)
         old_log_prob = log_prob.detach() if on_policy else batch.batch["old_log_probs"]
-        advantages, pg_mask, corrected = batch.batch["advantages"], mask, {}
+        advantages, pg_mask, corrected, weights = batch.batch["advantages"], mask, {}, None
         if "rollout_is_weights" in batch.batch.keys():  # without bypass mode: per-token weights on the loss
             advantages = advantages * batch.batch["rollout_is_weights"]  # (config: only losses linear in it)
         correction = self.config.algorithm.rollout_correction
-        if correction.bypass_mode and correction.active and not on_policy:
+        bypass = correction.bypass_mode and not on_policy
+        if bypass and correction.active:
             # verl's bypass mode: against the policy being trained, per micro-batch (old = the rollout's)
             pg_mask, weights, corrected = rollout_correction.correct(log_prob.detach() - old_log_prob, mask,
                                                                      correction)
-            if correction.loss_type == "reinforce":
-                out = {"pg_loss": rollout_correction.reinforce_loss(log_prob, advantages, pg_mask, weights,
-                                                                    cfg.loss_agg_mode),
-                       "ppo_kl": masked_mean(old_log_prob - log_prob.detach(), mask),
-                       "pg_clipfrac": torch.zeros(()), "pg_clipfrac_lower": torch.zeros(())}
-        if correction.loss_type != "reinforce" or not corrected:
+        if bypass and correction.loss_type == "reinforce":  # with or without weights and rejection, as verl
+            out = {"pg_loss": rollout_correction.reinforce_loss(log_prob, advantages, pg_mask, weights,
+                                                                cfg.loss_agg_mode),
+                   "ppo_kl": masked_mean(old_log_prob - log_prob.detach(), pg_mask),  # over the tokens kept
+                   "pg_clipfrac": torch.zeros(()), "pg_clipfrac_lower": torch.zeros(())}
+        else:
             out = policy_loss(old_log_prob, log_prob, advantages, pg_mask,
                               clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                               clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,

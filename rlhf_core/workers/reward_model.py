@@ -200,6 +200,19 @@ def right_padded(rows: list[list[int]], pad: int | None) -> tuple[torch.Tensor, 
     return input_ids, attention_mask
 
 
+def check_vocabulary(tokenizer, folder: str) -> None:
+    """The ids the reward model will read (from ``tokenizer``) fit its embedding: refused at
+    load in one line, not an IndexError in the first forward (a tokenizer class that adds
+    its own special token when transformers loads the folder makes one id too many)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    rows = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise RewardModelError(f"{FIELD}: expected token ids that fit the model's embedding; found a tokenizer of "
+                               f"{len(tokenizer)} tokens for {rows} embedding rows in {folder}")
+
+
 def scores_to_tokens(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[rows, response_length] with each score at its response's last generated token
     (``response_mask``'s last 1; 0 for a row without a response token)."""
@@ -275,6 +288,7 @@ class RewardModelWorker(Worker):
             raise RewardModelError(f"{FIELD}: expected a chat template in the reward model's tokenizer (its "
                                    f"tokenizer differs from the policy's, so responses are re-templated for it); "
                                    f"found none in {self.model_path}")
+        check_vocabulary(self.tokenizer if self.retemplates else self.policy_tokenizer, self.model_path)
         self.content_sha256 = content_sha256(self.model_path)
         if rm.use_reward_loop:  # served: one engine per rank, each scoring its share of the batch
             check_reward_model_config(self.model_path)  # a one-label classifier, as the FSDP path requires

@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import weakref
 
-from rlhf_core.rollout import engine as engine_module
+import rlhf_core.rollout.engine as engine_module
 from rlhf_core.rollout.engine import (
     Completion, EngineConfigError, GenerationRequest, RolloutEngine, Sampling, top_k_setting,
 )
