@@ -182,7 +182,7 @@ def test_a_second_sync_before_generating_loads_without_waking_again(engine):
 
 def test_generate_refuses_an_engine_whose_weights_were_discarded(engine):
     rollout, log = engine
-    with pytest.raises(RuntimeError, match="holds no weights .* call update_weights"):
+    with pytest.raises(RuntimeError, match="holds no complete weights .* call update_weights"):
         rollout.generate_batch(prompts())
     assert ("generate", 2) not in log
 
@@ -387,3 +387,23 @@ def test_a_max_model_len_shorter_than_prompt_and_response_is_refused():
     with pytest.raises(ConfigError, match=r"rollout.max_model_len: expected at least data.max_prompt_length \+ "
                                           r"rollout.response_length = 24 \(verl's rule\); found 20"):
         apply_overrides(RunConfig(), ["rollout.max_model_len=20"]).validate()
+
+
+def test_a_load_that_fails_midway_leaves_the_engine_asking_for_weights(engine):
+    """A weight stream that breaks part-way (the trainer's gather failed): the engine holds
+    part of the weights, so it asks for them again and refuses to generate meanwhile."""
+    rollout, log = engine
+    rollout.update_weights(weights())
+    assert not rollout.needs_weights
+
+    def broken():
+        yield "embed.weight", torch.zeros(2)
+        raise RuntimeError("gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        rollout.update_weights(broken())
+    assert rollout.needs_weights
+    with pytest.raises(RuntimeError, match="holds no complete weights"):
+        rollout.generate_batch(prompts())
+    rollout.update_weights(weights())
+    assert not rollout.needs_weights

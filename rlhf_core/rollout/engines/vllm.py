@@ -221,7 +221,8 @@ class VLLMEngine(RolloutEngine):
         else:
             params = [SamplingParams(**{**common, "max_tokens": r.limit(sampling)}, seed=int(r.seed)) for r in requests]
         if self.needs_weights:
-            raise RuntimeError("VLLMEngine.generate: the engine holds no weights (its sleep discarded them); "
+            raise RuntimeError("VLLMEngine.generate: the engine holds no complete weights (its sleep discarded "
+                               "them, or a load did not finish); "
                                "call update_weights with the policy's weights first")
         self.wake_up()
         try:
