@@ -445,3 +445,16 @@ def test_a_rollout_pool_of_its_own_runs_records_versions_and_replays_exactly(tmp
         assert istore.load(iteration, "rollout").batch["weight_version"].tolist() == [iteration] * 32
     for r in replay(f"{store}/pool/iter-000002", log=lambda *a: None):
         assert r.ok and r.diffs and all(d.max_abs == 0 for d in r.diffs), (r.stage, r.diffs)
+
+
+def test_a_rollout_snapshot_from_before_weight_versions_still_replays():
+    """A snapshot written before rows recorded their weight version lacks the column: the
+    replay's column is not a difference there; a recorded column the replay lacks is."""
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.trainer.replay import compare
+
+    old = DataProto.from_dict({"responses": torch.tensor([[1, 2]])})
+    new = DataProto.from_dict({"responses": torch.tensor([[1, 2]]), "weight_version": torch.tensor([3])})
+    diffs = compare(old, new)
+    assert all(d.equal for d in diffs) and {d.kind for d in diffs} == {"exact", "not recorded"}
+    assert not all(d.equal for d in compare(new, old))

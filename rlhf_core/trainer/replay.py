@@ -45,7 +45,7 @@ class ReplayError(ValueError):
 @dataclass
 class FieldDiff:
     field: str
-    kind: str                 # exact | float | missing
+    kind: str                 # exact | float | missing | not recorded (a column added since)
     equal: bool
     max_abs: float = 0.0
     max_rel: float = 0.0
@@ -97,6 +97,11 @@ def replay_config(manifest: dict, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+#: Columns a stage writes today that snapshots written before them lack (provenance, not
+#: results): a replay of an older snapshot that adds one is not a difference.
+ADDED_SINCE = {"weight_version": "the rollout's weight version (recorded since generation became a service)"}
+
+
 def compare(recorded: DataProto, replayed: DataProto, atol: float = 0.0, rtol: float = 0.0,
             worst: int = 3) -> list[FieldDiff]:
     """Field by field: exact for integer/bool/string fields; max abs / rel difference for
@@ -106,6 +111,9 @@ def compare(recorded: DataProto, replayed: DataProto, atol: float = 0.0, rtol: f
     rec_keys = set(recorded.batch.keys()) if recorded.batch is not None else set()
     rep_keys = set(replayed.batch.keys()) if replayed.batch is not None else set()
     for key in sorted(rec_keys | rep_keys):
+        if key not in rec_keys and key in ADDED_SINCE:
+            diffs.append(FieldDiff(key, "not recorded", True))  # an older snapshot: nothing to compare
+            continue
         if key not in rec_keys or key not in rep_keys:
             diffs.append(FieldDiff(key, "missing", False))
             continue
