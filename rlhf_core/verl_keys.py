@@ -647,6 +647,12 @@ def _place(joint: dict[str, str], current, out: Translation) -> None:
 
 
 _INTERPOLATION = re.compile(r"^\$\{\s*(.*?)\s*\}$")
+_EMBEDDED = re.compile(r"\$\{([^${}]*)\}")
+#: the most values (mapping entries, list items, scalars) a config file may hold once YAML's
+#: aliases and the interpolations are expanded: a file of a few hundred bytes can otherwise
+#: name gigabytes (each alias doubling the one before)
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_TEXT = 1_000_000
 
 
 def resolve_interpolations(data: dict) -> dict:
@@ -669,6 +675,8 @@ def resolve_interpolations(data: dict) -> dict:
         if isinstance(value, dict):
             return {k: resolve(v, section + (k,), seen) for k, v in value.items()}
         match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+        if match is None and isinstance(value, str) and _EMBEDDED.search(value):
+            return embedded(value, section, seen)
         if match is None:
             return value
         expr = match.group(1)
@@ -689,7 +697,40 @@ def resolve_interpolations(data: dict) -> dict:
             raise ValueError(f"the interpolation ${{{match.group(1)}}} names no key of the file") from None
         return resolve(target, where, seen + (match.group(1),))
 
+    def embedded(text: str, section: tuple[str, ...], seen: tuple) -> str:
+        """``proj-${trainer.experiment_name}``: each interpolation inside a string replaced
+        by its value's text, as OmegaConf does (a value that is a mapping or list refused)."""
+        def one(m: re.Match) -> str:
+            got = resolve("${" + m.group(1) + "}", section, seen)
+            if isinstance(got, (dict, list)):
+                raise ValueError(f"the interpolation ${{{m.group(1)}}} inside {text!r}: expected a single value; "
+                                 f"found a {type(got).__name__}")
+            return "None" if got is None else str(got).lower() if isinstance(got, bool) else str(got)
+
+        out = _EMBEDDED.sub(one, text)
+        if len(out) > MAX_CONFIG_TEXT:
+            raise ValueError(f"{text!r}: expected at most {MAX_CONFIG_TEXT} characters once interpolated; found "
+                             f"{len(out)}")
+        return out
+
+    check_size(data)
     return resolve(data, ())
+
+
+def check_size(data) -> None:
+    """Refuse a file that expands (YAML aliases, nested references) past ``MAX_CONFIG_VALUES``
+    values, counting with an early stop (never building what it names)."""
+    count, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ValueError(f"expected at most {MAX_CONFIG_VALUES} values once YAML's aliases are expanded; found "
+                             f"more (a file whose aliases multiply its size?)")
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def yaml_scalar(text: str):

@@ -338,3 +338,31 @@ def test_vllms_token_budget_rules_are_checked_before_any_engine_starts(overrides
     apply_overrides(RunConfig(), ["rollout.max_num_batched_tokens=32", "rollout.max_num_seqs=8",
                                   "data.max_prompt_length=64", "rollout.name=vllm",
                                   "resources.gpus_per_node=1"]).validate()
+
+
+def test_a_config_file_that_multiplies_itself_is_refused_and_interpolations_inside_text_resolve(tmp_path):
+    """18 levels of YAML aliases, each doubling the one before (500 bytes naming ~260,000
+    strings), are refused in one line before anything is built; `proj-${...}` is resolved
+    as OmegaConf does (the key beside it too), never left as text; a mapping inside text
+    is refused."""
+    from rlhf_core.config import ConfigError, load_config
+
+    lines = ['a0: &a0 ["xxxxxxxx", "xxxxxxxx"]'] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]" for i in range(1, 18)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    assert bomb.stat().st_size < 600
+    with pytest.raises(ConfigError, match=r"^--config .*bomb.yaml: expected at most 100000 values once YAML's "
+                                          r"aliases are expanded") as refused:
+        load_config(str(bomb), [], notes=[])
+    assert "\n" not in str(refused.value)
+    partial = tmp_path / "partial.yaml"
+    partial.write_text("trainer:\n  experiment_name: exp7\n  project_name: proj-${trainer.experiment_name}-"
+                       "${.experiment_name}\n")
+    cfg, _ = load_config(str(partial), [], notes=[])
+    assert cfg.trainer.project_name == "proj-exp7-exp7"
+    cfg, _ = load_config(str(partial), ["trainer.experiment_name=other"], notes=[])  # as Hydra: the override first
+    assert cfg.trainer.project_name == "proj-other-other"
+    partial.write_text("trainer:\n  project_name: proj-${algorithm}\nalgorithm:\n  gamma: 1.0\n")
+    with pytest.raises(ConfigError, match=r"the interpolation \$\{algorithm\} inside 'proj-\$\{algorithm\}': "
+                                          r"expected a single value; found a dict"):
+        load_config(str(partial), [], notes=[])
