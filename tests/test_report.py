@@ -127,3 +127,15 @@ def test_the_per_run_report_draws_its_curve_without_matplotlib(tmp_path):
     first, middle, last = rows_of(blue, 7), rows_of(blue, width // 2), rows_of(blue, width - 8)
     assert first and middle and last and min(first) > min(middle) > min(last)  # higher reward: higher up
     assert any(image.getpixel((x, y)) == (44, 160, 44) for x in range(width - 10, width) for y in range(height))
+
+
+def test_the_report_shows_what_the_rollout_replicas_held_and_served(tmp_path):
+    store = f"file://{tmp_path}/store"
+    istore = IterationStore(RunRef(store, "run-g"))
+    istore.commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {
+        "critic/score/mean": 0.5, "training/weight_version": 1.0, "rollout/load_imbalance": 1.25,
+        "rollout/replica_0/requests": 40.0, "rollout/replica_1/requests": 24.0}})
+    text = markdown_report(IterationStore(RunRef(store, "run-g")))
+    for row in ("| training/weight_version | 1.0000 |", "| rollout/load_imbalance | 1.2500 |",
+                "| rollout/replica_0/requests | 40.0000 |", "| rollout/replica_1/requests | 24.0000 |"):
+        assert row in text
