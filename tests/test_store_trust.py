@@ -278,3 +278,19 @@ def test_a_checkpoint_uri_from_a_record_is_checked_before_any_request(stored, tm
     finally:
         server.shutdown()
     assert requests == [], f"a record's URI was fetched before it was checked: {requests}"
+
+
+def test_a_replay_posts_to_no_address_the_record_chose():
+    """A manifest naming a SandboxFusion URL (a loopback server of the store writer's
+    choosing) is refused before anything is sent; an override or --trust-reward-function
+    names it here."""
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.trainer.replay import ReplayError, check_reward_function
+
+    stored = apply_overrides(RunConfig(), ["reward_model.sandbox_fusion.url=http://127.0.0.1:9/run_code"])
+    with pytest.raises(ReplayError, match=r"^reward_model.sandbox_fusion.url 'http://127.0.0.1:9/run_code' \(from the "
+                                          r"iteration's manifest\): expected none or one named by --override"):
+        check_reward_function(stored, [], trusted=False)
+    check_reward_function(stored, ["reward_model.sandbox_fusion.url=http://sandbox:8080/run_code"], trusted=False)
+    check_reward_function(stored, [], trusted=True)
+    check_reward_function(RunConfig(), [], trusted=False)  # no address: nothing to refuse

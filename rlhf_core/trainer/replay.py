@@ -175,6 +175,16 @@ def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -
         raise ReplayError(f"custom_reward_function.path {cfg.custom_reward_function.path!r} (from the iteration's "
                           f"manifest): expected none or one named by --override; replay executes a reward file here "
                           f"only with --trust-reward-function")
+    # an endpoint the stored config names would be sent the stored responses (and code):
+    # a store's writer must not choose where a replay posts
+    from rlhf_core.config import _get, _leaf_paths
+
+    for path in _leaf_paths(cfg):
+        value = _get(cfg, path)
+        if path.rsplit(".", 1)[-1] in ("url", "endpoint", "base_url") and value and not (trusted or path in chosen):
+            raise ReplayError(f"{path} {value!r} (from the iteration's manifest): expected none or one named by "
+                              f"--override; replay sends data to an address the record chose only with "
+                              f"--trust-reward-function")
     chosen_here = "reward.function" in chosen
     spec = cfg.reward.function
     if not (cfg.custom_reward_function.path or trusted or chosen_here or reward.installed(spec)):
