@@ -54,8 +54,13 @@ class ModelConfig:
     path: str = _f("builtin:digits", "HF model directory (a local or mounted folder, or an s3:// / gs:// "
                    "folder fetched once per node into the cache and checked), or builtin:<task> for the built-in "
                    "task's small model (built locally, warm-started by a short SFT, cached)", checkpoint=True)
-    dtype: str = _f("float32", "parameter dtype for training", choices=("float32", "bfloat16", "float16"),
+    dtype: str = _f("float32", "parameter dtype for training (the master weights AdamW steps: float32; FSDP "
+                    "computes in bf16 on GPUs, actor.fsdp_config.mixed_precision)", choices=("float32", "bfloat16",
+                                                                                              "float16"),
                     checkpoint=True)
+    train_in_16bit: bool = _f(False, "train 16-bit weights as they are (model.dtype bfloat16/float16 without "
+                              "LoRA): AdamW then steps 16-bit weights, and an update below half a 16-bit step (~6e-5 "
+                              "for a weight of 0.02 in bf16) rounds away; off: such a model.dtype is refused")
     max_position_embeddings: int | None = _f(None, "overrides the model config's position limit (verl's "
                                              "model.override_config.max_position_embeddings), for the trained "
                                              "models and vLLM (hf_overrides); None: the model's own", **POSITIVE)
@@ -885,6 +890,11 @@ class RunConfig:
                                   f"ranks on each of at least 1 node (the training pool's node shape) with "
                                   f"enable_resource_pool; found {rm.n_gpus_per_node} x {rm.nnodes}")
         self._check_rollout_pool()
+        if self.model.dtype != "float32" and not self.model.lora and not self.model.train_in_16bit:
+            raise ConfigError(f"model.dtype: expected float32 for trained weights (FSDP computes in bf16 on GPUs "
+                              f"with actor.fsdp_config.mixed_precision=auto; AdamW stepping {self.model.dtype} "
+                              f"weights rounds small updates away, e.g. lr 1e-6 on a weight of 0.02); found "
+                              f"{self.model.dtype} (model.train_in_16bit=true trains them anyway)")
         tp = self.rollout.tensor_model_parallel_size
         if tp > 1 and not res.gpus_per_node:
             raise ConfigError(f"rollout.tensor_model_parallel_size: expected 1 on CPU nodes "

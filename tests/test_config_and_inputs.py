@@ -285,3 +285,24 @@ def test_verls_prompt_key_and_reward_fn_key_name_the_columns_read(tmp_path):
     with pytest.raises(DatasetError, match=r"lacks column\(s\) \['query'\]; required: \['query', 'source'\] "
                                            r"\(data.prompt_key, data.reward_fn_key\)"):
         load_rows(str(path), prompt_key="query", source_key="source")
+
+
+def test_a_trained_model_in_16_bits_is_refused_unless_asked_for():
+    """AdamW stepping bf16 weights rounds an update of lr 1e-6 on a weight of 0.02 away
+    (half a bf16 step there is ~6e-5): fp32 master weights, bf16 compute. LoRA trains its
+    adapters in fp32 over a 16-bit base, so the base may be bf16."""
+    import torch
+
+    from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+
+    weight = torch.tensor([0.02], dtype=torch.bfloat16)
+    assert torch.equal(weight - 1e-6, weight)  # the update rounds away
+    with pytest.raises(ConfigError, match=r"^model.dtype: expected float32 for trained weights .* found bfloat16 "
+                                          r"\(model.train_in_16bit=true trains them anyway\)$"):
+        apply_overrides(RunConfig(), ["model.dtype=bfloat16"]).validate()
+    apply_overrides(RunConfig(), ["model.dtype=bfloat16", "model.train_in_16bit=true"]).validate()
+    apply_overrides(RunConfig(), ["model.dtype=bfloat16", "model.lora_rank=8"]).validate()
+    import yaml
+
+    shipped = yaml.safe_load(open("manifests/configs/gpu.yaml"))  # the GPU example trains fp32 master weights
+    assert shipped["model"]["dtype"] == "float32" and "train_in_16bit" not in shipped["model"]

@@ -99,7 +99,8 @@ def test_bad_replays_are_refused_with_the_reason(run):
         replay(f"{run}/iter-000001", stages=["weight_syncc"], log=lambda *a: None)
     with pytest.raises(ConfigError, match=r"another model layout; a replay cannot change model.dtype: 'float32' -> "
                                           r"'bfloat16'"):
-        replay(f"{run}/iter-000001", stages=["reward"], overrides=["model.dtype=bfloat16"], log=lambda *a: None)
+        replay(f"{run}/iter-000001", stages=["reward"], overrides=["model.dtype=bfloat16", "model.train_in_16bit=true"],
+               log=lambda *a: None)
     with pytest.raises(SystemExit, match="is not committed"):
         main(["replay", f"{run}/iter-000009"])
 

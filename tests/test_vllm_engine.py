@@ -240,10 +240,23 @@ def _engine_kwargs(monkeypatch, on_gpu: bool = True, **config) -> tuple[dict, VL
 
 
 def test_a_tensor_parallel_engine_over_ray_narrowed_gpus_uses_nccl_all_reduce(monkeypatch):
-    # Ray gives each rank one visible GPU: vLLM's custom all-reduce would index a second one
+    # Ray gives each rank one visible GPU: vLLM's custom all-reduce would index a second one,
+    # and its symmetric-memory and FlashInfer all-reduces need the same IPC
+    import vllm.envs
+
+    from rlhf_core.rollout.engines.vllm import TP_IPC_ALL_REDUCES
+
+    for flag in TP_IPC_ALL_REDUCES:
+        assert flag in vllm.envs.environment_variables  # the pinned vLLM reads them
+        monkeypatch.setenv(flag, "1")
     kwargs, _ = _engine_kwargs(monkeypatch, tensor_model_parallel_size=2)
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["disable_custom_all_reduce"] is True
+    assert all(os.environ[flag] == "0" for flag in TP_IPC_ALL_REDUCES)
+    for flag in TP_IPC_ALL_REDUCES:
+        monkeypatch.setenv(flag, "1")
+    _engine_kwargs(monkeypatch)  # one GPU per engine: nothing to all-reduce, left as they are
+    assert all(os.environ[flag] == "1" for flag in TP_IPC_ALL_REDUCES)
 
 
 def test_a_gpu_engine_starts_without_the_checkpoint_with_cuda_graphs_and_prefix_caching(monkeypatch):

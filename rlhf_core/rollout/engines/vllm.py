@@ -24,6 +24,8 @@ from rlhf_core.rollout.registry import register_engine
 
 #: the LoRA ranks vLLM serves (its ``max_lora_rank`` choices)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: vLLM's all-reduce paths that need IPC between the GPUs of one tensor-parallel engine
+TP_IPC_ALL_REDUCES = ("VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER")
 #: vLLM's CPU attention kernels need heads of at least this many dimensions
 CPU_MIN_HEAD_DIM = 32
 
@@ -135,6 +137,10 @@ class VLLMEngine(RolloutEngine):
             # peer-to-peer check over the engine's logical devices) cannot work: NCCL's does.
             engine.update(tensor_parallel_size=tp, distributed_executor_backend="external_launcher",
                           disable_custom_all_reduce=True)
+            # vLLM's symmetric-memory and FlashInfer all-reduces also rely on IPC between
+            # GPUs that the narrowing hides (on by default): NCCL's all-reduce instead
+            for flag in TP_IPC_ALL_REDUCES:
+                os.environ[flag] = "0"
         if not on_gpu:
             # On CPU, no chunked prefill: a prompt split across engine steps makes vLLM rewind
             # that request's seeded generator, which CPU generators cannot do ("CPU Generator
