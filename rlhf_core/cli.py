@@ -802,6 +802,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         raise SystemExit(f"rlhf: {args.command} failed: {type(exc).__name__}: {one_line(exc) or '(no message)'} "
                          f"(run again with RLHF_DEBUG=1 for the traceback)") from None
+    except BaseException as exc:
+        # torch.distributed.checkpoint's failures are BaseExceptions: the cause per rank,
+        # in one line (a full disk, an S3 error), not its traceback of every rank
+        failures = getattr(exc, "failures", None)
+        if type(exc).__name__ != "CheckpointException" or not isinstance(failures, dict) or \
+                os.environ.get("RLHF_DEBUG") or getattr(args, "foreground", False):
+            raise
+        causes = "; ".join(f"rank {rank}: {type(pair[0]).__name__}: {one_line(pair[0])}"
+                           for rank, pair in sorted(failures.items()))
+        raise SystemExit(f"rlhf: {args.command} failed: the checkpoint could not be written or read ({causes}) "
+                         f"(run again with RLHF_DEBUG=1 for the traceback)") from None
 
 
 if __name__ == "__main__":

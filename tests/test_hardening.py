@@ -363,3 +363,38 @@ def test_a_reused_run_id_does_not_start_from_another_configs_initial_checkpoint(
     with pytest.raises(ConfigError, match=r"^run reused's initial checkpoint was written with another config; .*"
                                           r"actor.lr: 0.0001 -> 0.0003"):
         open_run(RunConfig(), istore, log=lambda *a: None)
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_in_one_line_naming_the_file_and_cause(monkeypatch):
+    """torch.distributed.checkpoint raises a BaseException (it passes `except Exception`):
+    a full disk ends the command in one line with each rank's cause, not every rank's
+    traceback."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from rlhf_core import cli
+
+    try:
+        raise OSError(28, "No space left on device", "/store/run/checkpoints/step-000003/actor/__0_0.distcp")
+    except OSError as exc:
+        failure = _wrap_exception(exc)
+
+    def write(args):
+        raise CheckpointException("save failed", {0: failure})
+
+    parser = cli.build_parser()
+    real = parser.parse_args
+
+    def parse(argv=None):  # the `config` command, its work replaced by a failing checkpoint write
+        args = real(argv)
+        args.func = write
+        return args
+
+    monkeypatch.setattr(parser, "parse_args", parse)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.delenv("RLHF_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["config"])
+    message = str(ended.value.code)
+    assert "\n" not in message and message.startswith("rlhf: config failed: the checkpoint could not be written")
+    assert "rank 0: OSError: [Errno 28] No space left on device: '/store/run/checkpoints/step-000003/actor/" \
+           "__0_0.distcp'" in message
