@@ -77,6 +77,8 @@ def test_the_layouts_trl_and_openrlhf_read_give_the_same_pairs(tmp_path):
     ({"prompt": "Q", "chosen": "a", "rejected": "b", "margin": "big"}, "row 1: margin: expected a finite number"),
     ({"chosen": [{"role": "user", "content": "x"}], "rejected": [{"role": "assistant", "content": "y"}]},
      "row 1: chosen: expected one assistant message after the prompt"),
+    ({"prompt": "Q", "chosen": "a\ud800", "rejected": "b"},
+     "row 1: expected text; found a lone UTF-16 surrogate (half a character)"),
 ])
 def test_a_bad_row_is_refused_naming_it_or_counted_and_skipped(tmp_path, row, message):
     good = {"prompt": "Q", "chosen": "a", "rejected": "b"}
@@ -241,3 +243,20 @@ def test_continuing_a_run_with_other_settings_or_preferences_is_refused_in_one_l
     with pytest.raises(SystemExit) as refused:
         main(["lineage", run])
     assert "not an iteration manifest this build reads (format 'rlhf.reward_model_training'" in str(refused.value)
+
+
+def test_a_line_separator_inside_a_json_string_is_text_and_rows_are_bounded(tmp_path, monkeypatch):
+    """JSON Lines ends a row at a newline alone: U+2028 (which str.splitlines breaks at)
+    inside a string is the string's; a row longer than the bound is refused naming its line."""
+    from rlhf_core.data import preferences
+
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": "Q\u2028more", "chosen": "a\u2029b", "rejected": "c\x85d"}, {"prompt": "Q", "chosen": "a",
+                                                                                     "rejected": "b"}]
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\n", encoding="utf-8")
+    pairs, record = load_pairs(str(path))
+    assert record["rows"] == 2 and pairs[0].prompt == "Q\u2028more" and pairs[0].rejected == "c\x85d"
+    monkeypatch.setattr(preferences, "MAX_ROW_CHARS", 40)
+    path.write_text(json.dumps({"prompt": "Q" * 50, "chosen": "a", "rejected": "b"}) + "\n")
+    with pytest.raises(PreferenceDataError, match=r": line 1: expected at most 40 characters; found 96$"):
+        load_pairs(str(path))

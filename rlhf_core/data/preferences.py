@@ -22,7 +22,12 @@ import hashlib
 import json
 import math
 import numbers
+import os
 from dataclasses import dataclass
+
+#: bounds on what is read before anything is tokenized
+MAX_FILE_BYTES = 2 * 2**30
+MAX_ROW_CHARS = 4 * 2**20
 
 
 class PreferenceDataError(ValueError):
@@ -51,6 +56,10 @@ def load_pairs(source: str, skip_bad_rows: bool = False) -> tuple[list[Preferenc
         except fetch.FetchError as exc:
             raise PreferenceDataError(str(exc)) from None
     try:
+        size = os.path.getsize(local)
+        if size > MAX_FILE_BYTES:
+            raise PreferenceDataError(f"{source}: expected at most {MAX_FILE_BYTES} bytes of preference pairs; "
+                                      f"found {size}")
         raw = open(local, "rb").read()
     except OSError as exc:
         raise PreferenceDataError(f"--data: expected a readable .parquet or .jsonl file; found {source!r} "
@@ -76,7 +85,12 @@ def load_pairs(source: str, skip_bad_rows: bool = False) -> tuple[list[Preferenc
             raise PreferenceDataError(f"{source}: line {line}: expected UTF-8 text; found byte "
                                       f"{raw[exc.start]:#04x} at offset {exc.start}") from None
         rows = []
-        for i, line in enumerate(text.splitlines()):
+        # JSON Lines ends a row at "\n" alone: U+2028 and the other characters str.splitlines
+        # breaks at may stand inside a JSON string
+        for i, line in enumerate(text.split("\n")):
+            if len(line) > MAX_ROW_CHARS:
+                raise PreferenceDataError(f"{source}: line {i + 1}: expected at most {MAX_ROW_CHARS} characters; "
+                                          f"found {len(line)}")
             if line.strip():
                 try:
                     rows.append(json.loads(line))
@@ -109,10 +123,24 @@ def _messages(value, what: str, row: int) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _lone_surrogate(value) -> bool:
+    """Whether a string in ``value`` holds half of a UTF-16 pair (JSON's "\\ud800"), which no
+    tokenizer can encode."""
+    if isinstance(value, str):
+        return any(0xD800 <= ord(ch) <= 0xDFFF for ch in value)
+    if isinstance(value, dict):
+        return any(_lone_surrogate(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
+
+
 def _pair(row: int, data) -> PreferencePair:
     if not isinstance(data, dict):
         raise PreferenceDataError(f"row {row}: expected an object with chosen and rejected; found "
                                   f"{type(data).__name__}")
+    if _lone_surrogate(data):
+        raise PreferenceDataError(f"row {row}: expected text; found a lone UTF-16 surrogate (half a character)")
     for side in ("chosen", "rejected"):
         if data.get(side) in (None, "", []):
             raise PreferenceDataError(f"row {row}: {side} is missing or empty")
