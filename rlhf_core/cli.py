@@ -455,7 +455,7 @@ def _cmd_reward_model_train(args: argparse.Namespace) -> int:
     from rlhf_core.checkpoint.reader import CheckpointRefusedError
     from rlhf_core.data.preferences import PreferenceDataError
     from rlhf_core.record.manifest_schema import ManifestError
-    from rlhf_core.trainer.preference import RewardModelTraining, RewardModelTrainingError, train_reward_model
+    from rlhf_core.trainer.preference import RewardModelTraining, RewardModelTrainingError, train_reward_model_to
     from rlhf_core.workers.modeling import ModelPathError
 
     spec = RewardModelTraining(data=args.data, base=args.base, out=args.out, epochs=args.epochs, lr=args.lr,
@@ -463,7 +463,7 @@ def _cmd_reward_model_train(args: argparse.Namespace) -> int:
                                seed=args.seed, skip_bad_rows=args.skip_bad_rows,
                                remove_padding=not args.no_remove_padding, store=args.store, run_id=args.run_id)
     try:
-        train_reward_model(spec)
+        train_reward_model_to(spec)  # --out: a folder, or an object-store prefix
     except (PreferenceDataError, RewardModelTrainingError, ModelPathError, ManifestError,
             CheckpointRefusedError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None

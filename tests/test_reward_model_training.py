@@ -260,3 +260,31 @@ def test_a_line_separator_inside_a_json_string_is_text_and_rows_are_bounded(tmp_
     path.write_text(json.dumps({"prompt": "Q" * 50, "chosen": "a", "rejected": "b"}) + "\n")
     with pytest.raises(PreferenceDataError, match=r": line 1: expected at most 40 characters; found 96$"):
         load_pairs(str(path))
+
+
+def test_the_command_writes_the_reward_model_to_an_object_store_prefix(base, tmp_path, monkeypatch, s3_server):
+    """`--out s3://...` publishes the folder there (SHA256SUMS last), no local folder named
+    `s3:`; an occupied prefix is refused before training."""
+    import uuid
+
+    from rlhf_core.cli import main
+    from rlhf_core.workers import modeling
+    from rlhf_core.workers import reward_model as rm
+
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("RLHF_CACHE", str(tmp_path / "node-cache"))
+    monkeypatch.chdir(tmp_path)
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(16))
+    out = f"s3://{s3_server.bucket}/rm-{uuid.uuid4().hex[:8]}"
+    args = ["reward-model", "train", "--data", str(data), "--base", str(base), "--out", out, "--epochs", "1",
+            "--eval-share", "0", "--store", str(tmp_path / "store")]
+    assert main(args) == 0
+    assert not (tmp_path / "s3:").exists()
+    listed = {path.rsplit("/", 1)[-1] for path in s3_server._client.ls(out[len("s3://"):])}
+    assert {"SHA256SUMS", "model.safetensors", "config.json", rm.PROVENANCE} <= listed
+    fetched = modeling.resolve_model_path(out, seed=0, field=rm.FIELD)  # checked against its sums
+    assert rm.load_reward_model(fetched).config.num_labels == 1
+    assert json.loads(open(f"{fetched}/{rm.PROVENANCE}").read())["settings"]["out"] == out
+    with pytest.raises(SystemExit, match=r"--out: expected an empty prefix for the reward model; found objects"):
+        main(args)

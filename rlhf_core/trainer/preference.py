@@ -214,7 +214,7 @@ def _epoch_order(train: list, seed: int, epoch: int) -> list:
     return order
 
 
-def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
+def train_reward_model(spec: RewardModelTraining, log=print, folder: str | None = None) -> dict:
     """Train, evaluate and record each epoch in the store, write the folder; returns the
     provenance record. A run with committed epochs continues after the last one."""
     from rlhf_core.algorithms import bradley_terry_loss
@@ -308,7 +308,7 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
         log(f"[rm] epoch {epoch}/{spec.epochs} train loss {row['train_loss']:.4f}"
             + (f" | held-out accuracy {row['accuracy']:.3f} margin {row['margin']:.3f} ({held} pairs)"
                if held_out else "") + f" | {time.perf_counter() - t0:.0f}s")
-    out = Path(spec.out)
+    out = Path(folder or spec.out)  # folder: where the files go before they are published at spec.out
     out.mkdir(parents=True, exist_ok=True)
     model.eval().save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -321,6 +321,39 @@ def train_reward_model(spec: RewardModelTraining, log=print) -> dict:
     return provenance
 
 
+def train_reward_model_to(spec: RewardModelTraining, log=print) -> dict:
+    """``train_reward_model`` whose ``spec.out`` may be an object-store prefix: the folder
+    is written to a scratch folder, then published there (``SHA256SUMS`` last). An
+    occupied prefix is refused before training."""
+    import shutil
+    import tempfile
+
+    from rlhf_core.data.fetch import is_remote
+
+    if not is_remote(spec.out):
+        return train_reward_model(spec, log)
+    target = spec.out
+    check_empty_prefix(target)
+    scratch = tempfile.mkdtemp(prefix="rlhf-rm-")
+    try:
+        local = f"{scratch}/reward-model"
+        provenance = train_reward_model(spec, log, folder=local)
+        publish(local, target)
+        log(f"[rm] published {target} (reward_model.model.path={target})")
+        return provenance
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_empty_prefix(uri: str, storage_options: dict | None = None) -> None:
+    from rlhf_core.snapshot import fs as sfs
+
+    loc = sfs.resolve(uri, storage_options)
+    if loc.fs.exists(loc.path) and loc.fs.ls(loc.path):
+        raise RewardModelTrainingError(f"--out: expected an empty prefix for the reward model; found objects under "
+                                       f"{uri}")
+
+
 def publish(folder: str, uri: str, storage_options: dict | None = None) -> None:
     """Upload a reward-model folder to an empty object-store prefix, file by file, then
     ``SHA256SUMS`` (``sha256sum``'s format) last: what ``reward_model.model.path`` fetches is
@@ -330,10 +363,8 @@ def publish(folder: str, uri: str, storage_options: dict | None = None) -> None:
     from rlhf_core.data.fetch import SUMS
     from rlhf_core.snapshot import fs as sfs
 
+    check_empty_prefix(uri, storage_options)
     loc = sfs.resolve(uri, storage_options)
-    if loc.fs.exists(loc.path) and loc.fs.ls(loc.path):
-        raise RewardModelTrainingError(f"--out: expected an empty prefix for the reward model; found objects under "
-                                       f"{uri}")
     sums = []
     for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
