@@ -357,3 +357,28 @@ def test_a_controller_whose_claim_was_replaced_has_every_later_call_refused_on_e
     finally:
         old.kill()
         pool.release()
+
+
+class Rendezvous(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join(self) -> str:
+        import os
+
+        self.init_process_group("gloo")
+        return os.environ["RLHF_RDZV_ID"]
+
+
+def test_a_stopped_group_leaves_no_rendezvous_file(ray_local):
+    """Ranks on one machine meet through a file; a killed rank never removes it, so the
+    group does when it stops."""
+    from rlhf_core.controller.worker import rendezvous_file
+
+    pool = RayResourcePool([2], use_gpu=False, name_prefix="rendezvous", cpus_per_process=0.5)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(Rendezvous), name_prefix="rdzv")
+    try:
+        [rendezvous, _] = wg.join()
+        assert rendezvous_file(rendezvous).exists()  # the ranks' file store, while they live
+    finally:
+        wg.kill()
+        pool.release()
+    assert not rendezvous_file(rendezvous).exists()

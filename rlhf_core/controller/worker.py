@@ -23,6 +23,14 @@ ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 RENDEZVOUS_ENV = "RLHF_RDZV_ID"
 
 
+def rendezvous_file(rendezvous: str):
+    """Where the ranks of a group on one machine meet (``Worker.init_process_group``); the
+    group removes it when it stops (a killed rank never does)."""
+    from pathlib import Path
+
+    return Path(tempfile.gettempdir()) / f"rlhf-rdzv-{rendezvous}"
+
+
 def _is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
@@ -130,7 +138,7 @@ class Worker:
         if _is_loopback(os.environ["MASTER_ADDR"]) and os.environ.get(RENDEZVOUS_ENV):
             # every rank on this machine: rendezvous through a file, not a TCP store (which
             # listens on every interface), and gloo's pairs on the loopback interface
-            init_method = f"file://{tempfile.gettempdir()}/rlhf-rdzv-{os.environ[RENDEZVOUS_ENV]}"
+            init_method = f"file://{rendezvous_file(os.environ[RENDEZVOUS_ENV])}"
             if os.path.exists("/sys/class/net/lo"):
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend=backend, init_method=init_method, rank=self.rank,

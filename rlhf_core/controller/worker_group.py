@@ -20,7 +20,7 @@ from rlhf_core.controller.dispatch import (
     FENCE_KWARG, MAGIC_ATTR, PADDING_KWARG, Execute, get_dispatch_mode,
 )
 from rlhf_core.controller.resource_pool import RayResourcePool
-from rlhf_core.controller.worker import RENDEZVOUS_ENV
+from rlhf_core.controller.worker import RENDEZVOUS_ENV, rendezvous_file
 from rlhf_core.protocol import DataProto, DataProtoFuture, unpad_dataproto
 
 
@@ -140,6 +140,7 @@ class RayWorkerGroup:
         # the claim every registered call of this handle carries (``set_fence``); None: unfenced
         self.fence_claim: int | None = None
         self._method_prefix = ""  # a colocated role's view calls "{role}__{method}"
+        self._rendezvous: str | None = None  # the file store of ranks on this machine (Worker.init_process_group)
         if worker_names is not None:
             self._attach(worker_names, namespace)
         else:
@@ -159,7 +160,7 @@ class RayWorkerGroup:
         remote_cls = ray.remote(self.ray_cls_with_init.cls)
         slots = [(pg, b, count) for pg, count in zip(pgs, pool.process_on_nodes) for b in range(count)]
         master_addr = master_port = None
-        rendezvous = uuid.uuid4().hex
+        rendezvous = self._rendezvous = uuid.uuid4().hex
         for rank, (pg, bundle, on_node) in enumerate(slots):
             # LOCAL_WORLD_SIZE as torchrun sets it: this node's ranks (FSDP shards within them)
             env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), RENDEZVOUS_ENV: rendezvous,
@@ -322,7 +323,8 @@ class RayWorkerGroup:
         return views
 
     def kill(self) -> None:
-        """Kill every actor of the group (detached ones included)."""
+        """Kill every actor of the group (detached ones included), and remove the file its
+        ranks met through on this machine (a killed rank never removes it)."""
         import ray
 
         for w in self._workers:
@@ -330,6 +332,8 @@ class RayWorkerGroup:
                 ray.kill(w, no_restart=True)
             except Exception:
                 pass
+        if getattr(self, "_rendezvous", None):
+            rendezvous_file(self._rendezvous).unlink(missing_ok=True)
 
 
 def _set_master_env(worker, addr: str, port: int) -> None:
