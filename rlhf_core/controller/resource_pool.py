@@ -209,6 +209,8 @@ def check_pools_fit(pools: list["RayResourcePool"]) -> None:
 
     if not pools or any(pool.autoscaler_nodes for pool in pools):
         return
+    for pool in pools:  # one that cannot fit even alone: its own message, naming its nodes
+        pool._check_capacity()
     total: dict[str, float] = {}
     for node in (n["Resources"] for n in ray.nodes() if n.get("Alive")):
         for key, value in node.items():
