@@ -77,10 +77,15 @@ class ActorRolloutRefWorker(TrainableWorker):
         self._register_dispatch_collect_info("rollout", dp_rank=self.rank // tp, is_collect=self.rank % tp == 0)
         self.policy_version = self.weight_version = 0
         self.rollout, self.sync_dtype, self.serves_adapter = None, getattr(torch, engine_dtype(cfg)), False
-        if cfg.rollout.own_pool:  # the replicas have engines of their own (workers/rollout_replica.py)
-            local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
-            return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
-                    "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
+        if not cfg.rollout.own_pool:  # else the replicas have engines of their own (workers/rollout_replica.py)
+            self._build_engine()
+        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
+        return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
+                "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
+
+    def _build_engine(self) -> None:
+        """The generation engine on this rank (``rollout.name``), fed the policy's weights."""
+        cfg = self.config
         # the policy's LoRA rank, for an engine that serves the adapter as a LoRA request
         lora_rank = lora.settings(sharding.unwrap(self.policy)).r if cfg.model.lora else 0
         self.rollout = engine_class(cfg.rollout.name).build(
@@ -91,9 +96,6 @@ class ActorRolloutRefWorker(TrainableWorker):
             lora.check_engine_serves(sharding.unwrap(self.policy))
         self.sync_dtype = self.rollout.sync_dtype  # what the engine keeps (None: it runs on the policy itself)
         self.serves_adapter = self.rollout.serves_adapter
-        local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
-        return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
-                "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
 
     def _packed(self, model):
         if self.config.model.use_remove_padding:  # padding-free forwards (packing)
