@@ -161,6 +161,72 @@ def test_what_a_pipeline_pod_could_send_instead_is_refused(case):
     assert len(refused) == 1 and word in refused[0], (case, refused)
 
 
+#: Fields beyond the pod templates, each valid under KubeRay 1.7's CRD, with the word of the
+#: one validation that refuses it: the policy allow-lists what the renderer writes.
+_SECRET_ENV = {"name": "T", "valueFrom": {"secretKeyRef": {"name": "rlhf-other.team-b.ray-token", "key": "auth_token"}}}
+REFUSED_FIELDS = {
+    "autoscaler image": (lambda b: b["spec"]["autoscalerOptions"].update(image="docker.io/attacker/x:1"),
+                         "autoscaler runs as KubeRay"),
+    "autoscaler env from a secret": (lambda b: b["spec"]["autoscalerOptions"].update(env=[_SECRET_ENV]),
+                                     "autoscaler runs as KubeRay"),
+    "autoscaler envFrom": (lambda b: b["spec"]["autoscalerOptions"].update(
+        envFrom=[{"secretRef": {"name": "rlhf-other.team-b.ray-token"}}]), "autoscaler runs as KubeRay"),
+    "autoscaler command": (lambda b: b["spec"]["autoscalerOptions"].update(command=["sh", "-c", "x"]),
+                           "autoscaler runs as KubeRay"),
+    "autoscaler token writable": (lambda b: b["spec"]["autoscalerOptions"]["volumeMounts"][0].update(readOnly=False),
+                                  "autoscaler runs as KubeRay"),
+    "autoscaler mounts a claim": (lambda b: b["spec"]["autoscalerOptions"]["volumeMounts"].append(
+        {"name": "models", "mountPath": "/m", "readOnly": True}), "autoscaler runs as KubeRay"),
+    "redis password from another's token": (lambda b: b["spec"].update(gcsFaultToleranceOptions={
+        "redisAddress": "redis:6379", "redisPassword": {"valueFrom": _SECRET_ENV["valueFrom"]}}), "spec holds only"),
+    "history server collector": (lambda b: b["spec"].update(historyServerOptions={
+        "collectorOptions": {"image": "docker.io/attacker/x:1", "env": [_SECRET_ENV]}}), "spec holds only"),
+    "egress to the metadata server": (lambda b: b["spec"].update(networkPolicy={
+        "egress": [{"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}]}]}), "spec holds only"),
+    "a load balancer": (lambda b: b["spec"]["headGroupSpec"].update(headService={
+        "spec": {"type": "LoadBalancer", "externalIPs": ["203.0.113.9"]}}), "head group, worker groups"),
+    "an ingress": (lambda b: b["spec"]["headGroupSpec"].update(enableIngress=True), "head group, worker groups"),
+    "a service type": (lambda b: b["spec"]["headGroupSpec"].update(serviceType="NodePort"),
+                       "head group, worker groups"),
+    "a worker group suspended": (lambda b: b["spec"]["workerGroupSpecs"][0].update(suspend=True),
+                                 "head group, worker groups"),
+    "a container command": (lambda b: _pod(b, 0)["containers"][0].update(command=["sh", "-c", "curl x | sh"]),
+                            "head group, worker groups"),
+    "pod annotations": (lambda b: _template(b, 0)["metadata"].update(annotations={"x": "y"}),
+                        "head group, worker groups"),
+    "a pod's share of the process namespace": (lambda b: _pod(b, 0).update(shareProcessNamespace=True),
+                                               "head group, worker groups"),
+    "the ray container mounts the head's token": (lambda b: _pod(b)["containers"][0]["volumeMounts"].append(
+        {"name": "kube-api-access", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}),
+        "mounts only its pod's"),
+    "a mount of no volume": (lambda b: _pod(b, 0)["containers"][0]["volumeMounts"].append(
+        {"name": "nothing", "mountPath": "/x"}), "mounts only its pod's"),
+    "free-text start params": (lambda b: b["spec"]["workerGroupSpecs"][0]["rayStartParams"].update(
+        {"num-cpus": "8 --runtime-env-agent-port=1"}), "rayStartParams"),
+    "another start param": (lambda b: b["spec"]["headGroupSpec"]["rayStartParams"].update(
+        {"redis-password": "x"}), "rayStartParams"),
+    "a dashboard on another host": (lambda b: b["spec"]["headGroupSpec"]["rayStartParams"].update(
+        {"dashboard-host": "203.0.113.9"}), "rayStartParams"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_FIELDS))
+def test_every_field_beyond_what_the_launcher_writes_is_refused(case):
+    change, word = REFUSED_FIELDS[case]
+    refused = admit("CREATE", PIPELINE_A, _changed(change))
+    assert len(refused) == 1 and word in refused[0], (case, refused)
+
+
+def test_an_update_adds_no_field():
+    body = cluster()
+    for change in (lambda b: b["spec"].update(networkPolicy={"egress": [{}]}),
+                   lambda b: b["spec"]["workerGroupSpecs"][0].update(suspend=True),
+                   lambda b: b["spec"]["workerGroupSpecs"][0].update(scaleStrategy={"x": 1})):
+        changed = copy.deepcopy(body)
+        change(changed)
+        assert admit("UPDATE", PIPELINE_A, changed, body), change
+
+
 def test_only_the_owning_profile_changes_or_deletes_a_cluster_and_only_its_replica_counts():
     body = cluster()
     assert admit("DELETE", PIPELINE_B, None, body) == [
@@ -202,7 +268,11 @@ def test_the_pipeline_creates_a_heads_account_objects_and_nothing_broader():
     cluster_role["roleRef"]["kind"] = "ClusterRole"
     other_account = copy.deepcopy(account)
     other_account["metadata"]["name"] = "rlhf-ray"
-    for obj in (wider, everything, to_me, pipeline_role, cluster_role, other_account):
+    pull_secrets = copy.deepcopy(account)  # an account handed another profile's secret
+    pull_secrets["imagePullSecrets"] = [{"name": "rlhf-other.team-b.ray-token"}]
+    token_mounted = copy.deepcopy(account)
+    token_mounted["automountServiceAccountToken"] = True
+    for obj in (wider, everything, to_me, pipeline_role, cluster_role, other_account, pull_secrets, token_mounted):
         assert admit("CREATE", PIPELINE_A, obj), obj
     assert admit("UPDATE", PIPELINE_A, binding, binding)  # created once, never changed
 
