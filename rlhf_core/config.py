@@ -475,8 +475,9 @@ class RewardModelConfig:
     reward_manager: str = _f("naive", "how rewards are made from scores (verl's reward managers, "
                              "rlhf_core/workers/reward_managers.py): naive = the reward function per response; "
                              "dapo = naive's, then the overlong punishment of reward_kwargs.overlong_buffer_cfg; "
-                             "batch = the function once per batch, with lists; prime = naive's calls side by side, a "
-                             "call that raises or outlasts 300 s scores 0 (for sandboxed code). With a "
+                             "batch = the function once per batch, with lists; prime = naive's calls side by side, each "
+                             "in a process of its own, one that raises or outlasts 300 s scores 0 and its process "
+                             "is killed (for sandboxed code). With a "
                              "reward model its scores are the rewards under each",
                              choices=("naive", "dapo", "batch", "prime"))
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)

@@ -42,7 +42,6 @@ SLOW = (
     "test_hardening.py::test_a_real_head_is_recognized_stopped_and_cleaned",
     "test_hardening.py::test_a_run_adopts_the_head_of_a_dead_run_but_not_a_users_head",
     "test_hardening.py::test_no_raw_exception_escapes_a_command",
-    "test_verl_algorithms.py::test_prime_scores_side_by_side_and_a_failing_or_hanging_call_scores_zero",
 )
 FIXTURE_MARKS = {"ray_local": ("ray", "slow"), "s3_server": ("s3",)}
 KFP_TESTS = ("test_pipeline.py::test_rlhf_run_runs_iterations_as_local_pipeline_runs",

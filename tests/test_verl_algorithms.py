@@ -19,6 +19,7 @@ from rlhf_core.trainer.run import run_direct
 from rlhf_core.workers import reward_managers, sandbox_fusion
 from rlhf_core.workers.reward_managers import ScoringRows
 
+import reward_calls
 from helpers import small_config
 from json_http import JSONServer
 
@@ -149,6 +150,7 @@ def ray_runs(tmp_path_factory, ray_local):
                       "algorithm.rollout_correction.rollout_rs=token_k1,seq_max_k2",
                       "algorithm.rollout_correction.rollout_rs_threshold=0.6_1.6,2.5"],
         "pf_ppo": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true"],
+        "prime": ["reward_model.reward_manager=prime"],
     }
     out = {}
     for name, extra in variants.items():
@@ -196,6 +198,25 @@ def test_decoupled_correction_masks_and_weighs_before_the_advantage(ray_runs):
     assert "rollout_corr/rollout_rs_masked_fraction" in ray_runs["decoupled"]["rows"][1]
 
 
+def test_prime_scores_in_worker_processes_inside_a_run_as_naive_does(ray_runs):
+    """prime's scores, from processes the reward worker started, are naive's in-process
+    scores of the same responses."""
+    import psutil
+
+    from rlhf_core.workers.reward import configured_reward_fn
+
+    prime = _stage(ray_runs["prime"], 1, "reward")
+    nt = prime.non_tensor_batch
+    fn, name = configured_reward_fn(RunConfig())
+    rows = ScoringRows(nt["data_source"], list(nt["response_text"]), nt["ground_truth"], nt["extra_info"],
+                       nt["uid"], [1] * len(prime))
+    expected, _ = reward_managers.naive(fn, name, rows, RunConfig())
+    assert prime.batch["token_level_scores"].sum(dim=-1).tolist() == expected and sum(expected) > 0
+    assert list(prime.non_tensor_batch["reward_extra/prime_failed"]) == [0.0] * len(prime)
+    workers = [p for p in psutil.Process().children(recursive=True) if "reward_functions" in " ".join(p.cmdline())]
+    assert workers == []  # none outlived its stage
+
+
 def test_pf_ppo_draws_rows_again_by_score_and_replays(ray_runs):
     from rlhf_core.trainer.replay import replay
 
@@ -211,28 +232,51 @@ def test_pf_ppo_draws_rows_again_by_score_and_replays(ray_runs):
 
 # ------------------------------------------------------------------ prime, SandboxFusion
 
-def _score(data_source, solution_str, ground_truth, extra_info=None):
-    if solution_str == "raise":
-        raise RuntimeError("bad program")
-    if solution_str == "hang":
-        threading.Event().wait()
-    if solution_str == "dict":
-        return {"score": 0.5, "acc": True}
-    return float(solution_str == ground_truth)
+_score = reward_calls.score
+
+
+def _our_processes() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
 def test_prime_scores_side_by_side_and_a_failing_or_hanging_call_scores_zero(monkeypatch):
-    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 15.0)  # the hanging call costs this
-    texts = ["7", "raise", "hang", "dict", "8"]
-    rows = ScoringRows(["d"] * 5, texts, ["7"] * 5, [None] * 5, list("abcde"), [1] * 5)
+    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 3.0)  # the hanging calls cost this
+    texts = ["7", "raise", "hang", "dict", "8", "spin", "regex", "exit", "numpy"]
+    n = len(texts)
+    rows = ScoringRows(["d"] * n, texts, ["7"] * n, [None] * n, [f"u{i}" for i in range(n)], [1] * n)
+    before = _our_processes()
     scores, extras = reward_managers.prime(_score, "score", rows, RunConfig())
-    assert scores == [1.0, 0.0, 0.0, 0.5, 0.0]
-    assert extras["prime_failed"] == [0.0, 1.0, 1.0, 0.0, 0.0] and extras["acc"][3] is True
+    assert scores == [1.0, 0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.25]
+    assert extras["prime_failed"] == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0]
+    assert extras["acc"][3] is True and extras["acc"][8] is True
+    assert _our_processes() <= before  # the spinning and hanging calls' processes are gone
 
 
-def test_prime_runs_a_reward_file_and_a_closure(tmp_path, monkeypatch):
-    """A reward file's function (its module is not importable) and a closure (the sandbox
-    router) score as they do called directly: nothing is pickled."""
+def test_prime_kills_what_a_call_started(monkeypatch, tmp_path):
+    import psutil
+
+    monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 3.0)
+    pid_file = tmp_path / "pid"
+    rows = ScoringRows(["d"], ["grandchild"], [str(pid_file)], [None], ["u"], [1])
+    scores, extras = reward_managers.prime(_score, "score", rows, RunConfig())
+    assert scores == [0.0] and extras["prime_failed"] == [1.0]
+    grandchild = int(pid_file.read_text())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+
+
+def test_prime_refuses_a_function_no_process_can_rebuild():
+    closure = (lambda offset: lambda data_source, solution_str, ground_truth, extra_info=None: offset)(0.25)
+    rows = ScoringRows(["d"], ["7"], ["7"], [None], ["u"], [1])
+    with pytest.raises(reward_managers.RewardFunctionError, match="prime.*closure, a lambda"):
+        reward_managers.prime(closure, "closure", rows, RunConfig())
+
+
+def test_prime_runs_a_reward_file_and_the_sandbox_router(tmp_path, monkeypatch):
+    """A reward file's function (its module is not importable) and the SandboxFusion router
+    (a closure) are rebuilt in each worker from their recipes and score as called directly."""
+    from rlhf_core.config import SandboxFusionConfig
     from rlhf_core.workers.reward import load_reward_file
 
     monkeypatch.setattr(reward_managers, "PRIME_TIMEOUT_S", 60.0)
@@ -243,8 +287,10 @@ def test_prime_runs_a_reward_file_and_a_closure(tmp_path, monkeypatch):
     rows = ScoringRows(["d"] * 3, ["7", "8", "7"], ["7"] * 3, [None] * 3, list("abc"), [1] * 3)
     scores, extras = reward_managers.prime(fn, name, rows, RunConfig())
     assert scores == [1.0, 0.0, 1.0] and extras["prime_failed"] == [0.0] * 3
-    closure = (lambda offset: lambda data_source, solution_str, ground_truth, extra_info=None: offset)(0.25)
-    assert reward_managers.prime(closure, "closure", rows, RunConfig())[0] == [0.25] * 3
+    from rlhf_core.workers.reward_functions import routed_to_sandbox
+
+    routed = routed_to_sandbox(fn, SandboxFusionConfig(url="http://127.0.0.1:9/run_code"))
+    assert reward_managers.prime(routed, "routed", rows, RunConfig())[0] == [1.0, 0.0, 1.0]
 
 
 @pytest.fixture
@@ -365,3 +411,4 @@ def test_verls_vectorized_estimators_are_taken_and_names_not_here_refused_in_one
         with pytest.raises(ConfigError, match=message) as refused:
             apply_overrides(RunConfig(), [override], notes=[]).validate()
         assert "\n" not in str(refused.value)
+

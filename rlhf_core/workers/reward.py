@@ -12,8 +12,6 @@ whether this machine vouches for it without being told (docs/security.md, "Trust
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import torch
 
@@ -22,6 +20,7 @@ from rlhf_core.config import NAMED_REWARDS, RunConfig
 from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
+from rlhf_core.workers.reward_functions import load_reward_file, load_reward_fn, routed_to_sandbox
 from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, naive
 
 
@@ -40,43 +39,6 @@ def installed(spec: str) -> bool:
     return any(ep.value.replace(" ", "") == spec for ep in entry_points(group=REWARD_ENTRY_POINTS))
 
 
-def load_reward_fn(spec: str):
-    spec = NAMED_REWARDS.get(spec, spec)
-    if ":" not in spec:
-        raise ValueError(f"reward.function: expected module:function or one of {sorted(NAMED_REWARDS)}; "
-                         f"found {spec!r}")
-    module_name, fn_name = spec.split(":", 1)
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward.function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward.function {spec!r}: {module_name} has no callable {fn_name!r}")
-    return fn, spec
-
-
-def load_reward_file(path: str, name: str):
-    """verl's ``custom_reward_function``: the function ``name`` of the Python file ``path``
-    (trusted code of the run's owner: the file is executed as a module)."""
-    import importlib.util
-    import os
-
-    where = f"custom_reward_function.path={path!r}"
-    if not os.path.isfile(path):
-        raise ValueError(f"{where}: expected a Python file; found none there")
-    spec = importlib.util.spec_from_file_location(f"rlhf_custom_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        raise ValueError(f"{where}: importing it raised {type(exc).__name__}: {exc}") from exc
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"custom_reward_function.name: expected a function of {path}; found no callable {name!r}")
-    return fn, f"{path}:{name}"
-
-
 def configured_reward_fn(config: RunConfig):
     """The run's reward function: ``custom_reward_function`` when its path is set, else
     ``reward.function``."""
@@ -86,9 +48,7 @@ def configured_reward_fn(config: RunConfig):
     fn, name = load_reward_fn(config.reward.function)
     sandbox = config.reward_model.sandbox_fusion
     if sandbox.url:  # verl's rule: the sandbox scores code unless a custom function scores everything
-        from rlhf_core.workers import sandbox_fusion
-
-        return sandbox_fusion.routed(fn, sandbox), f"{name} (code: sandbox_fusion at {sandbox.url})"
+        return routed_to_sandbox(fn, sandbox), f"{name} (code: sandbox_fusion at {sandbox.url})"
     return fn, name
 
 

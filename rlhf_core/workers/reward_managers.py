@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -129,44 +128,32 @@ def batch(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
 
 #: prime: how long one call may take before it scores 0 (verl's 300 s).
 PRIME_TIMEOUT_S = 300.0
+#: prime: processes at once (verl's 64), at most four per core here
 PRIME_WORKERS = 64
 
 
 def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
-    """verl's prime manager: naive's calls run side by side (sandboxed code a response
-    wrote may take long or never return), each in a daemon thread of its own, at most
-    ``PRIME_WORKERS`` at once; a call that raises, returns no score or outlasts
-    ``PRIME_TIMEOUT_S`` scores 0, counted in the ``prime_failed`` column. A call that never
-    returns is abandoned, not killed (verl kills its pool's processes; forking this process,
-    a Ray worker with threads of its own, can deadlock the child)."""
-    import threading
+    """verl's prime manager: naive's calls run side by side, each in a process of its own
+    (``workers/reward_functions.py``: sandboxed code a response wrote may hold the GIL or
+    never return); a call that raises, returns no score, dies or outlasts
+    ``PRIME_TIMEOUT_S`` (its process is killed) scores 0, counted in the ``prime_failed``
+    column. No process outlives the call."""
+    import os
 
-    count = len(rows.uids)
-    results: list = [None] * count
-    finished = [threading.Event() for _ in range(count)]
-    gate = threading.BoundedSemaphore(PRIME_WORKERS)
+    from rlhf_core.workers import reward_functions
 
-    def call(i: int, args: tuple) -> None:
-        with gate:
-            try:
-                results[i] = ("ok", fn(*args))
-            except BaseException as exc:  # the call's failure is its score of 0, never the batch's
-                results[i] = ("raised", exc)
-            finally:
-                finished[i].set()
-
-    for i, args in enumerate(zip(rows.data_sources, rows.solutions, rows.ground_truths,
-                                 (copy.deepcopy(extra) for extra in rows.extra_infos))):
-        threading.Thread(target=call, args=(i, args), daemon=True, name=f"prime-{i}").start()
-    deadline = time.monotonic() + PRIME_TIMEOUT_S
-    scores, extras, failed = [], {}, [0.0] * count
-    for i, uid in enumerate(rows.uids):
-        finished[i].wait(max(0.0, deadline - time.monotonic()))
-        outcome = results[i]
+    calls = list(zip(rows.data_sources, rows.solutions, rows.ground_truths, rows.extra_infos))
+    workers = max(1, min(PRIME_WORKERS, 4 * (os.cpu_count() or 1), len(calls)))
+    try:
+        outcomes = reward_functions.call_all(fn, calls, PRIME_TIMEOUT_S, workers)
+    except reward_functions.RecipeError as exc:
+        raise RewardFunctionError(f"reward function {name} (reward_model.reward_manager=prime): {exc}") from exc
+    scores, extras, failed = [], {}, [0.0] * len(calls)
+    for i, (outcome, uid) in enumerate(zip(outcomes, rows.uids)):
         try:
-            if outcome is None or outcome[0] != "ok":
-                raise RewardFunctionError("raised or timed out")
-            scores.append(checked_score(outcome[1], name, uid, i, extras, count))
+            if outcome.status != "ok":
+                raise RewardFunctionError(outcome.status)
+            scores.append(checked_score(outcome.value, name, uid, i, extras, len(calls)))
         except RewardFunctionError:  # verl's prime scores it 0
             scores.append(0.0)
             failed[i] = 1.0
