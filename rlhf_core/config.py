@@ -219,6 +219,52 @@ class ActorConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollouts with tools (verl's ``actor_rollout_ref.rollout.multi_turn``; the
+    loops are rlhf_core/agent/). Off: one generation per prompt, as single_turn_agent."""
+
+    enable: bool = _f(False, "run each prompt through an agent loop (rollout.agent.default_agent_loop, or the "
+                      "row's agent_name): tool_agent calls the tools of tool_config_path over several turns")
+    max_assistant_turns: int = _f(0, "the most turns the model generates in one trajectory (0: no limit but the "
+                                  "response length, verl's null)", **NON_NEGATIVE)
+    max_user_turns: int = _f(0, "the most tool or user answers inserted in one trajectory (0: no limit, verl's "
+                             "null)", **NON_NEGATIVE)
+    max_parallel_calls: int = _f(1, "tool calls of one turn that are run (side by side); the rest are recorded as "
+                                 "skipped", **POSITIVE)
+    max_tool_response_length: int = _f(256, "characters of a tool's answer the model is shown; a longer one is "
+                                       "cut on tool_response_truncate_side and marked", **POSITIVE)
+    tool_response_truncate_side: str = _f("middle", "which part of a long answer is cut, verl's names: left keeps "
+                                          "the start, right keeps the end, middle keeps both ends",
+                                          choices=("left", "middle", "right"))
+    tool_config_path: str = _f("", "verl's tool-config YAML (tools: class_name, config, tool_schema); its content "
+                               "hash is in the run's manifest")
+    interaction_config_path: str = _f("", "verl's interaction-config YAML (simulated users): not built here yet, "
+                                      "refused when set")
+    format: str = _f("hermes", "how tool calls are written in a turn (verl's parser names)", choices=("hermes",))
+    use_inference_chat_template: bool = _f(False, "no effect here: the chat template renders each turn as "
+                                           "inference would (verl's switch for templates that drop reasoning)",
+                                           hashed=False)
+    tokenization_sanity_check_mode: str = _f("strict", "compare the tokens built turn by turn with the whole chat "
+                                             "rendered at once, counted in agent/tokenization_mismatch (disable, "
+                                             "strict, ignore_strippable: whitespace ignored)",
+                                             choices=("disable", "strict", "ignore_strippable"), hashed=False)
+
+
+@dataclass
+class AgentConfig:
+    """Agent loops (verl's ``actor_rollout_ref.rollout.agent``)."""
+
+    num_workers: int = _f(8, "no effect here: the trajectories of a batch run as coroutines in the controller, "
+                          "each turn a request to the rollout manager (verl's agent-loop worker processes)",
+                          hashed=False, **POSITIVE)
+    default_agent_loop: str = _f("single_turn_agent", "the loop of a row without an agent_name column: "
+                                 "single_turn_agent, tool_agent (rlhf_core/agent/loops/) or a name "
+                                 "agent_loop_config_path gives")
+    agent_loop_config_path: str = _f("", "verl's agent-loop YAML (- name, _target_: module.Class): a user's own "
+                                     "loops, imported like a reward function")
+
+
+@dataclass
 class ValKwargsConfig:
     """Sampling for validation (verl's ``actor_rollout_ref.rollout.val_kwargs``)."""
 
@@ -299,6 +345,8 @@ class RolloutConfig:
                               **POSITIVE)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     @property
     def own_pool(self) -> bool:

@@ -64,6 +64,14 @@ def _zero_if_null(raw: str) -> str:
     return "0.0" if raw.strip().lower() in ("null", "none", "~") else raw
 
 
+def _int_zero_if_null(raw: str) -> str:
+    return "0" if raw.strip().lower() in ("null", "none", "~") else raw
+
+
+def _empty_if_null(raw: str) -> str:
+    return "" if raw.strip().lower() in ("null", "none", "~") else raw
+
+
 @dataclass(frozen=True)
 class Rule:
     """One verl key: the fields of ours it sets (none: accepted with ``note`` only),
@@ -150,10 +158,16 @@ TABLE: dict[str, Rule] = {
     "actor_rollout_ref.ref.strategy": Rule(note="the reference is sharded as actor.strategy says (fsdp and fsdp2 "
                                                 "are both FSDP2 here)", refuse="only FSDP here",
                                            accepts=lambda raw: raw in ("fsdp", "fsdp2")),
-    R + "multi_turn.enable": Rule(note="false: single-turn generation, as here",
-                                  refuse="no multi-turn (tool-calling) rollout here",
-                                  accepts=lambda raw: raw.strip().lower() in ("false", "0")),
-    R + "multi_turn.format": _note("no effect: multi_turn.enable is false (no multi-turn rollout here)"),
+    **{R + f"multi_turn.{key}": _m(f"rollout.multi_turn.{key}")
+       for key in ("enable", "max_parallel_calls", "max_tool_response_length", "tool_response_truncate_side",
+                   "format", "use_inference_chat_template", "tokenization_sanity_check_mode")},
+    **{R + f"multi_turn.{key}": _m(f"rollout.multi_turn.{key}", convert=_int_zero_if_null)
+       for key in ("max_assistant_turns", "max_user_turns")},
+    **{R + f"multi_turn.{key}": _m(f"rollout.multi_turn.{key}", convert=_empty_if_null)
+       for key in ("tool_config_path", "interaction_config_path")},
+    R + "multi_turn.num_repeat_rollouts": Rule(note="null: one rollout per interaction, as here",
+                                               refuse="repeated rollouts per interaction are not built here",
+                                               accepts=lambda raw: raw.strip().lower() in ("null", "none", "~", "1")),
     # actor
     A + "optim.lr": _m("actor.lr"),
     A + "optim.lr_warmup_steps": _m("actor.lr_warmup_steps"),
@@ -523,10 +537,10 @@ VERL_DEFAULTS: dict[str, Rule] = {
         _m("rollout.checkpoint_engine.update_weights_bucket_megabytes"),
     **{f"{section}.tiled_mlp.enabled": _only("False", FEATURE_OFF, "tiled MLP")
        for section in ("actor_rollout_ref.model", "critic.model")},
-    "actor_rollout_ref.rollout.agent.default_agent_loop": _only("single_turn_agent", "one generation per prompt",
-                                                                "agent loops"),
-    "actor_rollout_ref.rollout.agent.agent_loop_config_path": _only("null", "one generation per prompt",
-                                                                    "agent loops"),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": _m("rollout.agent.default_agent_loop"),
+    "actor_rollout_ref.rollout.agent.num_workers": _m("rollout.agent.num_workers"),
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path": _m("rollout.agent.agent_loop_config_path",
+                                                                 convert=_empty_if_null),
     "actor_rollout_ref.rollout.agent.custom_async_server.path": _only("null", "the engines here", "a custom server"),
 }
 #: Groups of verl keys that only act when their feature's switch (in VERL_DEFAULTS) is on.
@@ -539,8 +553,7 @@ VERL_GROUPS: tuple[tuple[re.Pattern, Rule], ...] = (
     (re.compile(r"\.rollout\.checkpoint_engine\."), _inert("the checkpoint engine's other settings are verl's "
                                                            "backends' own")),
     (re.compile(r"\.tiled_mlp\."), _inert("tiled MLP is off")),
-    (re.compile(r"\.rollout\.agent\."), _inert("one generation per prompt (no agent loop)")),
-    (re.compile(r"\.rollout\.multi_turn\."), _inert("multi-turn rollout is off")),
+    (re.compile(r"\.rollout\.agent\.custom_async_server\."), _inert("no custom server (its path is null)")),
     (re.compile(r"(^|\.)_target_$"), _inert("verl's dataclass for the section")),
 )
 

@@ -31,6 +31,7 @@ FLOORS = (
     ("data",),                                   # prompts, tasks, inputs fetched from a store
     ("models",),                                 # models built on this machine
     ("workers",),
+    ("agent",),                                  # agent loops, tools and their sandbox
     ("trainer",),                                # the algorithm's control flow
     ("session",),                                # the long-lived session and computing ahead
     ("cli_args", "export"),                      # what the commands share and call

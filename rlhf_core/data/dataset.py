@@ -93,8 +93,14 @@ def _normalize(source: str, index: int, row: dict, prompt_key: str = "prompt",
     else:
         raise DatasetError(f"{source}: row {index} lacks ground_truth (ours) or reward_model.ground_truth "
                            f"(verl's format)")
-    return {"prompt": prompt, "ground_truth": truth, "data_source": row[source_key],
-            "extra_info": row.get("extra_info") or {}}
+    out = {"prompt": prompt, "ground_truth": truth, "data_source": row[source_key],
+           "extra_info": row.get("extra_info") or {}}
+    if row.get("agent_name") is not None:  # verl's: the agent loop this row runs through
+        if not isinstance(row["agent_name"], str):
+            raise DatasetError(f"{source}: row {index} agent_name: expected a loop's name; found "
+                               f"{type(row['agent_name']).__name__}")
+        out["agent_name"] = row["agent_name"]
+    return out
 
 
 @dataclass
@@ -216,5 +222,7 @@ class PromptLoader:
         if self.keep_chat:
             columns["raw_chat"] = object_column([r["prompt"] if isinstance(r["prompt"], list) else None
                                                  for r in rows])
+        if any("agent_name" in r for r in rows):
+            columns["agent_name"] = object_column([r.get("agent_name", "") for r in rows])
         return DataProto.from_dict(
             tensors={"input_ids": ids, "attention_mask": mask, "position_ids": position_ids}, non_tensors=columns)

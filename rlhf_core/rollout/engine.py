@@ -129,11 +129,43 @@ def sampling_of(prompts: "DataProto", rollout_cfg) -> Sampling:
 
 
 def requests_of(prompts: "DataProto", id_prefix: str = "") -> list[GenerationRequest]:
-    """One request per row of left-padded prompts with a ``sample_seed`` column."""
+    """One request per row of left-padded prompts with a ``sample_seed`` column (and, for
+    the turns of a multi-turn trajectory, each row's own ``max_new_tokens``)."""
     ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"].bool()
     seeds = prompts.batch["sample_seed"].tolist()
-    return [GenerationRequest(f"{id_prefix}{row}", tuple(r[m].tolist()), int(seed))
-            for row, (r, m, seed) in enumerate(zip(ids, mask, seeds))]
+    limits = (prompts.batch["max_new_tokens"].tolist() if "max_new_tokens" in prompts.batch.keys()
+              else [None] * len(seeds))
+    return [GenerationRequest(f"{id_prefix}{row}", tuple(r[m].tolist()), int(seed),
+                              None if limit is None or limit < 0 else int(limit))
+            for row, (r, m, seed, limit) in enumerate(zip(ids, mask, seeds, limits))]
+
+
+def prompts_of(requests: list[GenerationRequest], pad_id: int) -> "DataProto":
+    """Requests as left-padded prompt rows (``requests_of``'s inverse): how a list of
+    requests goes through the batch path (``rollout.mode=sync``)."""
+    import torch
+
+    from rlhf_core.protocol import DataProto
+
+    width = max(len(r.prompt_ids) for r in requests)
+    ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(requests), width), dtype=torch.long)
+    for row, request in enumerate(requests):
+        ids[row, width - len(request.prompt_ids):] = torch.tensor(request.prompt_ids, dtype=torch.long)
+        mask[row, width - len(request.prompt_ids):] = 1
+    return DataProto.from_dict({
+        "input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(dim=1) - 1).clamp(min=0),
+        "sample_seed": torch.tensor([r.seed for r in requests], dtype=torch.long),
+        "max_new_tokens": torch.tensor([-1 if r.max_tokens is None else r.max_tokens for r in requests],
+                                       dtype=torch.long)})
+
+
+def completions_of(requests: list[GenerationRequest], out: "DataProto") -> list[Completion]:
+    """The completions in a batch path's rollout columns (row ``i`` answers ``requests[i]``)."""
+    lengths = out.batch["response_mask"].sum(dim=1).tolist()
+    return [Completion(r.request_id, out.batch["responses"][i, :n].tolist(),
+                       out.batch["rollout_log_probs"][i, :n].tolist())
+            for i, (r, n) in enumerate(zip(requests, lengths))]
 
 
 def responses_of(prompts: "DataProto", completions: list[Completion], response_length: int, pad_id: int) -> "DataProto":

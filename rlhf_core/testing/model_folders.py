@@ -14,6 +14,20 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
           "{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: ChatML with tools, as Qwen2.5's template renders them (hermes tool calls; tool answers as
+#: user turns in <tool_response>): the same text as CHATML for a chat without tools
+CHATML_TOOLS = (
+    "{% if tools %}{{ '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\n\n' }}{% endif %}{{ '# Tools\n<tools>' }}{% for tool in tools %}"
+    "{{ '\n' + (tool | tojson) }}{% endfor %}{{ '\n</tools>\nCall a tool as <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call><|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'tool' %}{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                r"\s*[\r\n]+|\s+(?!\S)|\s+")
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -30,9 +44,10 @@ def question(i: int) -> tuple[str, str]:
     return f"Tom has {a} apples and buys {b} more. How many apples does he have?", str(a + b)
 
 
-def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> Path:
+def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0, tools: bool = False) -> Path:
     """A Hugging Face folder at ``path``: tokenizer (with chat template) and a Qwen2 model
-    of ``shape`` (default ``TINY``) with random weights."""
+    of ``shape`` (default ``TINY``) with random weights. ``tools``: the template renders
+    tools and tool answers (``CHATML_TOOLS``), and the tool-call tags are tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -48,9 +63,11 @@ def build_model_folder(path: Path, shape: dict | None = None, seed: int = 0) -> 
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
+    fast.chat_template = CHATML_TOOLS if tools else CHATML
+    if tools:
+        fast.add_tokens(TOOL_TOKENS)
     fast.save_pretrained(path)
-    shape.setdefault("vocab_size", tok.get_vocab_size())
+    shape.setdefault("vocab_size", len(fast))
     shape.setdefault("max_position_embeddings", 2048)
     model = qwen2_from_config(seed, use_cache=True, eos_token_id=tok.token_to_id("<|im_end|>"),
                               pad_token_id=tok.token_to_id("<|endoftext|>"), bos_token_id=None, **shape)
@@ -82,6 +99,27 @@ def build_reward_model_folder(path: Path, policy_folder: Path, shape: dict | Non
     model = Qwen2ForSequenceClassification(config)
     torch.nn.init.normal_(model.score.weight, std=1.0)  # scores that differ between responses
     model.save_pretrained(path, safe_serialization=True)
+    return Path(path)
+
+
+def write_verl_multiturn_parquet(path: Path, count: int = 64) -> Path:
+    """GSM8K-style rows as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes
+    them: a system prompt asking for the calc_gsm8k_reward tool, its tools_kwargs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i in range(count):
+        text, answer = question(i)
+        rows.append({"data_source": "openai/gsm8k", "prompt": [
+            {"role": "system", "content": "You are a math expert. Use the `calc_gsm8k_reward` tool. "
+                                          "Put your final answer in the format of `#### <answer>`."},
+            {"role": "user", "content": f"{text} {INSTRUCTION}"}],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": "train", "index": i, "question": text, "need_tools_kwargs": True,
+                           "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
+                           "interaction_kwargs": {"query": text, "ground_truth": answer}}})
+    pq.write_table(pa.Table.from_pylist(rows), path)
     return Path(path)
 
 

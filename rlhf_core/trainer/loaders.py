@@ -18,7 +18,7 @@ def make_val_loader(cfg: RunConfig):
     rows = load_rows(cfg.data.val_files, cfg.trainer.seed, field="data.val_files", prompt_key=cfg.data.prompt_key,
                      source_key=cfg.data.reward_fn_key)
     return PromptLoader(rows, PromptTokenizer(model_path), len(rows), cfg.data.max_prompt_length, cfg.trainer.seed,
-                        shuffle=False, truncation=cfg.data.truncation, keep_chat=cfg.reward_model.enable)
+                        shuffle=False, truncation=cfg.data.truncation, keep_chat=cfg.reward_model.enable or cfg.rollout.multi_turn.enable)
 
 
 def total_iterations(cfg: RunConfig) -> int:
@@ -43,4 +43,4 @@ def make_loader(cfg: RunConfig, state=None):
                         cfg.prompts_per_generation, cfg.data.max_prompt_length, cfg.trainer.seed,
                         cfg.data.shuffle, cursor=Cursor(**state.cursor) if state is not None else None,
                         truncation=cfg.data.truncation, filter_overlong=cfg.data.filter_overlong_prompts,
-                        keep_chat=cfg.reward_model.enable)
+                        keep_chat=cfg.reward_model.enable or cfg.rollout.multi_turn.enable)

@@ -26,6 +26,7 @@ from rlhf_core.config import RunConfig
 from rlhf_core.data.dataset import Cursor
 from rlhf_core.protocol import DataProto
 from rlhf_core.rollout import engine_class, requests_of, responses_of, sampling_of
+from rlhf_core.rollout.engine import completions_of, prompts_of
 from rlhf_core.rollout.manager import RayReplicaTransport, RolloutManager, replicas_of
 from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
@@ -101,6 +102,7 @@ class PPOTrainer:
             self.rollout_manager = RolloutManager(replicas_of(world, *shape),
                                                   RayReplicaTransport(self.replicas or self.actor))
         self.generation_metrics: dict = {}  # measured by the manager: timing, not data
+        self._agent = None  # (context, loops) of the agent loops, once built
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -240,7 +242,8 @@ class PPOTrainer:
         # (filter_groups' further generation batches: seeds after the earlier ones')
         first = step * 1_000_003 + batch.meta_info.get("generation", 0) * len(batch)
         batch.batch["sample_seed"] = cfg.rollout.seed + first + torch.arange(len(batch))
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
+        prompts = self._with_chat(batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids",
+                                                        "sample_seed"]), batch)
         batch = batch.union(self.generate_sequences(prompts, step))
         if cfg.trainer.balance_batch and cfg.actor.world_size > 1:  # each rank's chunk: about the same tokens
             batch.reorder(modeling.balanced_order(batch.batch["attention_mask"].sum(dim=1).tolist(),
@@ -254,17 +257,79 @@ class PPOTrainer:
         weights generated each row (``step``: every row's, here where the rollout waits for
         the update). ``rollout.mode=sync``: each actor rank its static share, one call;
         ``async``: requests balanced over the replicas by the manager."""
+        if self.config.rollout.multi_turn.enable:  # every row through its agent loop, each turn a request
+            return self._agent_rollout(prompts, step)
         if self.rollout_manager is None:
             return self._take(self.actor.generate_sequences(prompts))
+        completions, versions, pad_id = self._generate_requests(requests_of(prompts), prompts, step)
+        out = responses_of(prompts, completions, self.config.rollout.response_length, pad_id)
+        out.batch["weight_version"] = torch.tensor(versions, dtype=torch.long)
+        return out
+
+    def _generate_requests(self, requests: list, prompts: DataProto, step: int) -> tuple[list, list, int]:
+        """Completions of ``requests`` (sampled as ``prompts`` asks), the weight version of
+        each and the engines' padding id: through the manager (async), or as one batch
+        call of the actor ranks (sync)."""
+        if self.rollout_manager is None:
+            batch = prompts_of(requests, self._pad_id)
+            batch.meta_info = dict(prompts.meta_info)
+            out = self._take(self.actor.generate_sequences(batch))
+            return completions_of(requests, out), out.batch["weight_version"].tolist(), self._pad_id
         if self.replicas is not None and any(v != step for v in self.replicas.held_version()):
             self._send_weights(step)  # a first rollout, or after a restore: the trainer's weights first
         completions, versions, stats = self.rollout_manager.generate(
-            requests_of(prompts), sampling_of(prompts, self.config.rollout), version=step)
-        out = responses_of(prompts, completions, self.config.rollout.response_length, stats.pad_id)
-        out.batch["weight_version"] = torch.tensor(versions, dtype=torch.long)
-        self.generation_metrics.update(stats.metrics())
-        self.worker_time[self.current_stage] = stats.seconds
-        return out
+            requests, sampling_of(prompts, self.config.rollout), version=step)
+        for key, value in stats.metrics().items():  # summed over the calls of a stage (an agent's turns)
+            self.generation_metrics[key] = self.generation_metrics.get(key, 0.0) + value \
+                if key.endswith("/requests") or key == "timing_s/gen" else value
+        self.worker_time[self.current_stage] = self.worker_time.get(self.current_stage, 0.0) + stats.seconds
+        return completions, versions, stats.pad_id
+
+    def _agent_rollout(self, prompts: DataProto, step: int) -> DataProto:
+        """``rollout.multi_turn.enable``: each row's trajectory through its agent loop
+        (rlhf_core/agent/), the turns of the trajectories waiting together sent as one
+        call; with ``prompts.meta_info["replay_tool_calls"]`` the recorded answers are
+        given instead of calling the tools."""
+        from rlhf_core.agent.batch import run_batch
+
+        ctx, loops = self._agents()
+        out, metrics = run_batch(
+            prompts, ctx, loops, self.config.rollout.agent.default_agent_loop,
+            lambda requests: self._generate_requests(requests, prompts, step)[:2], self._pad_id,
+            replaying="agent/tool_calls" in prompts.non_tensor_batch)
+        return self._stage_metrics(out, metrics) if self.current_stage == "rollout" else out
+
+    def _agents(self):
+        """The agent context and loops, built once per controller (tools are built once
+        and make an instance per trajectory)."""
+        if self._agent is None:
+            from rlhf_core.agent.registry import build_loops
+            from rlhf_core.agent.runner import AgentContext
+            from rlhf_core.agent.tool_config import build_tools, load_tool_config
+
+            cfg = self.config
+            tokenizer = modeling.load_tokenizer(modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed,
+                                                                            weights=False))
+            tools = build_tools(load_tool_config(cfg.rollout.multi_turn.tool_config_path)) \
+                if cfg.rollout.multi_turn.tool_config_path else {}
+            eos = tokenizer.eos_token_id
+            ctx = AgentContext(tokenizer, cfg.rollout.multi_turn, cfg.rollout.response_length, tools,
+                               eos_ids=(eos,) if eos is not None else ())
+            self._agent = (ctx, build_loops(cfg.rollout.agent))
+        return self._agent
+
+    @property
+    def _pad_id(self) -> int:
+        return self.loader.tokenizer.pad_token_id or 0
+
+    def _with_chat(self, prompts: DataProto, batch: DataProto) -> DataProto:
+        """The prompt rows' chat, tools' arguments and agent names, which an agent loop
+        reads (multi-turn only; single-turn prompts are their tokens)."""
+        if self.config.rollout.multi_turn.enable:
+            for key in ("raw_chat", "raw_prompt", "extra_info", "agent_name", "agent/tool_calls"):
+                if key in batch.non_tensor_batch:
+                    prompts.non_tensor_batch[key] = batch.non_tensor_batch[key]
+        return prompts
 
     def filter_groups(self, batch: DataProto) -> DataProto:
         """DAPO's dynamic sampling: keep the groups whose filter_groups.metric varies; while
@@ -358,7 +423,8 @@ class PPOTrainer:
         val, step = self.config.rollout.val_kwargs, batch.meta_info["global_step"]
         batch = batch.repeat(val.n, interleave=True)
         batch.batch["sample_seed"] = val.seed + step * 1_000_003 + torch.arange(len(batch))
-        prompts = batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
+        prompts = self._with_chat(batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids",
+                                                        "sample_seed"]), batch)
         prompts.meta_info = {"do_sample": val.do_sample and val.temperature > 0,
                              "sampling": {"temperature": val.temperature, "top_p": val.top_p,
                                           "top_k": val.top_k}}
@@ -511,7 +577,8 @@ class PPOTrainer:
         metrics = out.meta_info.get("metrics") or {}
         spent = metrics.pop("timing_worker_s", None)
         if spent:
-            self.worker_time[self.current_stage] = max(spent) if isinstance(spent, list) else spent
+            spent = max(spent) if isinstance(spent, list) else spent  # summed over a stage's calls (agent turns)
+            self.worker_time[self.current_stage] = self.worker_time.get(self.current_stage, 0.0) + spent
         if not metrics:
             out.meta_info.pop("metrics", None)
         return out

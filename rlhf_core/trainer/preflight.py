@@ -25,6 +25,19 @@ def check_inputs(cfg: RunConfig) -> None:
         make_val_loader(cfg)
     check_rollout_model(cfg)
     check_critic_model(cfg)
+    check_agent(cfg)
+
+
+def check_agent(cfg: RunConfig) -> None:
+    """Agent loops and tools (rlhf_core/agent/): the loop names, the tool and loop config
+    files and every tool class, built once here as the rollout will build them."""
+    from rlhf_core.agent import registry
+    from rlhf_core.agent.tool_config import ToolConfigError
+
+    try:
+        registry.check(cfg)
+    except (registry.AgentConfigError, ToolConfigError) as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def check_loggers(cfg: RunConfig) -> None:

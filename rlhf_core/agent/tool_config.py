@@ -1,0 +1,127 @@
+"""verl's tool-config YAML (``rollout.multi_turn.tool_config_path``)::
+
+    tools:
+      - class_name: verl.tools.gsm8k_tool.Gsm8kTool
+        config: {type: native}
+        tool_schema: {type: function, function: {name: ..., description: ..., parameters: {...}}}
+
+verl's own tool classes map to ours (``VERL_TOOLS``); another class name is imported
+(code the run's owner chose, like a reward function) and must subclass our ``BaseTool``.
+Everything is checked before any worker is placed; an error names the file and the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf_core.agent.tools.base import BaseTool
+
+#: verl's tool classes -> ours (module:class)
+VERL_TOOLS = {
+    "verl.tools.gsm8k_tool.Gsm8kTool": "rlhf_core.agent.tools.gsm8k:Gsm8kTool",
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlhf_core.agent.tools.code_interpreter:CodeInterpreterTool",
+}
+#: verl's tool classes not served here, and why
+NOT_HERE = {
+    "verl.tools.search_tool.SearchTool": "the search tool (retrieval service) is not built here yet",
+    "verl.tools.mcp_search_tool.MCPSearchTool": "MCP tools are not built here",
+    "verl.tools.mcp_base_tool.MCPBaseTool": "MCP tools are not built here",
+    "verl.tools.geo3k_tool.Geo3kTool": "multimodal tools are not built here",
+    "verl.tools.image_zoom_in_tool.ImageZoomInTool": "multimodal tools are not built here",
+}
+#: the most bytes a tool config may have
+MAX_BYTES = 1 << 20
+
+
+class ToolConfigError(ValueError):
+    """One line: the file, the entry, what was expected and what was found."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    class_name: str      # as the file names it
+    target: str          # module:class built
+    config: dict
+    schema: dict
+    source: str = ""     # the file and entry, for errors
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+def _target(class_name: str, where: str) -> str:
+    if class_name in NOT_HERE:
+        raise ToolConfigError(f"{where}.class_name: {class_name} is refused: {NOT_HERE[class_name]}")
+    if class_name in VERL_TOOLS:
+        return VERL_TOOLS[class_name]
+    if ":" in class_name:
+        return class_name
+    module, _, name = class_name.rpartition(".")
+    if not module:
+        raise ToolConfigError(f"{where}.class_name: expected a dotted class path (module.Class); found {class_name!r}")
+    return f"{module}:{name}"
+
+
+def load_tool_config(path: str) -> list[ToolSpec]:
+    import yaml
+
+    file = Path(path)
+    where = f"rollout.multi_turn.tool_config_path={path}"
+    if not file.is_file():
+        raise ToolConfigError(f"{where}: expected a YAML file; found none there")
+    if file.stat().st_size > MAX_BYTES:
+        raise ToolConfigError(f"{where}: expected at most {MAX_BYTES} bytes; found {file.stat().st_size}")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as exc:
+        raise ToolConfigError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
+        raise ToolConfigError(f"{where}: expected a mapping with a 'tools' list; found {type(data).__name__}")
+    specs, names = [], set()
+    for i, entry in enumerate(data["tools"]):
+        at = f"{where}: tools[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str):
+            raise ToolConfigError(f"{at}: expected a mapping with class_name; found {entry!r}"[:300])
+        schema = entry.get("tool_schema")
+        function = schema.get("function") if isinstance(schema, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ToolConfigError(f"{at}.tool_schema: expected {{type: function, function: {{name: ...}}}}; "
+                                  f"found {schema!r}"[:300])
+        if function["name"] in names:
+            raise ToolConfigError(f"{at}.tool_schema.function.name: {function['name']!r} is named twice")
+        names.add(function["name"])
+        config = entry.get("config") or {}
+        if not isinstance(config, dict):
+            raise ToolConfigError(f"{at}.config: expected a mapping; found {type(config).__name__}")
+        specs.append(ToolSpec(entry["class_name"], _target(entry["class_name"], at), config, schema, at))
+    return specs
+
+
+def tool_class(spec: ToolSpec):
+    module_name, _, class_name = spec.target.partition(":")
+    where = spec.source or "rollout.multi_turn.tool_config_path"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ToolConfigError(f"{where}.class_name: tool {spec.name!r}: {spec.class_name}: cannot import "
+                              f"{module_name}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type) or not issubclass(cls, BaseTool):
+        raise ToolConfigError(f"{where}.class_name: tool {spec.name!r}: {spec.class_name}: expected a subclass of "
+                              f"rlhf_core.agent.tools.base.BaseTool (a verl tool's import of verl's BaseTool "
+                              f"changed to ours); found {cls!r}")
+    return cls
+
+
+def build_tools(specs: list[ToolSpec]) -> dict[str, BaseTool]:
+    """Each tool once per process (instances are per trajectory, through ``create``)."""
+    return {spec.name: tool_class(spec)(dict(spec.config), spec.schema) for spec in specs}
+
+
+def file_digest(path: str) -> str:
+    """The tool or interaction config by content (the manifest and lineage name it so)."""
+    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()

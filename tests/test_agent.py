@@ -1,0 +1,311 @@
+"""Agent loops (rlhf_core/agent/): hermes tool calls, the tool agent against a stand-in
+rollout that answers scripted text, the loss over generated tokens only, the record and
+its replay without tools, verl's tool configs, and the local code sandbox."""
+
+import asyncio
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_core.agent import sandbox
+from rlhf_core.agent.batch import batch_of, rows_of
+from rlhf_core.agent.loops.tool_agent import ToolAgentLoop
+from rlhf_core.agent.registry import BUILT_IN, loop_modules
+from rlhf_core.agent.runner import AgentContext, AgentRow, ReplayMismatch, run_trajectories
+from rlhf_core.agent.tool_calls import parse_hermes
+from rlhf_core.agent.tool_config import ToolConfigError, build_tools, load_tool_config
+from rlhf_core.agent.tools.base import BaseTool, ToolResponse
+from rlhf_core.config import MultiTurnConfig
+from rlhf_core.rollout.engine import Completion
+
+CALC = {"type": "function", "function": {"name": "calc", "description": "arithmetic", "parameters": {
+    "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.testing.model_folders import build_model_folder
+
+    return AutoTokenizer.from_pretrained(build_model_folder(tmp_path_factory.mktemp("tool-model"), tools=True))
+
+
+def test_hermes_calls_are_parsed_and_malformed_ones_carry_their_error():
+    calls = parse_hermes('think <tool_call>{"name": "calc", "arguments": {"expression": "2*3"}}</tool_call> and '
+                         '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
+                         '<tool_call>{not json}</tool_call><tool_call>["calc"]</tool_call>'
+                         '<tool_call>{"name": "calc", "arguments": 3}</tool_call>')
+    assert [(c.name, c.arguments, c.error is None) for c in calls[:2]] == [
+        ("calc", {"expression": "2*3"}, True), ("calc", {"expression": "1"}, True)]
+    assert "not JSON" in calls[2].error and "name" in calls[3].error and "JSON object" in calls[4].error
+    assert parse_hermes("no calls here") == []
+
+
+class Calculator(BaseTool):
+    calls = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        type(self).calls += 1
+        from rlhf_core.agent.tools.calculator import evaluate
+
+        return ToolResponse(text=str(evaluate(parameters["expression"]))), 0.5, {}
+
+
+class Hang(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        await asyncio.Event().wait()
+
+
+class Scripted:
+    """A stand-in rollout: the text each (row, turn) answers, tokenized; log-prob -0.5 per
+    token; every request of a round recorded."""
+
+    def __init__(self, tokenizer, script: dict) -> None:
+        self.tokenizer, self.script, self.rounds = tokenizer, script, []
+
+    def __call__(self, requests):
+        self.rounds.append([r.request_id for r in requests])
+        out = []
+        for r in requests:
+            row, turn = r.request_id.split("-t")
+            tokens = self.tokenizer.encode(self.script[(int(row), int(turn))], add_special_tokens=False)
+            tokens = (tokens + [self.tokenizer.eos_token_id])[:r.max_tokens]
+            out.append(Completion(r.request_id, tokens, [-0.5] * len(tokens)))
+        return out, [3] * len(out)
+
+
+def _ctx(tokenizer, tools, response_length=800, **settings):
+    multi = MultiTurnConfig(enable=True, **{"max_parallel_calls": 2, **settings})
+    return AgentContext(tokenizer, multi, response_length, tools, eos_ids=(tokenizer.eos_token_id,),
+                        tool_timeout_s=1.0)
+
+
+def _row(i, seed=11, recorded=None):
+    return AgentRow(i, [], [{"role": "user", "content": f"q{i}"}], seed, "tool_agent", {}, recorded)
+
+
+def _call(expression, name="calc"):
+    return f'<tool_call>{{"name": "{name}", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+SCRIPT = {(0, 0): "Let me compute " + _call("12*34") + _call("2+2") + _call("9-1"),  # a third call: skipped
+          (0, 1): "so 408 " + _call("1/0"),
+          (0, 2): "#### 408",
+          (1, 0): "#### 7",                                                          # no tool at all
+          (2, 0): _call("1", name="nope") + '<tool_call>{"bad json</tool_call>' ,   # unknown tool, bad JSON
+          (2, 1): _call("1", name="slow"),
+          (2, 2): "done"}
+
+
+def test_the_tool_agent_runs_calls_side_by_side_and_keeps_tool_tokens_out_of_the_loss(tokenizer):
+    Calculator.calls = 0
+    tools = {"calc": Calculator({}, CALC), "slow": Hang({}, {**CALC, "function": {**CALC["function"], "name": "slow"}})}
+    ctx = _ctx(tokenizer, tools)
+    engine = Scripted(tokenizer, SCRIPT)
+    loops = {"tool_agent": ToolAgentLoop()}
+    trajectories, stats = run_trajectories([_row(0), _row(1), _row(2)], loops, ctx, engine)
+    first, plain, broken = trajectories
+    # turns waiting together went as one call, in row order; rows leave as they finish
+    assert engine.rounds == [["0-t0", "1-t0", "2-t0"], ["0-t1", "2-t1"], ["0-t2", "2-t2"]]
+    assert [t["role"] for t in first.turns] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    answers = [c["answer"] for c in first.tool_calls]
+    assert answers[:2] == ["408", "4"] and first.tool_calls[2]["status"] == "skipped"
+    assert first.tool_calls[3]["status"] == "error" and "Error when executing tool: division by zero" in answers[3]
+    assert Calculator.calls == 3 and first.tool_rewards == [0.5, 0.5, 0.0]
+    # the mask: 1 exactly on what the model generated; the tool answers' tokens 0
+    for turn in first.turns:
+        span = first.response_mask[turn["start"]:turn["end"]]
+        assert span == [int(turn["role"] == "assistant")] * len(span)
+    assert 0 < first.generated_tokens < len(first.response_ids)
+    assert tokenizer.decode(first.response_ids[first.turns[1]["start"]:first.turns[1]["end"]]).count(
+        "<tool_response>") == 2
+    assert plain.turns == [plain.turns[0]] and plain.tool_calls == [] and plain.response_mask == [1] * len(
+        plain.response_ids)
+    statuses = [(c["name"], c["status"]) for c in broken.tool_calls]
+    assert statuses == [("nope", "error"), ("", "error"), ("slow", "timeout")]
+    assert "no tool named 'nope'" in broken.tool_calls[0]["answer"] and "not JSON" in broken.tool_calls[1]["answer"]
+    assert stats == {"rounds": 3, "requests": 7}
+
+
+def test_a_trajectory_replays_from_its_record_without_calling_a_tool(tokenizer):
+    tools = {"calc": Calculator({}, CALC), "slow": Hang({}, {**CALC, "function": {**CALC["function"], "name": "slow"}})}
+    loops = {"tool_agent": ToolAgentLoop()}
+    original, _ = run_trajectories([_row(0), _row(2)], loops, _ctx(tokenizer, tools), Scripted(tokenizer, SCRIPT))
+    Calculator.calls = 0
+    replayed, _ = run_trajectories([_row(0, recorded=original[0].tool_calls), _row(2, recorded=original[1].tool_calls)],
+                                   loops, _ctx(tokenizer, {}), Scripted(tokenizer, SCRIPT))
+    assert Calculator.calls == 0  # no tool was built or called: the recorded answers were given
+    for a, b in zip(original, replayed):
+        assert (a.response_ids, a.response_mask, a.tool_calls) == (b.response_ids, b.response_mask, b.tool_calls)
+    other = {**SCRIPT, (0, 0): "Let me compute " + _call("12*35")}
+    with pytest.raises(ReplayMismatch, match="turn 0"):
+        run_trajectories([_row(0, recorded=original[0].tool_calls)], loops, _ctx(tokenizer, {}),
+                         Scripted(tokenizer, other))
+
+
+def test_limits_cut_answers_turns_and_the_response_length(tokenizer):
+    tools = {"calc": Calculator({}, CALC)}
+    loops = {"tool_agent": ToolAgentLoop()}
+    long = {(0, 0): _call("7**60"), (0, 1): _call("1"), (0, 2): "end"}
+    [t], _ = run_trajectories([_row(0)], loops, _ctx(tokenizer, tools, max_tool_response_length=10,
+                                                      tool_response_truncate_side="left"), Scripted(tokenizer, long))
+    assert t.tool_calls[0]["truncated"] and t.tool_calls[0]["answer"] == str(7 ** 60)[:10] + "...(truncated)"
+    [t], _ = run_trajectories([_row(0)], loops, _ctx(tokenizer, tools, max_assistant_turns=2),
+                              Scripted(tokenizer, long))
+    assert t.assistant_turns == 2 and [x["role"] for x in t.turns] == ["assistant", "tool", "assistant"]
+    [t], _ = run_trajectories([_row(0)], loops, _ctx(tokenizer, tools, response_length=60), Scripted(tokenizer, long))
+    assert t.cut and len(t.response_ids) <= 60 and t.assistant_turns == 1
+
+
+def test_the_loss_over_a_trajectory_with_two_tool_answers_counts_generated_tokens_only(tokenizer):
+    """The batch's response_mask, fed to the policy loss, gives what a hand computation
+    over the generated tokens alone gives (and not what counting every token gives)."""
+    from rlhf_core.algorithms.core import compute_policy_loss
+
+    tools = {"calc": Calculator({}, CALC)}
+    script = {(0, 0): _call("2*3"), (0, 1): _call("4*5"), (0, 2): "#### 26"}
+    [t], _ = run_trajectories([_row(0)], {"tool_agent": ToolAgentLoop()}, _ctx(tokenizer, tools),
+                              Scripted(tokenizer, script))
+    assert [x["role"] for x in t.turns].count("tool") == 2
+    prompts = SimpleNamespace(batch={"input_ids": torch.zeros(1, 400, dtype=torch.long)})
+    out = batch_of(prompts, [t], response_length=800, pad_id=0)
+    mask = out.batch["response_mask"].float()
+    torch.manual_seed(0)
+    old = out.batch["rollout_log_probs"]
+    new = old + 0.1 * torch.randn_like(old)
+    advantages = torch.full_like(old, 1.5)
+    loss = compute_policy_loss(old, new, advantages, mask)["pg_loss"]
+    ratio = torch.exp(new - old)
+    per_token = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
+    generated = [i for i, m in enumerate(t.response_mask) if m]
+    expected = sum(per_token[0, i] for i in generated) / len(generated)
+    assert torch.allclose(loss, expected)
+    everything = per_token[0, :len(t.response_ids)].mean()
+    assert not torch.allclose(loss, everything)
+    assert out.batch["attention_mask"][0, 400:].sum() == len(t.response_ids)  # tool tokens are attended to
+
+
+def test_rows_take_verls_multiturn_layout():
+    from rlhf_core.protocol import DataProto, object_column
+
+    prompts = DataProto.from_dict(
+        {"input_ids": torch.tensor([[0, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1]]),
+         "sample_seed": torch.tensor([9])},
+        {"raw_chat": object_column([[{"role": "user", "content": "hi"}]]), "raw_prompt": object_column(["hi"]),
+         "extra_info": object_column([{"tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "4"}}}}]),
+         "agent_name": object_column([""])})
+    [row] = rows_of(prompts, "tool_agent")
+    assert (row.prompt_ids, row.messages, row.seed, row.agent_name) == ([5, 6], [{"role": "user", "content": "hi"}],
+                                                                        9, "tool_agent")
+    assert row.tools_kwargs["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] == "4"
+
+
+# ---------------------------------------------------------------- verl's tool configs
+
+def test_verls_gsm8k_tool_config_maps_to_ours_and_scores(tmp_path):
+    path = tmp_path / "gsm8k_tool_config.yaml"
+    path.write_text("""tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k."
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer"
+          required: ["answer"]
+""")
+    [spec] = load_tool_config(str(path))
+    tool = build_tools([spec])["calc_gsm8k_reward"]
+
+    async def use():
+        instance, _ = await tool.create(create_kwargs={"ground_truth": "42"})
+        wrong = await tool.execute(instance, {"answer": "41"})
+        right = await tool.execute(instance, {"answer": "42"})
+        return wrong, right, await tool.calc_reward(instance)
+
+    wrong, right, reward = asyncio.run(use())
+    assert (wrong[1], right[1], reward) == (-0.05, 0.0, 1.0) and "reward=1.0" in right[0].text
+
+
+@pytest.mark.parametrize("text,word", [
+    ("tools: [", "not YAML"),
+    ("tools: {}", "'tools' list"),
+    ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    tool_schema: {function: {name: s}}", "refused"),
+    ("tools:\n  - class_name: no.such.Tool\n    tool_schema: {function: {name: s}}", "cannot import"),
+    ("tools:\n  - class_name: json.JSONDecoder\n    tool_schema: {function: {name: s}}", "subclass"),
+    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    tool_schema: {type: function}", "tool_schema"),
+])
+def test_a_bad_tool_config_is_refused_in_one_line_naming_the_file_and_entry(tmp_path, text, word):
+    path = tmp_path / "tools.yaml"
+    path.write_text(text)
+    with pytest.raises(ToolConfigError) as caught:
+        build_tools(load_tool_config(str(path)))
+    message = str(caught.value)
+    assert word in message and str(path) in message and "\n" not in message
+
+
+def test_the_built_in_loops_are_one_module_each():
+    assert set(BUILT_IN) <= set(loop_modules())
+
+
+# ---------------------------------------------------------------- the local sandbox
+
+LIMITS = sandbox.Limits(wall_s=20, cpu_s=2, memory_mb=256, processes=8)
+
+
+def _run(code):
+    result = sandbox.run_python(code, "", LIMITS)
+    if result.status == "unavailable":
+        pytest.fail(f"the sandbox should run on this machine: {result.stderr}")
+    return result
+
+
+def test_the_sandbox_runs_code_and_answers_its_output():
+    result = sandbox.run_python("print(input()[::-1])", "abc\n", LIMITS)
+    assert (result.status, result.stdout) == ("ok", "cba\n")
+
+
+@pytest.mark.parametrize("case,code,expect", [
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
+    ("memory hog", "x = bytearray(1 << 31)", "MemoryError"),
+    ("network", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)", "unreachable"),
+    ("write outside", "open('/etc/rlhf-sandbox-test', 'w')", "ermission denied"),
+])
+def test_the_sandbox_stops_what_model_written_code_must_not_do(case, code, expect):
+    result = _run(code)
+    assert result.status == "error" and expect in result.stderr, (case, result)
+
+
+def test_the_sandbox_cuts_an_endless_loop():
+    result = _run("while True: pass")
+    assert result.status == "killed"
+
+
+def test_the_sandbox_sees_no_credentials_and_no_host_temp_files(tmp_path, monkeypatch):
+    secret = tmp_path / "credentials"
+    secret.write_text("AKIA-secret")
+    secret.chmod(0o600)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "AKIA-secret")
+    result = _run(f"import os\nprint(sorted(os.environ))\nprint(os.listdir('/tmp'))\nopen({str(secret)!r}).read()")
+    environment, temp = result.stdout.splitlines()[:2]
+    assert "AWS_SECRET_ACCESS_KEY" not in environment and temp == "['work']"
+    assert result.status == "error" and ("ermission denied" in result.stderr or "No such file" in result.stderr)
+
+
+def test_the_code_interpreter_tool_answers_from_the_sandbox():
+    from rlhf_core.agent.tools.code_interpreter import CodeInterpreterTool
+
+    tool = CodeInterpreterTool({}, {"type": "function", "function": {"name": "code_interpreter"}})
+    response, _, metrics = asyncio.run(tool.execute("i", {"code": "print(6 * 7)"}))
+    assert response.text == "42\n" and metrics["status"] == "ok"
