@@ -309,3 +309,117 @@ def test_the_code_interpreter_tool_answers_from_the_sandbox():
     tool = CodeInterpreterTool({}, {"type": "function", "function": {"name": "code_interpreter"}})
     response, _, metrics = asyncio.run(tool.execute("i", {"code": "print(6 * 7)"}))
     assert response.text == "42\n" and metrics["status"] == "ok"
+
+
+# ---------------------------------------------------------------- verl's multi-turn script, end to end
+
+#: examples/sglang_multiturn/config/gsm8k_multiturn_grpo.yaml's own keys, then
+#: run_qwen2.5-3b_gsm8k_multiturn_vllm_fsdp.sh's arguments (verl b178a3c), as written
+GSM8K_MULTITURN_GRPO_YAML = [
+    "data.max_prompt_length=1024", "data.max_response_length=1024", "data.train_batch_size=256",
+    "data.return_raw_chat=True", "actor_rollout_ref.hybrid_engine=True", "actor_rollout_ref.rollout.name=sglang",
+    "actor_rollout_ref.rollout.multi_turn.enable=True", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5"]
+MULTITURN_VLLM_FSDP = [
+    "actor_rollout_ref.rollout.name=vllm", "algorithm.adv_estimator=grpo", "data.train_batch_size=32",
+    "data.max_prompt_length=1024", "data.max_response_length=1024", "data.filter_overlong_prompts=True",
+    "data.truncation=error", "data.return_raw_chat=True", "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.9", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.project_name=gsm8k_async_rl",
+    "trainer.experiment_name=qwen2.5-3b_function_rm-gsm8k-sgl-multi-w-tool-verify-n16",
+    "trainer.n_gpus_per_node=16", "trainer.nnodes=1", "trainer.save_freq=-1", "trainer.test_freq=20",
+    "trainer.logger=['console']", "data.train_files=$HOME/data/gsm8k/train.parquet",
+    "data.val_files=$HOME/data/gsm8k/test.parquet", "trainer.total_epochs=15",
+    "actor_rollout_ref.rollout.trace.token2text=False", "actor_rollout_ref.rollout.mode=async",
+    "actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.enforce_eager=True",
+    "actor_rollout_ref.actor.use_torch_compile=False",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path=$PROJECT_DIR/examples/sglang_multiturn/config/"
+    "tool_config/gsm8k_tool_config.yaml",
+    "actor_rollout_ref.rollout.free_cache_engine=True"]
+GSM8K_TOOL_CONFIG = """tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+"""
+
+
+def test_verls_multiturn_script_scaled_down_calls_tools_trains_on_its_own_tokens_and_replays(
+        tmp_path, ray_local, monkeypatch):
+    """The script's keys, every one (its Hydra config's too), scaled to a tiny model on CPU
+    (rollout.name=hf, one rank): the model, warm-started to call the gsm8k tool, calls it;
+    the tool's answers are in the rollout snapshot and out of the loss; every stage of the
+    iteration, the rollout and validation included, replays exactly with the tool unable
+    to answer (the recorded answers are given)."""
+    import yaml
+
+    from rlhf_core.agent.tools.gsm8k import Gsm8kTool
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.testing.model_folders import build_model_folder, teach, write_verl_multiturn_parquet
+    from rlhf_core.trainer.replay import replay
+
+    tool_config = tmp_path / "gsm8k_tool_config.yaml"
+    tool_config.write_text(GSM8K_TOOL_CONFIG)
+    data = write_verl_multiturn_parquet(tmp_path / "train.parquet", count=4)
+    test = write_verl_multiturn_parquet(tmp_path / "test.parquet", count=2)
+    import pyarrow.parquet as pq
+
+    chats = [row["prompt"] for row in pq.read_table(data).to_pylist()]
+    schema = [yaml.safe_load(GSM8K_TOOL_CONFIG)["tools"][0]["tool_schema"]]
+    model = teach(build_model_folder(tmp_path / "model", tools=True), chats,
+                  '<tool_call>{"name": "calc_gsm8k_reward", "arguments": {"answer": "14"}}</tool_call>', schema,
+                  steps=200, lr=5e-3)
+    scaled = {"data.train_files": str(data), "data.val_files": str(test), "actor_rollout_ref.model.path": str(model),
+              "actor_rollout_ref.rollout.multi_turn.tool_config_path": str(tool_config),
+              "actor_rollout_ref.rollout.name": "hf", "data.train_batch_size": "2", "data.max_prompt_length": "640",
+              "data.max_response_length": "160", "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
+              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "4",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size": "1", "actor_rollout_ref.rollout.n": "2",
+              "trainer.total_epochs": "1", "trainer.logger": "['console']",
+              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "3"}
+    argv = []
+    for item in GSM8K_MULTITURN_GRPO_YAML + MULTITURN_VLLM_FSDP:
+        key = item.split("=", 1)[0]
+        if key in ("trainer.n_gpus_per_node",):
+            continue
+        argv.append(f"{key}={scaled[key]}" if key in scaled else item)
+    out = tmp_path / "out"
+    store = tmp_path / "store"
+    assert main(["run", "--direct", "--run-id", "mt", "--store", f"file://{store}", *argv,
+                 f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    rows = [json.loads(line) for line in (out / "mt" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["num_turns/mean"] > 1 and rows[0]["agent/tool_calls/mean"] > 0
+    rollout = IterationStore(RunRef(f"file://{store}", "mt")).load(1, "rollout")
+    calls = [json.loads(c) for c in rollout.non_tensor_batch["agent/tool_calls"]]
+    assert any(c and c[0]["name"] == "calc_gsm8k_reward" and c[0]["status"] == "ok" for c in calls)
+    attended = rollout.batch["attention_mask"][:, -160:]
+    inserted = attended.bool() & ~rollout.batch["response_mask"].bool()
+    assert inserted.any()  # tool answers: attended to, not trained on
+    assert (rollout.batch["rollout_log_probs"][inserted] == 0).all()
+
+    async def unreachable(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("the tool was called again")
+
+    monkeypatch.setattr(Gsm8kTool, "execute", unreachable)
+    results = [r for n in (0, 1) for r in replay(f"file://{store}/mt/iter-{n:06d}", log=lambda *a: None)]
+    assert {r.stage for r in results} >= {"rollout", "validate", "reward", "update_actor"}
+    assert all(r.ok for r in results), [(r.stage, [d for d in r.diffs if not d.equal]) for r in results if not r.ok]

@@ -79,6 +79,7 @@ def batch_of(prompts: DataProto, trajectories: list[Trajectory], response_length
         "agent/num_turns": object_column([t.assistant_turns + t.user_turns + 1 for t in trajectories]),
         "agent/tool_reward": object_column([float(sum(t.tool_rewards)) for t in trajectories]),
         "agent/cut": object_column([bool(t.cut) for t in trajectories]),
+        "agent/seed": object_column([int(t.seed) for t in trajectories]),  # what a replay finds its record by
     })
     return out
 

@@ -68,6 +68,17 @@ def build_loops(agent_cfg) -> dict:
     return built
 
 
+def default_loop(cfg) -> str:
+    """The loop of a row without an ``agent_name``: ``rollout.agent.default_agent_loop``,
+    except that a run with tools configured and the default left at ``single_turn_agent``
+    runs ``tool_agent`` (verl would run its rows single-turn, never calling the tools it
+    was given: our choice, written in docs/agents.md)."""
+    chosen = cfg.rollout.agent.default_agent_loop
+    if chosen == "single_turn_agent" and cfg.rollout.multi_turn.tool_config_path:
+        return "tool_agent"
+    return chosen
+
+
 def check(cfg) -> None:
     """The agent settings a run cannot use, before anything is placed."""
     from rlhf_core.agent.tool_config import build_tools, load_tool_config

@@ -136,3 +136,31 @@ def write_verl_parquet(path: Path, count: int = 64) -> Path:
                      "extra_info": {"split": "train", "index": i, "question": text}})
     pq.write_table(pa.Table.from_pylist(rows), path)
     return Path(path)
+
+
+def teach(folder: Path, prompts: list[list[dict]], answer: str, tools: list[dict] | None = None, steps: int = 80,
+          lr: float = 3e-3, seed: int = 0) -> Path:
+    """Supervise the model at ``folder`` to answer ``answer`` (then its end token) after
+    each chat of ``prompts`` rendered with ``tools``: a warm start that knows a format,
+    e.g. a tool call, so that tests see one happen. Saved in place."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    target = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    rows = [tokenizer.encode(tokenizer.apply_chat_template(p, tools=tools, add_generation_prompt=True, tokenize=False),
+                             add_special_tokens=False) for p in prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for step in range(steps):
+        prompt = rows[step % len(rows)]
+        ids = torch.tensor([prompt + target])
+        logits = model(ids).logits[0, len(prompt) - 1:-1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.tensor(target))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder, safe_serialization=True)
+    return Path(folder)

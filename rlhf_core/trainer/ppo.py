@@ -291,10 +291,11 @@ class PPOTrainer:
         call; with ``prompts.meta_info["replay_tool_calls"]`` the recorded answers are
         given instead of calling the tools."""
         from rlhf_core.agent.batch import run_batch
+        from rlhf_core.agent.registry import default_loop
 
         ctx, loops = self._agents()
         out, metrics = run_batch(
-            prompts, ctx, loops, self.config.rollout.agent.default_agent_loop,
+            prompts, ctx, loops, default_loop(self.config),
             lambda requests: self._generate_requests(requests, prompts, step)[:2], self._pad_id,
             replaying="agent/tool_calls" in prompts.non_tensor_batch)
         return self._stage_metrics(out, metrics) if self.current_stage == "rollout" else out
@@ -324,11 +325,17 @@ class PPOTrainer:
 
     def _with_chat(self, prompts: DataProto, batch: DataProto) -> DataProto:
         """The prompt rows' chat, tools' arguments and agent names, which an agent loop
-        reads (multi-turn only; single-turn prompts are their tokens)."""
+        reads (multi-turn only; single-turn prompts are their tokens). In a replay
+        (``meta_info["recorded_tool_calls"]``: sample seed -> the row's recorded calls), the
+        calls each row recorded: their answers are given again, no tool is called."""
         if self.config.rollout.multi_turn.enable:
-            for key in ("raw_chat", "raw_prompt", "extra_info", "agent_name", "agent/tool_calls"):
+            for key in ("raw_chat", "raw_prompt", "extra_info", "agent_name"):
                 if key in batch.non_tensor_batch:
                     prompts.non_tensor_batch[key] = batch.non_tensor_batch[key]
+            recorded = batch.meta_info.pop("recorded_tool_calls", None)
+            if recorded is not None:
+                prompts.non_tensor_batch["agent/tool_calls"] = np.array(
+                    [recorded[int(seed)] for seed in prompts.batch["sample_seed"].tolist()], dtype=object)
         return prompts
 
     def filter_groups(self, batch: DataProto) -> DataProto:

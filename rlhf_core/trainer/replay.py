@@ -280,14 +280,20 @@ def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], w
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
     from rlhf_core.trainer import stages as stage_table
 
-    if stage_table.BY_NAME[stage].side:  # its own input, never the iteration's batch
-        return trainer.side_input(n, stage)
-    index = plan.index(stage)
-    if index == 0:  # rollout: the prompts the parent's data cursor yields
+    side = stage_table.BY_NAME[stage].side
+    if side:  # its own input, never the iteration's batch
+        batch = trainer.side_input(n, stage)
+    elif plan.index(stage) == 0:  # rollout: the prompts the parent's data cursor yields
         batch = trainer.loader.next_batch()
         batch.meta_info.update(global_step=n, temperature=trainer.config.rollout.temperature)
-        return batch
-    return istore.load(n, plan[index - 1])
+    else:
+        return istore.load(n, plan[plan.index(stage) - 1])
+    if trainer.config.rollout.multi_turn.enable:  # the tools' answers as recorded: no tool is called again
+        nt = istore.load(n, stage, standalone=side).non_tensor_batch
+        if "agent/seed" in nt:
+            batch.meta_info["recorded_tool_calls"] = dict(zip((int(s) for s in nt["agent/seed"].tolist()),
+                                                              nt["agent/tool_calls"].tolist()))
+    return batch
 
 
 def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage) -> dict:
