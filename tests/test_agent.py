@@ -416,6 +416,12 @@ def test_verls_multiturn_script_scaled_down_calls_tools_trains_on_its_own_tokens
     assert inserted.any()  # tool answers: attended to, not trained on
     assert (rollout.batch["rollout_log_probs"][inserted] == 0).all()
 
+    manifest = IterationStore(RunRef(f"file://{store}", "mt")).read_manifest(1)
+    assert manifest["tools"]["classes"]["calc_gsm8k_reward"] == {
+        "class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "built": "rlhf_core.agent.tools.gsm8k:Gsm8kTool"}
+    import hashlib
+    assert manifest["tools"]["sha256"] == hashlib.sha256(tool_config.read_bytes()).hexdigest()
+
     async def unreachable(self, instance_id, parameters, **kwargs):
         raise RuntimeError("the tool was called again")
 

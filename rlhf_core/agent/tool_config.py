@@ -125,3 +125,11 @@ def build_tools(specs: list[ToolSpec]) -> dict[str, BaseTool]:
 def file_digest(path: str) -> str:
     """The tool or interaction config by content (the manifest and lineage name it so)."""
     return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def tools_identity(path: str) -> dict:
+    """What the manifest says of the tools that answered: the config file by content hash
+    and each tool's class as the file names it and as built here."""
+    return {"config": str(path), "sha256": file_digest(path).split(":", 1)[1],
+            "classes": {spec.name: {"class_name": spec.class_name, "built": spec.target}
+                        for spec in load_tool_config(path)}}

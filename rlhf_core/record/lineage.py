@@ -59,7 +59,8 @@ def chain(uri: str) -> list[dict]:
                     "global_step": m["global_step"], "kl_coef": m["kl_coef"],
                     "reward": m["metrics"].get("critic/score/mean"), "metrics": m["metrics"],
                     "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n),
-                    "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None})
+                    "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None,
+                    "tools": dict(m["tools"]) if m.get("tools") is not None else None})
         parent = m["parent_iteration"]
         if parent is not None and (not isinstance(parent, int) or parent >= n):
             raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "

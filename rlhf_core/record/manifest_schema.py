@@ -60,6 +60,8 @@ _TYPES = {
     "lease": (lambda v: isinstance(v, dict), "an object"),
     # what scored the responses, when a reward model did: its configured path, its content hash
     "reward_model": (lambda v: isinstance(v, dict), "an object"),
+    # the tools that answered an agent rollout: their config file by content hash, each class
+    "tools": (lambda v: isinstance(v, dict), "an object"),
     "reward_model.trained_from": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
                                   "an object of strings"),
 }
