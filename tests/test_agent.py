@@ -425,7 +425,28 @@ def test_verls_multiturn_script_scaled_down_calls_tools_trains_on_its_own_tokens
     async def unreachable(self, instance_id, parameters, **kwargs):
         raise RuntimeError("the tool was called again")
 
+    def unbuilt(self, *args, **kwargs):
+        raise RuntimeError("a tool was built in a replay")
+
     monkeypatch.setattr(Gsm8kTool, "execute", unreachable)
+    monkeypatch.setattr(Gsm8kTool, "__init__", unbuilt)
     results = [r for n in (0, 1) for r in replay(f"file://{store}/mt/iter-{n:06d}", log=lambda *a: None)]
     assert {r.stage for r in results} >= {"rollout", "validate", "reward", "update_actor"}
     assert all(r.ok for r in results), [(r.stage, [d for d in r.diffs if not d.equal]) for r in results if not r.ok]
+    from rlhf_core.trainer.replay import ReplayError
+
+    tool_config.write_text(GSM8K_TOOL_CONFIG.replace("must be a digits", "digits"))  # other schemas, other prompts
+    with pytest.raises(ReplayError, match="tool_config_path: expected the tool config the iteration was generated"):
+        replay(f"file://{store}/mt/iter-000001", stages=["rollout"], log=lambda *a: None)
+
+
+def test_a_replay_imports_no_agent_loop_the_stored_config_chose(tmp_path):
+    from rlhf_core.config import apply_overrides, RunConfig
+    from rlhf_core.trainer.replay import ReplayError, check_reward_function
+
+    cfg = apply_overrides(RunConfig(), ["rollout.multi_turn.enable=true",
+                                        f"rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"])
+    with pytest.raises(ReplayError, match="agent_loop_config_path.*--trust-reward-function"):
+        check_reward_function(cfg, [], trusted=False)
+    check_reward_function(cfg, [], trusted=True)
+    check_reward_function(cfg, [f"rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"], trusted=False)

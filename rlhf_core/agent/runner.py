@@ -46,14 +46,25 @@ class AgentContext:
     tokenizer: object
     settings: object              # rollout.multi_turn
     response_length: int
-    tools: dict[str, BaseTool]
+    #: the tools by name, or a function building them when first called (a replay, which
+    #: gives recorded answers, builds none: no tool class is imported)
+    tools: dict[str, BaseTool] | Callable[[], dict[str, BaseTool]]
     eos_ids: tuple[int, ...] = ()
     generate: Callable = None     # set by run_trajectories
     tool_timeout_s: float = TOOL_TIMEOUT_S
+    #: the schemas rendered into the prompt (default: the built tools')
+    schemas: list[dict] | None = None
 
     @property
     def tool_schemas(self) -> list[dict]:
-        return [tool.tool_schema for tool in self.tools.values()]
+        if self.schemas is not None:
+            return self.schemas
+        return [tool.tool_schema for tool in self.built_tools().values()]
+
+    def built_tools(self) -> dict[str, BaseTool]:
+        if callable(self.tools):
+            self.tools = self.tools()
+        return self.tools
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
@@ -85,7 +96,7 @@ class AgentContext:
         reward = 0.0
         if call.error is not None:
             status, text = "error", f"Error: {call.error}"
-        elif call.name not in self.tools:
+        elif call.name not in self.built_tools():
             status, text = "error", f"Error: no tool named {call.name!r}; the tools are {sorted(self.tools)}"
         elif (problem := argument_error(self.tools[call.name].tool_schema, call.arguments)) is not None:
             status, text = "error", f"Error: {call.name}: {problem}"

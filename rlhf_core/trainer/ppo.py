@@ -311,11 +311,12 @@ class PPOTrainer:
             cfg = self.config
             tokenizer = modeling.load_tokenizer(modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed,
                                                                             weights=False))
-            tools = build_tools(load_tool_config(cfg.rollout.multi_turn.tool_config_path)) \
-                if cfg.rollout.multi_turn.tool_config_path else {}
+            specs = load_tool_config(cfg.rollout.multi_turn.tool_config_path) \
+                if cfg.rollout.multi_turn.tool_config_path else []
             eos = tokenizer.eos_token_id
-            ctx = AgentContext(tokenizer, cfg.rollout.multi_turn, cfg.rollout.response_length, tools,
-                               eos_ids=(eos,) if eos is not None else ())
+            ctx = AgentContext(tokenizer, cfg.rollout.multi_turn, cfg.rollout.response_length,
+                               lambda: build_tools(specs), eos_ids=(eos,) if eos is not None else (),
+                               schemas=[spec.schema for spec in specs])
             self._agent = (ctx, build_loops(cfg.rollout.agent))
         return self._agent
 

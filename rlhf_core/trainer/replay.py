@@ -185,6 +185,14 @@ def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -
             raise ReplayError(f"{path} {value!r} (from the iteration's manifest): expected none or one named by "
                               f"--override; replay sends data to an address the record chose only with "
                               f"--trust-reward-function")
+    # agent loops and tools: a loop file, or a tool class that is not one of ours, is code
+    # the stored config chose (a replay gives recorded answers and builds no tool)
+    multi = cfg.rollout.multi_turn
+    if multi.enable and not trusted:
+        if cfg.rollout.agent.agent_loop_config_path and "rollout.agent.agent_loop_config_path" not in chosen:
+            raise ReplayError(f"rollout.agent.agent_loop_config_path {cfg.rollout.agent.agent_loop_config_path!r} "
+                              f"(from the iteration's manifest): expected none or one named by --override; replay "
+                              f"imports a user's agent loop only with --trust-reward-function")
     chosen_here = "reward.function" in chosen
     spec = cfg.reward.function
     if not (cfg.custom_reward_function.path or trusted or chosen_here or reward.installed(spec)):
@@ -215,6 +223,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     manifest = istore.read_manifest(n)
     cfg = replay_config(manifest, list(overrides))
     check_reward_function(cfg, list(overrides), trust_reward_function)
+    _check_tools(manifest, cfg, list(overrides))
     cfg.trainer.progress = False
     parent = istore.read_manifest(manifest["parent_iteration"]) if manifest["parent_iteration"] is not None else None
     state = TrainerState(global_step=n, cursor=dict(parent["data_cursor"]) if parent else {"epoch": 0, "position": 0},
@@ -258,6 +267,21 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         return results
     finally:
         workers.kill()
+
+
+def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
+    """An agent rollout replays with the tool config it was generated with (its schemas are
+    in the prompts): the file's content hash as the manifest records it, unless an
+    override names another on purpose."""
+    recorded = manifest.get("tools")
+    path = cfg.rollout.multi_turn.tool_config_path
+    if recorded is None or not path or any(o.startswith("rollout.multi_turn.tool_config_path") for o in overrides):
+        return
+    if not Path(path).is_file() or _sha256(Path(path)) != recorded.get("sha256"):
+        raise ReplayError(f"rollout.multi_turn.tool_config_path: expected the tool config the iteration was "
+                          f"generated with at {path} (sha256 {recorded.get('sha256')}); found "
+                          f"{'none there' if not Path(path).is_file() else 'other content'} (restore it, or replay "
+                          f"against another with --override)")
 
 
 def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:
