@@ -44,7 +44,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 #: ``actor.strategy``: how ranks share a trained model (``rlhf_core.distributed.sharding``).
 STRATEGIES = ("fsdp", "ddp")
 #: Reward functions named by a word in ``reward.function`` (else ``module:function``).
-NAMED_REWARDS = {"builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
+NAMED_REWARDS = {"verl": "rlhf_core.data.reward_scores:default_compute_score",  # verl's: by data_source
+                 "builtin": "rlhf_core.data.builtin:reward_score",   # the built-in digits task
                  "gsm8k": "rlhf_core.data.gsm8k:compute_score"}      # the number after '####'
 _REWARD_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -407,11 +408,14 @@ class CriticConfig:
 
 @dataclass
 class RewardConfig:
-    function: str = _f("builtin", "module:function with verl's signature (data_source, "
+    function: str = _f("verl", "module:function with verl's signature (data_source, "
                        "solution_str, ground_truth, extra_info) -> float | dict (trusted code of the run's "
-                       "owner: it is imported and run by the reward workers), or a named one: builtin = the "
-                       "built-in task's scorer; gsm8k = 1 when the number after the last '####' "
-                       "equals the ground truth")
+                       "owner: it is imported and run by the reward workers), or a named one: verl = verl's "
+                       "default reward, the scorer each row's data_source names (gsm8k, MATH, searchR1, code "
+                       "through SandboxFusion, the built-in task; rlhf_core/data/reward_scores.py), a data_source "
+                       "it does not take refused before anything is placed; builtin = the built-in task's scorer; "
+                       "gsm8k = 1 when the number after the last '####' equals the ground truth (numbers "
+                       "normalized: '#### 18.0' is 18)")
 
 
 @dataclass

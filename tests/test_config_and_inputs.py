@@ -66,7 +66,7 @@ def test_each_config_choice_lives_once_and_is_checked_there():
     from rlhf_core.workers import reward
 
     assert not hasattr(sharding, "STRATEGIES") and reward.NAMED_REWARDS is NAMED_REWARDS
-    with pytest.raises(ConfigError, match=r"reward.function: expected module:function or one of builtin, gsm8k; "
+    with pytest.raises(ConfigError, match=r"reward.function: expected module:function or one of verl, builtin, gsm8k; "
                                           r"found 'gsm9k'"):
         apply_overrides(RunConfig(), ["reward.function=gsm9k"]).validate()
     apply_overrides(RunConfig(), ["reward.function=my_pkg.rewards:score"]).validate()  # checked, not imported
@@ -164,7 +164,7 @@ def test_reward_dict_extras_and_loader_errors():
     scores, extras = score_rows(lambda *a: {"score": 0.5, "acc": 1.0}, "m:f", ["d", "d"], ["a", "b"],
                                 ["a", "b"], [{}, {}], ["u0", "u1"])
     assert scores == [0.5, 0.5] and extras == {"acc": [1.0, 1.0]}
-    with pytest.raises(ValueError, match="reward.function: expected module:function or one of \\['builtin', 'gsm8k'\\]; found 'not_a_spec'"):
+    with pytest.raises(ValueError, match="reward.function: expected module:function or one of \\['builtin', 'gsm8k', 'verl'\\]; found 'not_a_spec'"):
         load_reward_fn("not_a_spec")
     with pytest.raises(ValueError, match="has no callable 'nope'"):
         load_reward_fn("json:nope")

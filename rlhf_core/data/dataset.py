@@ -103,6 +103,22 @@ def _normalize(source: str, index: int, row: dict, prompt_key: str = "prompt",
     return out
 
 
+def _truth(value):
+    """A ground truth as a reward function takes it: text (as before), or, for searchR1's
+    ``{"target": [...]}`` and a code task's test cases, plain dicts and lists."""
+    def plain(v):
+        if hasattr(v, "tolist"):  # parquet's arrays
+            v = v.tolist()
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    value = plain(value)
+    return value if isinstance(value, (dict, list)) else str(value)
+
+
 @dataclass
 class Cursor:
     """Where the loader is: which epoch's permutation and how far into it."""
@@ -215,7 +231,7 @@ class PromptLoader:
         columns = {
             "uid": object_column([f"{epoch}-{i}" for epoch, i in picked]),
             "raw_prompt": object_column([self._texts[i] for _, i in picked]),
-            "ground_truth": object_column([str(r["ground_truth"]) for r in rows]),
+            "ground_truth": object_column([_truth(r["ground_truth"]) for r in rows]),
             "data_source": object_column([r["data_source"] for r in rows]),
             "extra_info": object_column([r.get("extra_info") or {} for r in rows]),
         }

@@ -20,9 +20,10 @@ def check_inputs(cfg: RunConfig) -> None:
     from rlhf_core.trainer.loaders import make_loader, make_val_loader
 
     check_loggers(cfg)
-    make_loader(cfg)  # tokenizes every prompt as the run's loader will
+    loaders = [make_loader(cfg)]  # tokenizes every prompt as the run's loader will
     if cfg.data.val_files:
-        make_val_loader(cfg)
+        loaders.append(make_val_loader(cfg))
+    check_reward_sources(cfg, {row["data_source"] for loader in loaders for row in loader.rows})
     check_rollout_model(cfg)
     check_critic_model(cfg)
     check_agent(cfg)
@@ -38,6 +39,20 @@ def check_agent(cfg: RunConfig) -> None:
         registry.check(cfg)
     except (registry.AgentConfigError, ToolConfigError) as exc:
         raise PreflightError(str(exc)) from None
+
+
+def check_reward_sources(cfg: RunConfig, sources: set) -> None:
+    """verl's default reward (``reward.function=verl``) scores each row by its data_source:
+    one it does not take is refused here, not scored by something else after placement."""
+    from rlhf_core.data.reward_scores import UnscoredSource, scorer_for
+
+    if cfg.reward.function != "verl" or cfg.custom_reward_function.path or cfg.reward_model.enable:
+        return
+    for source in sorted(map(str, sources)):
+        try:
+            scorer_for(source, sandbox=bool(cfg.reward_model.sandbox_fusion.url))
+        except UnscoredSource as exc:
+            raise PreflightError(f"reward.function=verl: {exc}") from None
 
 
 def check_loggers(cfg: RunConfig) -> None:
