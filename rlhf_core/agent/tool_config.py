@@ -66,10 +66,25 @@ def _target(class_name: str, where: str) -> str:
     return f"{module}:{name}"
 
 
+#: tool configs that ship with the package (``tool_config_path=builtin:<name>``)
+BUILT_IN_CONFIGS = {"calculator": Path(__file__).parent / "tools" / "calculator.yaml"}
+
+
+def config_file(path: str) -> Path:
+    """The file a ``tool_config_path`` names (``builtin:<name>``: one that ships here)."""
+    if path.startswith("builtin:"):
+        name = path.split(":", 1)[1]
+        if name not in BUILT_IN_CONFIGS:
+            raise ToolConfigError(f"rollout.multi_turn.tool_config_path: expected one of "
+                                  f"{['builtin:' + n for n in BUILT_IN_CONFIGS]} or a file; found {path!r}")
+        return BUILT_IN_CONFIGS[name]
+    return Path(path)
+
+
 def load_tool_config(path: str) -> list[ToolSpec]:
     import yaml
 
-    file = Path(path)
+    file = config_file(path)
     where = f"rollout.multi_turn.tool_config_path={path}"
     if not file.is_file():
         raise ToolConfigError(f"{where}: expected a YAML file; found none there")
@@ -124,7 +139,7 @@ def build_tools(specs: list[ToolSpec]) -> dict[str, BaseTool]:
 
 def file_digest(path: str) -> str:
     """The tool or interaction config by content (the manifest and lineage name it so)."""
-    return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return "sha256:" + hashlib.sha256(config_file(path).read_bytes()).hexdigest()
 
 
 def tools_identity(path: str) -> dict:

@@ -39,8 +39,12 @@ def load_rows(source: str, seed: int = 0, field: str = "data.train_files", promp
     or ``builtin:<name>``."""
     if source.startswith("builtin:"):
         name = source.split(":", 1)[1]
+        if name == "calculator":
+            from rlhf_core.data.calculator import make_rows as calculator_rows
+
+            return calculator_rows(2048, seed=seed + 1)
         if name != "digits":
-            raise DatasetError(f"unknown built-in dataset {name!r}; available: ['digits']")
+            raise DatasetError(f"unknown built-in dataset {name!r}; available: ['calculator', 'digits']")
         from rlhf_core.data.builtin import make_rows
 
         return make_rows(2048, seed=seed + 1)

@@ -9,7 +9,7 @@ before any worker is placed (``scorer_for``), never scored by something else.
 | ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval``, ``HuggingFaceH4/MATH-500`` | the last ``\\boxed{}`` equal to the ground truth in MATH's canonical form (``math_answers``) |
 | ``searchR1_*`` (nq, triviaqa, popqa, hotpotqa, 2wikimultihopqa, musique, bamboogle) | the last ``<answer>...</answer>`` an exact match (SQuAD normalization) of one of ``ground_truth["target"]``; a quarter when the response repeats the answer tags more than 10 times |
 | ``codecontests``, ``apps``, ``codeforces``, ``taco`` | SandboxFusion (``reward_model.sandbox_fusion.url``) |
-| the built-in task's | ``rlhf_core.data.builtin.reward_score`` |
+| the built-in tasks' | ``rlhf_core.data.builtin.reward_score``, ``rlhf_core.data.calculator.reward_score`` |
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import string
 
-from rlhf_core.data import builtin, math_answers
+from rlhf_core.data import builtin, calculator, math_answers
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 SEARCH_R1_SOURCES = tuple(f"searchR1_{name}" for name in ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa",
@@ -80,6 +80,8 @@ def scorer_for(data_source: str, sandbox: bool = False):
         return lambda s, gt, extra: search_r1_score(s, gt)
     if data_source == builtin.DATA_SOURCE:
         return lambda s, gt, extra: builtin.reward_score(data_source, s, gt, extra)
+    if data_source == calculator.DATA_SOURCE:
+        return lambda s, gt, extra: calculator.reward_score(data_source, s, gt, extra)
     if data_source in CODE_SOURCES:
         if sandbox:
             return None  # the reward worker's SandboxFusion router scores it; this function is never asked

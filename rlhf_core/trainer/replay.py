@@ -277,10 +277,13 @@ def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
     path = cfg.rollout.multi_turn.tool_config_path
     if recorded is None or not path or any(o.startswith("rollout.multi_turn.tool_config_path") for o in overrides):
         return
-    if not Path(path).is_file() or _sha256(Path(path)) != recorded.get("sha256"):
+    from rlhf_core.agent.tool_config import config_file
+
+    file = config_file(path)
+    if not file.is_file() or _sha256(file) != recorded.get("sha256"):
         raise ReplayError(f"rollout.multi_turn.tool_config_path: expected the tool config the iteration was "
                           f"generated with at {path} (sha256 {recorded.get('sha256')}); found "
-                          f"{'none there' if not Path(path).is_file() else 'other content'} (restore it, or replay "
+                          f"{'none there' if not file.is_file() else 'other content'} (restore it, or replay "
                           f"against another with --override)")
 
 

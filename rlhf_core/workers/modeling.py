@@ -20,6 +20,10 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
     Hub ids are not downloaded: training nodes often have no network, and a run must name
     exact bytes."""
     if path.startswith("builtin:"):
+        if path == "builtin:calculator":  # the built-in tool task's (rlhf agent-demo)
+            from rlhf_core.models.calculator import calculator_model_path
+
+            return calculator_model_path(seed=seed, progress=progress)
         from rlhf_core.models.builtin import builtin_model_path
 
         return builtin_model_path(seed=seed, progress=progress)
