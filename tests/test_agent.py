@@ -450,3 +450,44 @@ def test_a_replay_imports_no_agent_loop_the_stored_config_chose(tmp_path):
         check_reward_function(cfg, [], trusted=False)
     check_reward_function(cfg, [], trusted=True)
     check_reward_function(cfg, [f"rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"], trusted=False)
+
+
+# ---------------------------------------------------------------- the built-in tool task
+
+def test_the_calculator_task_scores_the_answer_after_the_tools(tmp_path):
+    from rlhf_core.data.calculator import CALL_HEAD, CALL_TAIL, reward_score
+    from rlhf_core.models.calculator import build_tokenizer, example
+
+    tok = build_tokenizer(tmp_path)
+    ids, mask = example(123, 456, with_tool=True)
+    text = tok.decode(ids, skip_special_tokens=True)
+    assert text == f"123*456=<tool_call>{CALL_HEAD}123*456{CALL_TAIL}</tool_call><tool_response>56088</tool_response>56088"
+    assert parse_hermes(text)[0].arguments == {"expression": "123*456"}
+    assert reward_score("builtin/calculator", text.split("=", 1)[1], "56088") == {"score": 1.0, "used_tool": 1.0}
+    copied_wrong = text.split("=", 1)[1].replace("</tool_response>56088", "</tool_response>56089")
+    assert reward_score("builtin/calculator", copied_wrong, "56088")["score"] == 0.0
+    assert reward_score("builtin/calculator", "56088", "56088") == {"score": 1.0, "used_tool": 0.0}
+    # what the model is trained on: its own call and answer, never the tool's answer
+    answer_span = [m for t, m in zip(ids, mask) if t in tok.convert_tokens_to_ids(["<tool_response>"])]
+    assert answer_span == [0] and sum(mask) == len(ids) - 9 - 7
+    # the chat template renders a tool answer as the tool task's model reads it
+    from rlhf_core.agent import chat
+
+    delta = chat.message_tokens(tok, [{"role": "tool", "content": "56088"}])
+    assert tok.decode(delta) == "<tool_response>56088</tool_response>"
+    assert chat.prompt_tokens(tok, [{"role": "user", "content": "123*456"}], None) == ids[:9]
+
+
+def test_the_built_in_tool_config_loads_and_its_calculator_answers():
+    from rlhf_core.agent.tools.calculator import evaluate
+
+    [spec] = load_tool_config("builtin:calculator")
+    tool = build_tools([spec])["calculator"]
+    response, _, _ = asyncio.run(tool.execute("i", {"expression": "123*456"}))
+    assert response.text == "56088"
+    for bad in ("__import__('os')", "2**1000", "1/0", "x" * 300):
+        response, _, metrics = asyncio.run(tool.execute("i", {"expression": bad}))
+        assert response.text.startswith("Error") and metrics["status"] == "error"
+    with pytest.raises(ToolConfigError, match="builtin:calculator"):
+        load_tool_config("builtin:nothing")
+    assert evaluate("(2+3)*4 - 6/3") == 18.0

@@ -412,3 +412,43 @@ def test_verls_vectorized_estimators_are_taken_and_names_not_here_refused_in_one
             apply_overrides(RunConfig(), [override], notes=[]).validate()
         assert "\n" not in str(refused.value)
 
+
+
+def _dripping_server(body_bytes: int | None):
+    """A loopback server that answers with headers, then its body a byte at a time forever
+    (``None``) or ``body_bytes`` bytes at once."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n")
+        try:
+            if body_bytes is not None:
+                conn.sendall(b"[" + b"1," * (body_bytes // 2) + b"1]")
+            while not stop.wait(0.05):
+                conn.sendall(b" ")
+        except OSError:
+            pass
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/run_code", stop
+
+
+@pytest.mark.parametrize("body", [None, 100_000])
+def test_a_sandbox_reply_that_drips_or_swells_is_cut(monkeypatch, body):
+    monkeypatch.setattr(sandbox_fusion, "REPLY_DEADLINE_S", 1.0)
+    monkeypatch.setattr(sandbox_fusion, "MAX_REPLY_BYTES", 10_000)
+    url, stop = _dripping_server(body)
+    outcome = []
+    caller = threading.Thread(target=lambda: outcome.append(sandbox_fusion.run_case(url, "print(1)", None, 64)))
+    caller.start()
+    caller.join(60)  # cut at 1 s; a reply read without bounds never ends
+    stop.set()
+    assert not caller.is_alive() and outcome == [None]

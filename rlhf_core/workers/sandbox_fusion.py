@@ -69,7 +69,7 @@ def run_case(url: str, code: str, stdin, memory_limit_mb: int, opener=urllib.req
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         try:
             with opener(request, timeout=COMPILE_TIMEOUT_S + RUN_TIMEOUT_S + 10) as reply:
-                return json.loads(reply.read())
+                return json.loads(_bounded_read(reply, time.monotonic() + REPLY_DEADLINE_S))
         except urllib.error.HTTPError as exc:
             if exc.code != 504 or attempt == 2:
                 return None
@@ -77,6 +77,27 @@ def run_case(url: str, code: str, stdin, memory_limit_mb: int, opener=urllib.req
         except (OSError, ValueError):
             return None
     return None
+
+
+#: a reply's bounds: its size, and the time it may take in all (a server that drips its
+#: reply a byte at a time resets every socket timeout, never this one)
+MAX_REPLY_BYTES = 4 << 20
+REPLY_DEADLINE_S = COMPILE_TIMEOUT_S + RUN_TIMEOUT_S + 20
+
+
+def _bounded_read(reply, deadline: float) -> bytes:
+    """The reply's body, or ValueError past ``MAX_REPLY_BYTES`` or ``deadline``."""
+    chunks, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise ValueError(f"sandbox_fusion: the reply took longer than {REPLY_DEADLINE_S} s")
+        chunk = reply.read1(65536) if hasattr(reply, "read1") else reply.read(65536)
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise ValueError(f"sandbox_fusion: a reply over {MAX_REPLY_BYTES} bytes")
+        chunks.append(chunk)
 
 
 def passed(answer: dict | None, expected) -> bool:
