@@ -236,3 +236,27 @@ def test_no_link_is_followed_on_read_or_by_gc(tmp_path):
     assert not os.path.lexists(stage)
     verify_snapshot(victim.stage_uri(0, "rollout"))
     assert victim.load(0, "rollout") is not None
+
+
+def test_a_refused_read_leaves_no_read_pending(monkeypatch):
+    """The reads a refused one started are finished before the refusal surfaces: nothing
+    is left pending on zarr's loop for asyncio to report at exit."""
+    import asyncio
+
+    from rlhf_core.snapshot import reader
+
+    started = []
+
+    async def read(store, path, meta, rows):
+        started.append(asyncio.current_task())
+        if path == "bad":
+            raise ValueError("refused")
+        await asyncio.sleep(0.3)
+        if path == "also bad":
+            raise ValueError("refused too")
+        return path
+
+    monkeypatch.setattr(reader, "_read_array", read)
+    with pytest.raises(ValueError, match="^refused$"):
+        reader._read_arrays(None, [("slow", {}), ("bad", {}), ("also bad", {})], None)
+    assert len(started) == 3 and all(task.done() for task in started)

@@ -299,13 +299,30 @@ async def _read_array(store, path: str, metadata: dict, rows):
     return (await array.get_orthogonal_selection((unique, *rest)))[inverse]
 
 
+#: how long a failed read waits for the other reads it started
+READ_SETTLE_S = 30.0
+
+
 def _read_arrays(store, requests: list[tuple[str, dict]], rows) -> list[np.ndarray]:
     import asyncio
 
     from zarr.core.sync import sync
 
     async def gather():
-        return await asyncio.gather(*(_read_array(store, path, meta, rows) for path, meta in requests))
+        before = asyncio.all_tasks()
+        try:
+            return await asyncio.gather(*(_read_array(store, path, meta, rows) for path, meta in requests))
+        except BaseException:
+            # a refused read ends the call; the reads it started (zarr's chunk reads among
+            # them) are let finish here, so none is left pending when the process exits
+            # (asyncio's "Task was destroyed but it is pending!" after the refusal line)
+            left = asyncio.all_tasks() - before - {asyncio.current_task()}
+            if left:
+                done, _ = await asyncio.wait(left, timeout=READ_SETTLE_S)
+                for task in done:
+                    if not task.cancelled():
+                        task.exception()  # seen: no "exception was never retrieved" either
+            raise
 
     return sync(gather())
 
