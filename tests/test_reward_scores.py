@@ -106,3 +106,23 @@ def test_search_r1_ground_truths_reach_the_scorer_as_verl_writes_them(tmp_path):
     truth = batch.non_tensor_batch["ground_truth"][0]
     assert truth == {"target": ["Paris", "paris france"]}
     assert default_compute_score("searchR1_nq", "<answer>paris</answer>", truth) == 1.0
+
+
+def test_the_built_in_reward_refuses_rows_of_another_task():
+    from rlhf_core.data.builtin import reward_score
+
+    for source, truth in (("openai/gsm8k", "18"), ("builtin/digits_reverse", "")):
+        with pytest.raises(ValueError, match="reward.function=builtin scores the built-in task's rows") as caught:
+            reward_score(source, "#### 18", truth)
+        assert "\n" not in str(caught.value)
+
+
+def test_the_gpu_config_scores_its_gsm8k_rows_as_verl_does():
+    from pathlib import Path
+
+    from components.kuberay.spec import load_deployment
+
+    root = Path(__file__).resolve().parents[1]
+    cfg, _ = load_deployment(root / "manifests" / "configs" / "gpu.yaml")
+    assert cfg.reward.function == "verl" and "gsm8k" in cfg.data.train_files
+    assert scorer_for("openai/gsm8k") is not None

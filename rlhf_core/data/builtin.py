@@ -15,7 +15,12 @@ VOCAB = {"<pad>": 0, "<bos>": 1, "<eos>": 2, "=": 3, **{str(d): 4 + d for d in r
 
 def reward_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     """Partial credit for reversing digits: share of correct positions, halved if the
-    response has the wrong length."""
+    response has the wrong length. Rows of another task are refused (one line), never
+    scored as digits."""
+    if data_source != DATA_SOURCE or not ground_truth:
+        raise ValueError(f"reward.function=builtin scores the built-in task's rows (data_source {DATA_SOURCE!r}, "
+                         f"digits to reverse); found data_source {data_source!r} with ground truth "
+                         f"{str(ground_truth)[:40]!r} (use reward.function=verl, gsm8k or a function of yours)")
     answer = "".join(ch for ch in solution_str if ch.isdigit())
     matches = sum(a == b for a, b in zip(answer, ground_truth))
     score = matches / len(ground_truth)
