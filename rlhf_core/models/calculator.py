@@ -17,7 +17,7 @@ from rlhf_core.data.fetch import node_cache
 
 MODEL_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64}
-WARM_START = {"tool_share": 0.25, "steps": 600, "batch_size": 64, "lr": 3e-3}
+WARM_START = {"tool_share": 0.25, "steps": 1200, "batch_size": 64, "lr": 1e-3}
 VERSION = 1
 
 
