@@ -500,12 +500,13 @@ class RewardModelConfig:
 
     enable: bool = _f(False, "score responses with reward_model.model.path")
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = _f(0, "responses per reward-model forward on one rank (0: all at once)",
+    micro_batch_size_per_gpu: int = _f(0, "responses per reward-model forward on one rank (0: forwards of at "
+                                       "most forward_max_token_len_per_gpu tokens, never every row at once)",
                                        **NON_NEGATIVE)
     use_dynamic_bsz: bool = _f(False, "reward-model forwards by tokens, not rows (forward_max_token_len_per_gpu "
-                               "each)")
+                               "each), also when micro_batch_size_per_gpu is set")
     forward_max_token_len_per_gpu: int = _f(32768, "tokens per reward-model forward on one rank, with "
-                                            "use_dynamic_bsz", **POSITIVE)
+                                            "use_dynamic_bsz or without micro_batch_size_per_gpu", **POSITIVE)
     max_length: int = _f(0, "re-templated inputs longer than this are truncated by reward_model.truncation "
                          "(0: the policy's data.max_prompt_length + rollout.response_length, verl's default)",
                          **NON_NEGATIVE)
@@ -538,6 +539,13 @@ class RewardModelConfig:
                                   "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "
                                   "beside the learned reward, which stays the reward (over-optimization shows as the "
                                   "two parting)", hashed=False)
+
+    @property
+    def bounded_by_tokens(self) -> bool:
+        """Whether a forward holds at most ``forward_max_token_len_per_gpu`` tokens: with
+        ``use_dynamic_bsz``, or when no row count is set (a 7B reward model's forward over
+        every row of a rank at once needs tens of GB)."""
+        return self.use_dynamic_bsz or not self.micro_batch_size_per_gpu
 
 
 @dataclass
@@ -1030,8 +1038,9 @@ class RunConfig:
             raise ConfigError(str(exc)) from None
         if self.resources.gpus_per_node and self.resources.gpu_memory_gib:
             shape = ModelShape.from_folder(self.model.path)
-            if shape is not None:
-                check_micro_batch_memory(self, shape, self.resources.gpu_memory_gib * 2**30)
+            reward_shape = ModelShape.from_folder(self.reward_model.model.path) if self.reward_model.enable else None
+            if shape is not None or reward_shape is not None:
+                check_micro_batch_memory(self, shape, self.resources.gpu_memory_gib * 2**30, reward_shape)
         return self
 
 
@@ -1115,9 +1124,12 @@ class ModelShape:
 _SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 
 
-def micro_batch_memory(cfg: "RunConfig", shape: ModelShape) -> list[tuple[str, str, int]]:
+def micro_batch_memory(cfg: "RunConfig", shape: ModelShape | None,
+                       reward_shape: ModelShape | None = None) -> list[tuple[str, str, int]]:
     """(the field that sizes it, what it holds, estimated bytes) of one micro-batch of each
-    pass a run makes on one rank: the actor's update and log-prob forwards, the critic's.
+    pass a run makes on one rank: the actor's update and log-prob forwards and the
+    critic's (of the policy's ``shape``), the reward model's forward (of ``reward_shape``:
+    a score head, no vocabulary logits; none when it is served by ``use_reward_loop``).
 
     An estimate of what grows with the micro-batch, not a measurement: the logits (a full
     pass while its fp32 logits fit ``LOGIT_BUDGET_BYTES``: the model's own, their fp32
@@ -1130,61 +1142,74 @@ def micro_batch_memory(cfg: "RunConfig", shape: ModelShape) -> list[tuple[str, s
     width = 2 if cfg.resources.gpus_per_node and cfg.actor.fsdp_config.mixed_precision != "fp32" \
         or cfg.model.dtype != "float32" else 4
     longest = cfg.data.max_prompt_length + cfg.rollout.response_length
-    per_layer = 6 * shape.hidden_size + 4 * shape.intermediate_size
 
     def logits(tokens: int) -> int:
         full = tokens * shape.vocab_size * 4
         return tokens * shape.vocab_size * (width + 12) if full <= LOGIT_BUDGET_BYTES else 3 * LOGIT_BUDGET_BYTES
 
-    def activations(tokens: int, training: bool) -> int:
+    def activations(tokens: int, training: bool, of: ModelShape) -> int:
+        per_layer = 6 * of.hidden_size + 4 * of.intermediate_size
         if not training:
-            return tokens * (per_layer + shape.hidden_size) * width
+            return tokens * (per_layer + of.hidden_size) * width
         if cfg.model.enable_gradient_checkpointing:
-            return tokens * (shape.num_hidden_layers * shape.hidden_size + per_layer) * width
-        return tokens * shape.num_hidden_layers * per_layer * width
+            return tokens * (of.num_hidden_layers * of.hidden_size + per_layer) * width
+        return tokens * of.num_hidden_layers * per_layer * width
 
-    def tokens_of(section, rows_field: str, budget_field: str, dynamic: bool, all_rows: int, ranks: int):
+    def tokens_of(section, rows_field: str, budget_field: str, dynamic: bool, all_rows: int, ranks: int,
+                  row_tokens: int = longest):
         if dynamic:
             budget = getattr(section, budget_field)
             return budget_field, f"{budget} tokens", budget
         rows = getattr(section, rows_field) or -(-all_rows // ranks)
-        return rows_field, f"{rows} rows x {longest} tokens", rows * longest
+        return rows_field, f"{rows} rows x {row_tokens} tokens", rows * row_tokens
 
     n, actor = cfg.rollout.n, cfg.actor
     passes = []
+    rm = cfg.reward_model
+    if rm.enable and not rm.use_reward_loop and reward_shape is not None:
+        ranks = rm.nnodes * rm.n_gpus_per_node if rm.enable_resource_pool else actor.world_size
+        field_name, held, tokens = tokens_of(rm, "micro_batch_size_per_gpu", "forward_max_token_len_per_gpu",
+                                             rm.bounded_by_tokens, cfg.data.train_batch_size * n, max(1, ranks),
+                                             rm.max_length or longest)
+        passes.append((f"reward_model.{field_name}", held, activations(tokens, False, reward_shape)))
+    if shape is None:
+        return passes
     field_name, held, tokens = tokens_of(actor, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
                                          actor.use_dynamic_bsz, actor.ppo_mini_batch_size * n, actor.world_size)
-    passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, True)))
+    passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, True, shape)))
     if cfg.use_reference or cfg.runs_old_log_prob_stage:
         field_name, held, tokens = tokens_of(actor, "log_prob_micro_batch_size_per_gpu",
                                              "log_prob_max_token_len_per_gpu", actor.log_prob_use_dynamic_bsz,
                                              cfg.data.train_batch_size * n, actor.world_size)
-        passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, False)))
+        passes.append((f"actor.{field_name}", held, logits(tokens) + activations(tokens, False, shape)))
     if cfg.use_critic:
         critic, ranks = cfg.critic, cfg.critic.world_size or actor.world_size
         field_name, held, tokens = tokens_of(critic, "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
                                              critic.use_dynamic_bsz, critic.ppo_mini_batch_size * n, ranks)
-        passes.append((f"critic.{field_name}", held, activations(tokens, True)))
+        passes.append((f"critic.{field_name}", held, activations(tokens, True, shape)))
         field_name, held, tokens = tokens_of(critic, "forward_micro_batch_size_per_gpu",
                                              "forward_max_token_len_per_gpu", critic.use_dynamic_bsz,
                                              cfg.data.train_batch_size * n, ranks)
-        passes.append((f"critic.{field_name}", held, activations(tokens, False)))
+        passes.append((f"critic.{field_name}", held, activations(tokens, False, shape)))
     return passes
 
 
-def check_micro_batch_memory(cfg: "RunConfig", shape: ModelShape, gpu_bytes: float) -> None:
+def check_micro_batch_memory(cfg: "RunConfig", shape: ModelShape | None, gpu_bytes: float,
+                             reward_shape: ModelShape | None = None) -> None:
     """Refuse, in one line naming the field, a micro-batch estimated to need more than
     ``MICRO_BATCH_MEMORY_SHARE`` of a GPU's memory (``micro_batch_memory``)."""
     limit = MICRO_BATCH_MEMORY_SHARE * gpu_bytes
-    for path, held, need in micro_batch_memory(cfg, shape):
+    for path, held, need in micro_batch_memory(cfg, shape, reward_shape):
         if need > limit:
+            described = reward_shape if path.startswith("reward_model.") else shape
             advice = "lower it" + ("" if cfg.model.enable_gradient_checkpointing or "critic.forward" in path
-                                   or "log_prob" in path else ", or set model.enable_gradient_checkpointing")
+                                   or "log_prob" in path or "reward_model" in path
+                                   else ", or set model.enable_gradient_checkpointing")
             raise ConfigError(
                 f"{path}: expected a micro-batch whose logits and activations fit in "
                 f"{MICRO_BATCH_MEMORY_SHARE:.0%} of a GPU's {gpu_bytes / 2**30:.0f} GiB ({limit / 2**30:.1f} GiB); "
-                f"found ~{need / 2**30:.1f} GiB for {held} (vocabulary {shape.vocab_size}, hidden "
-                f"{shape.hidden_size}, {shape.num_hidden_layers} layers): {advice}")
+                f"found ~{need / 2**30:.1f} GiB for {held} (vocabulary {described.vocab_size}, hidden "
+                f"{described.hidden_size}, {described.num_hidden_layers} layers): {advice}")
 
 
 class ConfigError(ValueError):

@@ -114,3 +114,39 @@ def test_verls_qwen2_7b_script_fits_80_gb_and_not_24(qwen_7b_folder):
     apply_overrides(RunConfig(), script + ours, notes=[]).validate()
     with pytest.raises(ConfigError, match=r"^actor.ppo_micro_batch_size_per_gpu: .* for 40 rows x 1536 tokens "):
         apply_overrides(RunConfig(), script + ours + ["resources.gpu_memory_gib=24"], notes=[]).validate()
+
+
+def test_a_7b_reward_model_is_bounded_by_default_and_its_row_count_refused_beyond_memory(qwen_7b_folder, tmp_path):
+    """[6/7] item 3: gpu.yaml with a 7B reward model: by default its forwards hold at most
+    forward_max_token_len_per_gpu tokens (estimated, and within half of 80 GB); a row count
+    too large for the GPU is refused naming the reward model's field."""
+    rm_folder = tmp_path / "rm"
+    rm_folder.mkdir()
+    (rm_folder / "config.json").write_text(json.dumps({"model_type": "qwen2", **QWEN_7B}))
+    enable = [f"model.path={qwen_7b_folder}", "reward_model.enable=true", f"reward_model.model.path={rm_folder}"]
+    cfg, _ = load_deployment(ROOT / "manifests" / "configs" / "gpu.yaml", enable)
+    [(path, held, need)] = [p for p in micro_batch_memory(cfg, ModelShape(**QWEN_7B), ModelShape(**QWEN_7B))
+                            if p[0].startswith("reward_model.")]
+    per_layer = 6 * 3584 + 4 * 18944
+    assert (path, held) == ("reward_model.forward_max_token_len_per_gpu", "32768 tokens")
+    assert need == 32768 * (per_layer + 3584) * 2 < 40 * GIB
+    with pytest.raises(ConfigError, match=r"^reward_model.micro_batch_size_per_gpu: expected a micro-batch whose "
+                                          r"logits and activations fit in 50% of a GPU's 80 GiB \(40.0 GiB\); found "
+                                          r"~\d+\.\d GiB for 256 rows x 2048 tokens \(vocabulary 152064, hidden 3584, "
+                                          r"28 layers\): lower it$"):
+        load_deployment(ROOT / "manifests" / "configs" / "gpu.yaml",
+                        enable + ["reward_model.micro_batch_size_per_gpu=256"])
+    # served by the reward loop (vLLM's own batching): no forward here to estimate
+    served = load_deployment(ROOT / "manifests" / "configs" / "gpu.yaml",
+                             enable + ["reward_model.micro_batch_size_per_gpu=256", "reward_model.use_reward_loop=true"])
+    assert served[0].reward_model.use_reward_loop
+
+
+def test_the_reward_model_worker_checks_its_loaded_models_shape():
+    cfg = apply_overrides(RunConfig(), ["resources.gpus_per_node=8", "actor.world_size=8", "reward_model.enable=true",
+                                        "reward_model.model.path=/models/rm", "reward_model.micro_batch_size_per_gpu=256",
+                                        "data.max_prompt_length=1024", "rollout.response_length=1024"])
+    rm_config = SimpleNamespace(**QWEN_7B)
+    modeling.check_micro_batch_memory(cfg, None, device_bytes=2000 * GIB, reward_model_config=rm_config)
+    with pytest.raises(ConfigError, match=r"^reward_model.micro_batch_size_per_gpu: .* for 256 rows x 2048 tokens"):
+        modeling.check_micro_batch_memory(cfg, None, device_bytes=80 * GIB, reward_model_config=rm_config)

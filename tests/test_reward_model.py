@@ -150,6 +150,27 @@ def test_micro_batches_and_padding_removal_give_the_same_scores(folders, monkeyp
 
 
 @pytest.mark.parametrize("which", ["same", "other"])
+def test_without_a_row_count_forwards_hold_at_most_the_token_budget(folders, monkeypatch, which):
+    """[6/7] item 3: micro_batch_size_per_gpu 0 is not every row at once (a 7B reward model's
+    forward over a rank's whole batch needs tens of GB): forwards of at most
+    forward_max_token_len_per_gpu tokens, scores as one forward gives them."""
+    data = rollout_batch(folders["policy"])
+    one = make_worker(folders, which, [f"reward_model.micro_batch_size_per_gpu={len(data)}"], monkeypatch=monkeypatch)
+    expected = one.compute_rm_score(data).batch["rm_scores"]
+    bounded = make_worker(folders, which, ["reward_model.forward_max_token_len_per_gpu=48"], monkeypatch=monkeypatch)
+    forwards, scores_of = [], rm.sequence_scores
+
+    def counted(model, input_ids, attention_mask, *args, **kwargs):
+        forwards.append(int(attention_mask.sum()))
+        return scores_of(model, input_ids, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(rm, "sequence_scores", counted)
+    got = bounded.compute_rm_score(data).batch["rm_scores"]
+    assert len(forwards) > 1 and max(forwards) <= 48, forwards
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0) and torch.equal(got != 0, expected != 0)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
 def test_an_empty_batch_scores_to_an_empty_tensor(folders, monkeypatch, which):
     worker = make_worker(folders, which, monkeypatch=monkeypatch)
     empty = rollout_batch(folders["policy"]).select_idxs(torch.tensor([], dtype=torch.long))

@@ -122,11 +122,12 @@ def _pad_responses(t: torch.Tensor, response_length: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, response_length - t.shape[1])) if t.shape[1] < response_length else t
 
 
-def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None) -> None:
+def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None, reward_model_config=None) -> None:
     """validate()'s micro-batch memory check with the loaded model's shape (validate()
     checks only where ``model.path`` is a folder it can read): against
     ``resources.gpu_memory_gib`` when declared, else ``device_bytes`` (the GPU's own total
-    memory by default). Nothing to check on CPU ranks."""
+    memory by default). The reward-model worker passes its model's config as
+    ``reward_model_config`` (and no policy's). Nothing to check on CPU ranks."""
     from rlhf_core.config import ModelShape, check_micro_batch_memory as check
 
     if not cfg.resources.gpus_per_node:
@@ -137,9 +138,12 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None)
         if not torch.cuda.is_available():
             return  # a GPU pool's rank without one: placing the model refuses it, in its own words
         device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    shape = ModelShape.from_hf_config(getattr(model_config, "text_config", model_config))
-    if shape is not None:
-        check(cfg, shape, device_bytes)
+    def shape_of(config):
+        return None if config is None else ModelShape.from_hf_config(getattr(config, "text_config", config))
+
+    shape, reward_shape = shape_of(model_config), shape_of(reward_model_config)
+    if shape is not None or reward_shape is not None:
+        check(cfg, shape, device_bytes, reward_shape)
 
 
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -296,6 +296,7 @@ class RewardModelWorker(Worker):
             self.engine = VLLMRewardScorer(self.model_path, rm.rollout, longest, cfg.model.dtype, cfg.trainer.seed)
             return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
         model = load_reward_model(self.model_path, cfg.model.dtype)
+        modeling.check_micro_batch_memory(cfg, None, reward_model_config=model.config)
         if model.config.pad_token_id is None:  # HF's pooling (unused here) refuses batches without one
             model.config.pad_token_id = self.tokenizer.pad_token_id or 0
         if rm.model.use_remove_padding:
@@ -337,6 +338,6 @@ class RewardModelWorker(Worker):
                 lambda part: (sequence_scores(self.model, part.batch["input_ids"], part.batch["attention_mask"],
                                               part.batch["position_ids"], packed=rm.model.use_remove_padding),),
                 inputs, rm.micro_batch_size_per_gpu,
-                rm.forward_max_token_len_per_gpu if rm.use_dynamic_bsz else 0,
+                rm.forward_max_token_len_per_gpu if rm.bounded_by_tokens else 0,
                 "reward_model.forward_max_token_len_per_gpu")
         return DataProto.from_dict({"rm_scores": scores_to_tokens(scores, response_mask)})
