@@ -9,8 +9,8 @@ One ``PASS``/``FAIL``/``SKIP`` line per step, in the order a run meets them: the
 group with the production backends (NCCL and gloo), the device-index rule, a
 Qwen2-0.5B-shaped model built from its config, FSDP2 on a one-rank mesh with the production
 options (bf16 mixed precision, activation checkpointing, a reference with its parameters
-offloaded), padding removal (FlashAttention where installed, else the per-sequence SDPA
-fallback, named) checked against the padded forward, log-probs and a PPO step at 4 x 1536
+offloaded), padding removal (flash-attn's varlen kernel where installed, else torch's own,
+else the per-sequence SDPA fallback, named) checked against the padded forward, log-probs and a PPO step at 4 x 1536
 and 40 x 1536 tokens over the 151,936-token vocabulary with the peak memory of each, the
 full parameters streamed into a bf16 copy (compared by logits, with GB/s), and a sharded
 checkpoint saved and loaded (identical log-probs). Exits 1 if a step fails.
@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def padding_removal():
         impl = state["implementation"]
-        name = impl if impl == "flash_attention_2" else f"{impl} (fallback: flash-attn is not installed)" \
-            if on_gpu else f"{impl} (fallback: no CUDA)"
+        name = {"flash_attention_2": impl, packing.PACKED_VARLEN: f"{impl} (torch's varlen FlashAttention)",
+                }.get(impl, f"{impl} (per-sequence SDPA: " + ("no varlen kernel in this torch)" if on_gpu
+                                                              else "no CUDA)"))
         batch = make_batch(*BATCHES[shape][0], device, seed=1)
         args = (batch["input_ids"], batch["attention_mask"], batch["position_ids"], batch["response_length"])
         with torch.no_grad():

@@ -3,6 +3,8 @@ micro-batch's sequences packed into one, attention bounded per sequence, give th
 forward's log-probs, entropies, values and gradients (fp32, to 1e-5), through the model
 helpers and through the workers' stages."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -145,6 +147,101 @@ def test_a_sequence_longer_than_a_sliding_window_is_refused(packed_model):
                                          r"sliding window \(8\)"):
         packing.packed_sdpa_attention(attention, q, kv, kv, None, sliding_window=8,
                                       **rows.attention_kwargs(packing.PACKED_SDPA))
+
+
+# ------------------------------------------------- torch's varlen FlashAttention (GPUs)
+def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                          enable_gqa=False):
+    """What ``torch.nn.attention.varlen.varlen_attn`` computes, by its documentation, in
+    fp32 on the CPU: per sequence of the offsets, attention of [T, H, D] tensors, causal
+    with ``window_size=(left, 0)`` (left -1: unbounded), key heads shared by query-head
+    groups with ``enable_gqa``. It checks what the kernel would refuse."""
+    assert q.dim() == k.dim() == 3 and cu_q.dtype == cu_k.dtype == torch.int32
+    assert cu_q.device == q.device and torch.equal(cu_q, cu_k)
+    assert q.dtype in (torch.float16, torch.bfloat16)
+    assert window_size[1] == 0, "causal attention only here"
+    if k.shape[1] != q.shape[1]:
+        assert enable_gqa and q.shape[1] % k.shape[1] == 0
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    bounds, out = cu_q.tolist(), torch.empty(q.shape, dtype=torch.float32)
+    for a, b in zip(bounds, bounds[1:]):
+        assert b - a <= max_q and b - a <= max_k
+        scores = torch.einsum("ihd,jhd->hij", q[a:b].float(), k[a:b].float()) * (scale or q.shape[-1] ** -0.5)
+        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+        allowed = (j <= i) & ((window_size[0] < 0) | (i - j <= window_size[0]))
+        out[a:b] = torch.einsum("hij,jhd->ihd", scores.masked_fill(~allowed, float("-inf")).softmax(-1),
+                                v[a:b].float())
+    return out.to(q.dtype)
+
+
+def test_the_packed_implementation_is_picked_by_device_and_installed_kernels(monkeypatch):
+    import importlib.util
+
+    found = {"flash_attn": False, "torch.nn.attention.varlen": True}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if found[name] else None) if name in found else real(name, *a))
+    assert packing.packed_attention_implementation(on_gpu=False) == packing.PACKED_SDPA
+    assert packing.packed_attention_implementation(on_gpu=True) == packing.PACKED_VARLEN
+    found["flash_attn"] = True
+    assert packing.packed_attention_implementation(on_gpu=True) == "flash_attention_2"
+    assert packing.packed_attention_implementation(on_gpu=False) == packing.PACKED_SDPA
+    found.update(flash_attn=False, **{"torch.nn.attention.varlen": False})  # an older torch
+    assert packing.packed_attention_implementation(on_gpu=True) == packing.PACKED_SDPA
+
+
+def test_varlen_arguments_match_the_per_sequence_path(monkeypatch):
+    """The offsets, max length, causal window and GQA that the varlen call is given,
+    against per-sequence SDPA on the same 16-bit inputs; fp32 and wide heads fall back."""
+    calls = []
+    monkeypatch.setattr(packing, "_varlen_kernel", lambda: lambda *a, **kw: calls.append(kw) or
+                        reference_varlen_attn(*a, **kw))
+    rows = packing.pack(*batch(MIXES[5]), RESPONSE)
+    tokens = rows.input_ids.shape[1]
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, tokens, 32, generator=g).bfloat16()
+    k, v = (torch.randn(1, 2, tokens, 32, generator=g).bfloat16() for _ in range(2))
+    attention = SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
+    kwargs = rows.attention_kwargs(packing.PACKED_VARLEN)
+    got, _ = packing.packed_varlen_attention(attention, q, k, v, None, scaling=0.2, **kwargs)
+    expected, _ = packing.packed_sdpa_attention(attention, q.float(), k.float(), v.float(), None, scaling=0.2,
+                                                **rows.attention_kwargs(packing.PACKED_SDPA))
+    assert got.shape == expected.shape == (1, tokens, 4, 32)
+    assert torch.allclose(got.float(), expected, atol=2e-2, rtol=0)
+    assert calls == [{"scale": 0.2, "window_size": (-1, 0), "enable_gqa": True}]
+    (q_, k_, v_, cu_q, cu_k, max_q, max_k), _ = packing.varlen_call(q, k, v, kwargs["cu_seq_lens_q"],
+                                                                    rows.max_length, 0.2, 6)
+    assert cu_q.tolist() == rows.cu_seqlens and max_q == max_k == 14 and q_.shape == (tokens, 4, 32)
+    windowed, _ = packing.packed_varlen_attention(attention, q, k, v, None, scaling=0.2, sliding_window=6, **kwargs)
+    # HF's window of 6 is 6 tokens, the query's own included (its FlashAttention path: 5 left)
+    assert calls[-1]["window_size"] == (5, 0) and not torch.allclose(windowed, got)
+    first = slice(0, 6)  # a sequence's first 6 tokens have nothing beyond the window to lose
+    assert torch.allclose(windowed[0, first].float(), got[0, first].float())
+    assert packing.varlen_call(q.float(), k.float(), v.float(), kwargs["cu_seq_lens_q"], 14, None, None) is None
+    wide = torch.zeros(1, 4, tokens, 320, dtype=torch.bfloat16)
+    assert packing.varlen_call(wide, wide, wide, kwargs["cu_seq_lens_q"], 14, None, None) is None
+
+
+def test_a_bf16_model_on_the_varlen_path_gives_the_per_sequence_log_probs(model, monkeypatch):
+    """The whole model through ``PACKED_VARLEN`` (the kernel: the documented reference):
+    one call per layer per forward, log-probs as the per-sequence path's in bf16."""
+    import copy
+
+    calls = []
+    monkeypatch.setattr(packing, "_varlen_kernel", lambda: lambda *a, **kw: calls.append(1) or
+                        reference_varlen_attn(*a, **kw))
+    per_sequence = copy.deepcopy(model).to(torch.bfloat16)
+    packing.enable_packing(per_sequence)
+    varlen = copy.deepcopy(per_sequence)
+    varlen.set_attn_implementation(packing.PACKED_VARLEN)
+    ids, mask, pos = batch(MIXES[2])
+    with torch.no_grad():
+        a, _ = modeling.response_log_probs(per_sequence, ids, mask, pos, RESPONSE, packed=True)
+        b, _ = modeling.response_log_probs(varlen, ids, mask, pos, RESPONSE, packed=True)
+    assert len(calls) == SHAPE["num_hidden_layers"]
+    resp = mask[:, -RESPONSE:].bool()
+    assert torch.allclose(a[resp].float(), b[resp].float(), atol=0.1, rtol=0) and not b[~resp].any()
+    assert (a[resp].float() - b[resp].float()).abs().mean() < 0.02
 
 
 # ------------------------------------------------------------------ through the workers

@@ -8,10 +8,14 @@ the real tokens only. Attention is the one layer that must know where sequences 
 - with FlashAttention installed (GPU), HF's ``flash_attention_2`` reads the sequence
   boundaries (``cu_seq_lens_q`` / ``cu_seq_lens_k``) and runs its varlen kernel, as verl's
   padding-free path does;
-- otherwise ``PACKED_SDPA``, registered here, runs PyTorch's SDPA once per sequence
-  (causal, no mask: exact, and on GPU SDPA's own flash kernel). A block-diagonal mask
-  over the packed row would be exact too, but it costs ``tokens^2`` memory and compute,
-  where the per-sequence calls cost ``sum(length^2)``.
+- on a GPU without it, ``PACKED_VARLEN``, registered here, calls PyTorch's own
+  FlashAttention-backed ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10) with the
+  same boundaries: one kernel per layer, where per-sequence calls cost hundreds of small
+  kernels per layer (16-bit inputs; it falls back to the per-sequence path otherwise);
+- on the CPU ``PACKED_SDPA``, registered here, runs PyTorch's SDPA once per sequence
+  (causal, no mask: exact). A block-diagonal mask over the packed row would be exact too,
+  but it costs ``tokens^2`` memory and compute, where the per-sequence calls cost
+  ``sum(length^2)``.
 
 Calls without sequence boundaries (generation, the padded path) go to plain SDPA with
 SDPA's masks, unchanged.
@@ -23,8 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-#: The attention implementation a packed model runs with when FlashAttention is absent.
+#: The attention implementation a packed model runs with on the CPU.
 PACKED_SDPA = "rlhf_packed_sdpa"
+#: ... and on a GPU without the flash-attn package: torch's own varlen FlashAttention.
+PACKED_VARLEN = "rlhf_packed_varlen"
+#: what torch's varlen kernel takes (FlashAttention's limits)
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+VARLEN_MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -144,6 +153,46 @@ def packed_sdpa_attention(module, query, key, value, attention_mask, dropout: fl
     return torch.cat(outs, dim=1), None
 
 
+def varlen_call(query, key, value, bounds: torch.Tensor, max_length: int, scaling: float | None,
+                sliding_window: int | None) -> tuple[tuple, dict] | None:
+    """The arguments of ``varlen_attn`` for a packed forward's attention (HF's layout:
+    query/key/value [1, heads, tokens, dim]; ``bounds`` the cumulative sequence offsets):
+    tokens-major tensors, int32 offsets on the tokens' device, causal (a sliding window of
+    W tokens back: HF's ``sliding_window - 1`` left, as its FlashAttention path sets),
+    GQA when the key has fewer heads. None where the kernel does not apply (not 16-bit,
+    or a head wider than FlashAttention takes): the per-sequence path then."""
+    head_dim = query.shape[-1]
+    if query.dtype not in VARLEN_DTYPES or head_dim > VARLEN_MAX_HEAD_DIM or head_dim % 8:
+        return None
+    offsets = bounds.to(device=query.device, dtype=torch.int32)
+    window = (sliding_window - 1, 0) if sliding_window is not None else (-1, 0)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [tokens, heads, dim]
+    return (q, k, v, offsets, offsets, max_length, max_length), {
+        "scale": scaling, "window_size": window, "enable_gqa": key.shape[1] != query.shape[1]}
+
+
+def _varlen_kernel():
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
+
+
+def packed_varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                            scaling: float | None = None, sliding_window: int | None = None, **kwargs):
+    """HF attention-interface function: torch's varlen FlashAttention over the packed row
+    when the forward carries sequence boundaries (and the kernel applies), else as
+    ``packed_sdpa_attention``. Returns [1, tokens, heads, dim] as HF's functions do."""
+    bounds = kwargs.get("cu_seq_lens_q")
+    call = None if bounds is None or dropout else varlen_call(
+        query, key, value, bounds, kwargs.get("max_length_q") or int((bounds[1:] - bounds[:-1]).max()), scaling,
+        sliding_window)
+    if call is None:
+        return packed_sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     sliding_window=sliding_window, **kwargs)
+    args, options = call
+    return _varlen_kernel()(*args, **options).unsqueeze(0), None
+
+
 def _no_mask_when_packed(*args, attention_mask=None, **kwargs):
     """The mask function of ``PACKED_SDPA``: SDPA's, except for a forward without a padding
     mask (a packed one), which needs none: its attention is bounded per sequence."""
@@ -160,16 +209,21 @@ def _register() -> None:
 
     AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
     AttentionMaskInterface.register(PACKED_SDPA, _no_mask_when_packed)
+    AttentionInterface.register(PACKED_VARLEN, packed_varlen_attention)
+    AttentionMaskInterface.register(PACKED_VARLEN, _no_mask_when_packed)
 
 
 def packed_attention_implementation(on_gpu: bool) -> str:
-    """``flash_attention_2`` where FlashAttention is installed on a GPU, else ``PACKED_SDPA``."""
-    if on_gpu:
-        import importlib.util
+    """On a GPU ``flash_attention_2`` where the flash-attn package is installed, else torch's
+    varlen FlashAttention (``PACKED_VARLEN``) where this torch has it; ``PACKED_SDPA`` on
+    the CPU (and on a GPU with neither)."""
+    import importlib.util
 
-        if importlib.util.find_spec("flash_attn") is not None:
-            return "flash_attention_2"
+    if on_gpu and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
     _register()
+    if on_gpu and importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        return PACKED_VARLEN
     return PACKED_SDPA
 
 
