@@ -56,7 +56,7 @@ def test_the_bare_smoke_runs_every_step_but_the_cuda_ones_without_ray_vllm_tenso
 def test_the_bare_smoke_names_the_attention_it_used_and_what_it_measured(cpu_smoke):
     _, lines = cpu_smoke
     text = "\n".join(lines)
-    assert "rlhf_packed_sdpa (fallback: no CUDA)" in text
+    assert "rlhf_packed_sdpa (per-sequence SDPA: no CUDA)" in text
     assert "bf16 compute" in text and "log-probs identical" in text and "GB/s" in text
 
 
