@@ -295,7 +295,7 @@ def test_the_deployment_policy_is_read_from_the_ray_namespace_and_allows_the_exa
     assert not any(o["metadata"].get("namespace") == "rlhf" for o in _profile())
     for config in sorted((ROOT / "manifests" / "configs").glob("*.yaml")):
         spec = load_deployment(config)[1]
-        objects = kustomize_lite.build(_overlay_of(spec.namespace))
+        objects = kustomize_lite.build(_overlay_of(spec))
         policy = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == POLICY)
         DeploymentPolicy.from_yaml(policy["data"]["policy.yaml"], namespace=spec.namespace).check(spec)
 
@@ -304,9 +304,11 @@ POLICY = "rlhf-deployment-policy"
 CONFIGS = sorted((ROOT / "manifests" / "configs").glob("*.yaml"))
 
 
-def _overlay_of(namespace: str) -> Path:
-    """The overlay that sets up ``namespace`` (its quota and policy apply to what runs there)."""
-    found = [ROOT / "manifests" / "overlays" / o for o in OVERLAYS
+def _overlay_of(spec) -> Path:
+    """The overlay that sets up the deployment's namespace (its quota and policy apply to
+    what runs there): gpu-rdma for a deployment asking for RDMA devices."""
+    namespace = spec.namespace
+    found = [ROOT / "manifests" / "overlays" / o for o in (["gpu-rdma"] if spec.rdma_resources else OVERLAYS)
              if yaml.safe_load((ROOT / "manifests" / "overlays" / o / "kustomization.yaml").read_text())["namespace"]
              == namespace]
     assert len(found) == 1, f"expected one overlay for namespace {namespace!r}, found {found}"
@@ -346,7 +348,7 @@ def test_every_example_deployment_fits_its_overlays_quota(config):
     from components.kuberay.spec import load_deployment
 
     cfg, spec = load_deployment(config)
-    objects = kustomize_lite.build(_overlay_of(spec.namespace))
+    objects = kustomize_lite.build(_overlay_of(spec))
     (quota,) = [o for o in objects if o["kind"] == "ResourceQuota"]
     totals = pod_totals(render_rayjob(cfg, spec, "quota-check", "s3://b/runs"))
     assert totals["requests.memory"] >= cfg.resources.nnodes * cfg.resources.memory_gib_per_node * 2 ** 30
