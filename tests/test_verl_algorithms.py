@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,8 +224,15 @@ def test_pf_ppo_draws_rows_again_by_score_and_replays(ray_runs):
     batch = _stage(ray_runs["pf_ppo"], 1, "advantage")
     values = _stage(ray_runs["pf_ppo"], 1, "values")
     assert len(batch) == len(values)
-    assert sorted(batch.non_tensor_batch["uid"].tolist()) != sorted(values.non_tensor_batch["uid"].tolist()) or \
-        len(set(map(tuple, batch.batch["responses"].tolist()))) < len(batch)  # drawn with replacement
+    # the rows the run's seed and step draw, by pow weights of the scores (verl's default)
+    pf = RunConfig().algorithm.pf_ppo
+    weights = pf_ppo_weights(values.batch["token_level_scores"].sum(dim=-1), pf.reweight_method, pf.weight_pow)
+    seed = small_config(Path("unused")).trainer.seed
+    draw = torch.Generator().manual_seed(seed * 1_000_003 + batch.meta_info["global_step"])
+    drawn = torch.multinomial(weights, len(values), replacement=True, generator=draw)
+    assert len(set(drawn.tolist())) < len(values)  # with replacement: some rows twice, some not at all
+    assert torch.equal(batch.batch["responses"], values.batch["responses"][drawn])
+    assert batch.non_tensor_batch["uid"].tolist() == values.non_tensor_batch["uid"][drawn.numpy()].tolist()
     [result] = replay(f"file://{ray_runs['pf_ppo']['store']}/r/iter-000001", stages=["advantage"],
                       log=lambda *a: None)
     assert result.ok, [d for d in result.diffs if not d.equal]
