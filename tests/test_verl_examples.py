@@ -87,14 +87,18 @@ def run_scaled(args: list[str], tmp_path, iterations: int | None = None) -> list
 def test_verls_gspo_script_scaled_down_runs(tmp_path, ray_local):
     """examples/gspo_trainer/test_gspo_3b_math.sh: GSPO's sequence-level ratio with its tiny
     clip range, dynamic batch sizes, the dapo reward manager, a 5% warmup of
-    total_training_steps (verl's ratio: ceil-free int(0.05 x 20) = 1 step)."""
+    total_training_steps (verl's ratio: ceil-free int(0.05 x 20) = 1 step). Two of the 20
+    iterations run (--more 2: the schedule still spans 20)."""
     args = scaled("examples/gspo_trainer/test_gspo_3b_math.sh", tmp_path, {
         "trainer.total_training_steps": "20", "reward_model.reward_kwargs.overlong_buffer_cfg.len": "2",
-        "reward_model.reward_kwargs.max_resp_len": "6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4"},
-        extra=["trainer.total_iterations=2"])
-    rows = run_scaled(args, tmp_path)
+        "reward_model.reward_kwargs.max_resp_len": "6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "4"})
+    rows = run_scaled(args, tmp_path, iterations=2)
     assert len(rows) == 2 and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
-    assert rows[0]["actor/lr"] == pytest.approx(1e-6)  # warmup of 1 step over, constant after (verl's default)
+    # verl's constant schedule with a warmup of 1 step: step 0 at 0 / 1, then the full rate
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 1e-6])
+    # at rate 0 the first mini-batch's update leaves the weights: the second sees no change
+    # of policy; at 1e-6 it does (GSPO's sequence-level ratio moves)
+    assert abs(rows[0]["actor/ppo_kl"]) < 1e-7 < abs(rows[1]["actor/ppo_kl"])
 
 
 def test_verls_dapo_script_scaled_down_runs(tmp_path, ray_local):
@@ -109,6 +113,11 @@ def test_verls_dapo_script_scaled_down_runs(tmp_path, ray_local):
     rows = run_scaled(args, tmp_path)
     assert len(rows) == 2 and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
     assert all("critic/reward_extra/acc/mean" in r for r in rows)  # the dapo manager's acc of a float reward
+    # the overlong buffer: with every response at max_resp_len 6, 2 tokens past the buffer's
+    # start (6 - 2), each score is its accuracy less the full penalty, 2 / 2 x 1.0
+    full = [r for r in rows if r["response_length/clip_ratio"] == 1.0]
+    assert full, [r["response_length/clip_ratio"] for r in rows]
+    assert all(r["critic/score/mean"] == pytest.approx(r["critic/reward_extra/acc/mean"] - 1.0) for r in full)
 
 
 def test_a_script_with_a_cosine_warmup_follows_verls_schedule(tmp_path, ray_local):
