@@ -296,10 +296,17 @@ def _close(a, b, mask=None):
     return torch.allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_the_workers_stages_give_the_padded_numbers_packed(workers):
+def test_the_workers_stages_give_the_padded_numbers_packed(workers, monkeypatch):
     data = _stage_batch()
     mask = data.batch["response_mask"]
     padded, packed = workers["actor", False], workers["actor", True]
+    assert packed.policy.config._attn_implementation == packing.PACKED_SDPA
+    packs, pack = [], packing.pack
+    monkeypatch.setattr(packing, "pack", lambda *a, **kw: packs.append(a[0].shape[0]) or pack(*a, **kw))
+    padded.compute_log_prob(data)
+    assert packs == []  # the padded worker never packs ...
+    packed.compute_log_prob(data)
+    assert packs and sum(packs) == len(data)  # ... the packed one packs every row
     for stage, column in (("compute_log_prob", "old_log_probs"), ("compute_log_prob", "entropys"),
                           ("compute_ref_log_prob", "ref_log_prob")):
         assert _close(getattr(padded, stage)(data).batch[column], getattr(packed, stage)(data).batch[column], mask)
@@ -314,6 +321,37 @@ def test_the_workers_stages_give_the_padded_numbers_packed(workers):
         for key in [k for k in metrics[0] if "timing" not in k]:
             first = [m[key][0] if isinstance(m[key], list) else m[key] for m in metrics]
             assert abs(first[0] - first[1]) <= 1e-5 + 1e-4 * abs(first[0]), (key, first)
+
+
+def test_the_actors_update_by_token_budget_has_the_row_micro_batches_gradient(tmp_path, monkeypatch):
+    """The worker's update with use_dynamic_bsz: each mini-batch of 3 rows (26 and 30 tokens)
+    in micro-batches of at most 20 tokens, and the first step's gradient norm that of
+    2-row micro-batches (the same weights, the same mini-batch loss)."""
+    from rlhf_core.testing.model_folders import build_model_folder
+    from rlhf_core.workers.actor import ActorRolloutRefWorker
+
+    folder = build_model_folder(tmp_path / "model")
+    monkeypatch.setattr(Worker, "init_process_group", lambda self, backend=None: backend)
+    by_rows = ActorRolloutRefWorker(_config(folder, ["rollout.name=hf"]))
+    by_tokens = ActorRolloutRefWorker(_config(folder, ["rollout.name=hf", "actor.use_dynamic_bsz=true",
+                                                       "actor.ppo_max_token_len_per_gpu=20"]))
+    by_rows.init_model()
+    by_tokens.init_model()
+    groups, parts = [], modeling.token_budget_parts
+
+    def recorded(lengths, budget, field):
+        out = parts(lengths, budget, field)
+        groups.append([sum(lengths[i] for i in g) for g in out])
+        return out
+
+    monkeypatch.setattr(modeling, "token_budget_parts", recorded)
+    data = _stage_batch()
+    rows_metrics = by_rows.update_actor(data).meta_info["metrics"]
+    assert groups == []
+    tokens_metrics = by_tokens.update_actor(data).meta_info["metrics"]
+    assert len(groups) == 2 and all(len(g) > 1 and max(g) <= 20 for g in groups)
+    first = [m["actor/grad_norm"][0] for m in (rows_metrics, tokens_metrics)]
+    assert first[1] == pytest.approx(first[0], rel=1e-4) and first[0] > 0
 
 
 def test_packing_is_on_where_configured():
