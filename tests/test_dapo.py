@@ -15,7 +15,6 @@ from rlhf_core.record.iteration_store import IterationStore
 from rlhf_core.record.run_layout import RunRef
 from rlhf_core.trainer.run import run_direct
 
-pytestmark = pytest.mark.usefixtures("ray_local")
 # a pass/fail column of the built-in task's partial credit: many groups pass or fail whole
 DAPO = ["data.train_batch_size=4", "data.gen_batch_size=8", "algorithm.filter_groups.enable=true",
         "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=20",
@@ -56,7 +55,7 @@ def test_dynamic_sampling_settings_are_checked():
 
 
 @pytest.fixture(scope="module")
-def dapo_run(tmp_path_factory):
+def dapo_run(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("dapo")
     (root / "pass_fail.py").write_text(PASS_FAIL.replace("THRESHOLD", "0.4"))
     cfg = apply_overrides(small_config(root / "out"), DAPO + [f"custom_reward_function.path={root / 'pass_fail.py'}"]
@@ -111,7 +110,7 @@ def test_filter_groups_replays_exactly(dapo_run):
     assert result.ok, [d for d in result.diffs if not d.equal]
 
 
-def test_too_many_generation_batches_stop_the_run_in_one_line(tmp_path):
+def test_too_many_generation_batches_stop_the_run_in_one_line(tmp_path, ray_local):
     reward = tmp_path / "constant.py"
     reward.write_text(CONSTANT)
     cfg = apply_overrides(small_config(tmp_path / "out"), [
@@ -122,7 +121,7 @@ def test_too_many_generation_batches_stop_the_run_in_one_line(tmp_path):
         run_direct(cfg, 1, RunRef(f"file://{tmp_path / 'store'}", "r"), log=lambda *a: None)
 
 
-def test_verls_dapo_recipe_keys_scaled_down_run(tmp_path):
+def test_verls_dapo_recipe_keys_scaled_down_run(tmp_path, ray_local):
     """verl's recipe/dapo test_dapo_7b.sh's algorithm keys (dynamic sampling on acc, the
     dapo reward manager's overlong buffer, clip-higher, token-mean, no KL), with its model,
     data and sizes scaled down to the built-in task."""
@@ -159,7 +158,7 @@ def test_verls_dapo_recipe_keys_scaled_down_run(tmp_path):
     assert all("critic/reward_extra/acc/mean" in r for r in rows)
 
 
-def test_an_iteration_that_needs_many_generation_batches_completes(tmp_path):
+def test_an_iteration_that_needs_many_generation_batches_completes(tmp_path, ray_local):
     """Groups vary only for prompts whose answer starts with 0 or 1: an iteration draws three
     or more generation batches (each with its own meta and, for some, reward columns of its
     own) and still yields train_batch_size varied groups."""
