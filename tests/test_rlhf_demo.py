@@ -38,7 +38,19 @@ def test_the_demo_runs_its_three_phases_and_logs_the_tasks_score_beside_the_mode
                  f"trainer.output_dir={tmp_path / 'out'}"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "demo" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("critic/reward_extra/function_score/mean" in r for r in rows)
-    assert rows[0]["critic/score/mean"] != rows[0]["critic/reward_extra/function_score/mean"]
+    # each score on its own scale, recomputed from the reward stage's record: the reward
+    # model's (its logit at the last token) and the task's own check of the same responses
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+
+    for iteration, row in enumerate(rows):
+        reward = IterationStore(RunRef(store, "demo")).load(iteration, "reward")
+        nt = reward.non_tensor_batch
+        task = [reward_score(DATA_SOURCE, text, truth)["score"] for text, truth in zip(nt["response_text"],
+                                                                                       nt["ground_truth"])]
+        assert row["critic/reward_extra/function_score/mean"] == pytest.approx(sum(task) / len(task))
+        assert row["critic/score/mean"] == pytest.approx(float(reward.batch["rm_scores"].sum(-1).mean()), abs=1e-6)
+        assert 0 <= min(task) and max(task) <= 1
     lines = format_lineage(chain(f"{store}/demo")).splitlines()
     assert lines[-1].startswith(f"  trained from preferences {tmp_path / 'demo' / 'preferences.jsonl'} (sha256 ")
 
