@@ -236,3 +236,6 @@ def test_verls_whole_trainer_yaml_runs_scaled_down(tmp_path, ray_local):
     rows = [json.loads(line) for line in (out / "verl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["critic/vf_loss"]) and math.isfinite(r["actor/pg_loss"])
                                   for r in rows)
+    # verl's default estimator is GAE: the critic is trained (a loss, a gradient) and the
+    # actor's update moves it too
+    assert all(r["critic/vf_loss"] > 0 and r["critic/grad_norm"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
