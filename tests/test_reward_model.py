@@ -537,3 +537,52 @@ def test_a_reward_model_whose_tokenizer_outgrows_its_embedding_is_refused_at_loa
                                                rf"embedding; found a tokenizer of {rows + 1} tokens for {rows} "
                                                rf"embedding rows in .*rm-grown$"):
         check_vocabulary(grown, str(folder))
+
+
+def _two_rank_main(rank: int, world: int, rdzv: str, folders: dict, out: str) -> None:
+    """One rank of a 2-rank FSDP reward-model group: rank 1 must neither read the weights
+    nor hash the folder (both raise there); every rank scores the batch."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+                      RLHF_RDZV_ID=rdzv)
+    torch.set_num_threads(1)
+    from transformers import AutoModelForSequenceClassification
+
+    if rank != 0:
+        def refused(*args, **kwargs):
+            raise AssertionError(f"rank {rank} read or hashed the reward model's folder")
+
+        AutoModelForSequenceClassification.from_pretrained = refused
+        rm.content_sha256 = refused
+    cfg = apply_overrides(RunConfig(), [f"model.path={folders['policy']}", "reward_model.enable=true",
+                                        f"reward_model.model.path={folders['same']}", "actor.world_size=2",
+                                        f"data.max_prompt_length={PROMPT}", f"rollout.response_length={RESPONSE}"])
+    worker = rm.RewardModelWorker(cfg)
+    worker.init_model()
+    scores = worker.compute_rm_score(rollout_batch(folders["policy"])).batch["rm_scores"]
+    torch.save({"scores": scores, "identity": worker.identity()}, f"{out}.rank{rank}")
+
+
+@pytest.mark.slow
+def test_rank_0_alone_reads_and_hashes_the_reward_model_and_every_rank_scores_with_its_weights(folders, tmp_path):
+    """[6/7] item 4: a 7B reward model was read and hashed by every rank of a node (8x the
+    host memory and the volume's reads); now by rank 0, its weights broadcast into the
+    others' shards, as the actor's are."""
+    import uuid
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rm")
+    mp.start_processes(_two_rank_main, args=(2, uuid.uuid4().hex[:8], folders, out), nprocs=2,
+                       start_method="spawn")
+    ranks = [torch.load(f"{out}.rank{r}") for r in range(2)]
+    data = rollout_batch(folders["policy"])
+    mask = data.batch["attention_mask"]
+    for i in range(len(data)):
+        valid = int(mask[i, PROMPT:].sum())
+        expected = hf_score(folders["same"], data.batch["input_ids"][i][mask[i].bool()].tolist())
+        for seen in ranks:
+            assert seen["scores"][i, valid - 1].item() == pytest.approx(expected, abs=1e-5)
+    assert ranks[0]["identity"]["sha256"] == rm.content_sha256(str(folders["same"]))
+    assert ranks[1]["identity"]["sha256"] is None

@@ -39,14 +39,19 @@ class RewardModelError(ValueError):
     """The reward model or its inputs are not what scoring needs."""
 
 
-def load_reward_model(path: str, dtype: str = "float32"):
+def load_reward_model(path: str, dtype: str = "float32", empty: bool = False):
     """An HF sequence-classification model with one label and a ``score`` head (the
     layout of Llama, Qwen2, Mistral and Gemma reward models); anything else is refused
-    in one line naming what was found."""
+    in one line naming what was found. ``empty``: built from its config on the meta
+    device (no weights read), for a rank whose shards ``sharding.wrap`` fills from rank 0."""
     from transformers import AutoModelForSequenceClassification
 
-    check_reward_model_config(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
+    config = check_reward_model_config(path)
+    if empty:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config, dtype=getattr(torch, dtype))
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=getattr(torch, dtype))
     if not isinstance(getattr(model, "score", None), torch.nn.Linear):
         raise RewardModelError(f"{FIELD}: expected a score head (a Linear named 'score'); found "
                                f"{type(getattr(model, 'score', None)).__name__} in {path}")
@@ -289,27 +294,36 @@ class RewardModelWorker(Worker):
                                    f"tokenizer differs from the policy's, so responses are re-templated for it); "
                                    f"found none in {self.model_path}")
         check_vocabulary(self.tokenizer if self.retemplates else self.policy_tokenizer, self.model_path)
-        self.content_sha256 = content_sha256(self.model_path)
+        # what scored the run is rank 0's folder: the other ranks hold rank 0's weights (FSDP)
+        # or the same folder, and hashing 15 GB on every rank of a node costs minutes
+        self.content_sha256 = content_sha256(self.model_path) if self.rank == 0 else None
         if rm.use_reward_loop:  # served: one engine per rank, each scoring its share of the batch
             check_reward_model_config(self.model_path)  # a one-label classifier, as the FSDP path requires
             longest = max(self.max_length, cfg.data.max_prompt_length + cfg.rollout.response_length)
             self.engine = VLLMRewardScorer(self.model_path, rm.rollout, longest, cfg.model.dtype, cfg.trainer.seed)
             return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
-        model = load_reward_model(self.model_path, cfg.model.dtype)
+        spec = sharding.ShardingSpec.from_config(cfg, param_offload=rm.model.fsdp_config.param_offload)
+        # under FSDP over several ranks rank 0 alone reads the weights (as the actor's): one
+        # read of the folder and one copy in host memory, not one per rank
+        reads = sharding.reads_checkpoint(spec.strategy, self.rank, self.world_size)
+        model = load_reward_model(self.model_path, cfg.model.dtype, empty=not reads)
         modeling.check_micro_batch_memory(cfg, None, reward_model_config=model.config)
         if model.config.pad_token_id is None:  # HF's pooling (unused here) refuses batches without one
             model.config.pad_token_id = self.tokenizer.pad_token_id or 0
         if rm.model.use_remove_padding:
             packing.enable_packing(model)
-        spec = sharding.ShardingSpec.from_config(cfg, param_offload=rm.model.fsdp_config.param_offload)
-        self.model = modeling.init_distributed_model(self, model, spec, trainable=False, resources=cfg.resources)
+        source = sharding.FullWeights.of(model) if reads and sharding.loads_from_rank0(spec.strategy,
+                                                                                      self.world_size) else None
+        self.model = modeling.init_distributed_model(self, model, spec, trainable=False, resources=cfg.resources,
+                                                     source=source)
+        del source
         return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def identity(self) -> dict:
         """What scored this run's responses: ``reward_model.model.path`` as configured, the
-        content hash of the folder this rank loaded (``content_sha256``) and, for a model
-        trained here, the preferences it was trained on (``trained_from``)."""
+        content hash of rank 0's folder (``content_sha256``; None on the other ranks) and, for
+        a model trained here, the preferences it was trained on (``trained_from``)."""
         identity = {"path": self.config.reward_model.model.path, "sha256": self.content_sha256}
         origin = trained_from(self.model_path)
         return identity if origin is None else {**identity, "trained_from": origin}
