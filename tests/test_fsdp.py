@@ -348,8 +348,14 @@ def _meta_main(rank: int, world: int, rdzv: str, out: str) -> None:
         reference = qwen2_from_config(None, **shape)
     for p in reference.parameters():  # parameters only, as a model built in bf16: rotary stays fp32
         p.data = p.data.to(torch.bfloat16)
+    import torch.distributed as dist
+
+    sent, broadcast = [], dist.broadcast
+    dist.broadcast = lambda tensor, *a, **kw: sent.append((tensor.dtype, tensor.device.type)) or \
+        broadcast(tensor, *a, **kw)
     reference = sharding.wrap(reference, sharding.ShardingSpec(mixed_precision="bf16"), trainable=False,
                               source=weights)
+    dist.broadcast = broadcast
     with torch.no_grad():
         logits = policy(input_ids=ids).logits
         ref_logits = reference(input_ids=ids).logits.float()
@@ -357,7 +363,8 @@ def _meta_main(rank: int, world: int, rdzv: str, out: str) -> None:
                 "ref_dtypes": {str(p.dtype) for p in reference.parameters()},
                 "on_meta": any(p.is_meta for p in [*policy.parameters(), *reference.parameters()]),
                 "inv_freq": policy.model.rotary_emb.inv_freq.clone(),
-                "tied": [m.lm_head.weight is m.model.embed_tokens.weight for m in (policy, reference)]},
+                "tied": [m.lm_head.weight is m.model.embed_tokens.weight for m in (policy, reference)],
+                "sent": sent},
                f"{out}.rank{rank}")
 
 
@@ -374,3 +381,8 @@ def test_rank_0_reads_the_weights_and_every_rank_gets_them(tmp_path):
         assert torch.equal(seen["inv_freq"], ranks[0]["inv_freq"])          # buffers too (in no state dict)
         assert seen["tied"] == [True, True]                                 # one embedding, as loaded
     assert torch.equal(ranks[1]["ref_logits"], ranks[0]["ref_logits"])
+    # the reference's weights travel cast to its bf16 (half the bytes), each on the device the
+    # model is filled on (on a GPU: NCCL, even for shards offloaded to host memory); its
+    # rotary buffers stay fp32
+    sent = ranks[1]["sent"]
+    assert set(sent) == {(torch.bfloat16, "cpu"), (torch.float32, "cpu")}
