@@ -13,7 +13,11 @@ offloaded), padding removal (flash-attn's varlen kernel where installed, else to
 else the per-sequence SDPA fallback, named) checked against the padded forward, log-probs and a PPO step at 4 x 1536
 and 40 x 1536 tokens over the 151,936-token vocabulary with the peak memory of each, the
 full parameters streamed into a bf16 copy (compared by logits, with GB/s), and a sharded
-checkpoint saved and loaded (identical log-probs). Exits 1 if a step fails.
+checkpoint saved and loaded (identical log-probs), the rollout replica protocol on the HF
+engine (per-request limits, log-probs against a forward, a weight sync), the checkpoint
+engine between two processes (NCCL with two GPUs; NCCL refuses two ranks on one GPU, so
+gloo there), and a reward model's forward at gpu.yaml's token bound with its peak memory.
+Exits 1 if a step fails.
 
 On a CPU machine (``--shape tiny``; the test in ``tests/test_gpu_smoke_bare.py`` runs it so,
 with Ray, vLLM, tensordict and zarr blocked) every step runs except those that need CUDA,
@@ -104,6 +108,45 @@ def make_batch(rows: int, tokens: int, device: torch.device, seed: int = 0) -> d
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "position_ids": position_ids.to(device),
             "response_length": response_len, "response_mask": mask[:, prompt_len:].to(device)}
+
+
+def _weight_transfer_rank(rank: int, backend: str, out: str, shape: dict) -> None:
+    """One side of the checkpoint engine: rank 0 sends a model's weights in 64 MiB buckets,
+    rank 1 receives them into a model of its own and compares."""
+    from rlhf_core.models.qwen2 import qwen2_from_config
+    from rlhf_core.rollout import checkpoint_engine
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    model = qwen2_from_config(seed=rank, vocab_size=VOCAB, **shape).to(torch.bfloat16)
+    if backend == "nccl":
+        model = model.cuda()
+    port_file = Path(out + ".port")
+    if rank == 0:
+        store, port = checkpoint_engine.WeightGroup.host_store("127.0.0.1", 2, timeout_s=120)
+        port_file.write_text(str(port))
+        group = checkpoint_engine.WeightGroup("127.0.0.1", port, 0, 2, backend, timeout_s=120, store=store)
+        checkpoint_engine.send(group, model.state_dict().items(), 64 << 20, version=3)
+        group.barrier().wait()
+        return
+    deadline = time.monotonic() + 120
+    while not port_file.exists() or not port_file.read_text():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the sender published no port")
+        time.sleep(0.05)
+    group = checkpoint_engine.WeightGroup("127.0.0.1", int(port_file.read_text()), 1, 2, backend, timeout_s=120)
+    held, versions, received, buckets = model.state_dict(), [], 0, set()
+    t0 = time.perf_counter()
+    for name, tensor in checkpoint_engine.receive(group, on_version=versions.append):
+        held[name].copy_(tensor)
+        received += tensor.numel() * tensor.element_size()
+    seconds = time.perf_counter() - t0
+    group.barrier().wait()
+    expected = qwen2_from_config(seed=0, vocab_size=VOCAB, **shape).to(torch.bfloat16).state_dict()
+    differ = [k for k, v in held.items() if not torch.equal(v.cpu(), expected[k])]
+    chunks = -(-received // (64 << 20))
+    torch.save({"equal": not differ, "differ": differ, "bytes": received, "seconds": seconds,
+                "version": versions[-1] if versions else None, "buckets": chunks}, out + ".rank1")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,6 +408,81 @@ def main(argv: list[str] | None = None) -> int:
         return f"{size / 1e9:.2f} GB saved in {saved:.1f}s (async_save), loaded in {loaded:.1f}s; log-probs identical"
 
     steps.run("sharded checkpoint save and load", checkpoint)
+
+    # ------------------------------------------------------------ rollout replica, checkpoint engine
+    def hf_replica():
+        from types import SimpleNamespace
+
+        from rlhf_core.rollout.engine import GenerationRequest, Sampling
+        from rlhf_core.rollout.engines.hf import HFEngine
+
+        tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+        first, second = (qwen2_from_config(seed=s, vocab_size=VOCAB, **SHAPES["tiny"]).to(device).eval()
+                         for s in (1, 2))
+        engine = HFEngine(first, tokenizer, None, seed=0, owns_weights=True)
+        g = torch.Generator().manual_seed(3)
+        requests = [GenerationRequest(f"r{i}", tuple(torch.randint(2, VOCAB, (n,), generator=g).tolist()), seed=7,
+                                      max_tokens=limit) for i, (n, limit) in enumerate([(5, None), (9, 3), (2, 6)])]
+        sampled = engine.generate(requests, Sampling(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=8))
+        worst = 0.0
+        for request, answer in zip(requests, sampled):  # each log-prob is the model's own, teacher-forced
+            if not 0 < len(answer.token_ids) <= request.limit(Sampling(1.0, 1.0, -1, 8)):
+                raise AssertionError(f"{request.request_id}: {len(answer.token_ids)} tokens past its limit")
+            ids = torch.tensor([list(request.prompt_ids) + answer.token_ids], device=device)
+            with torch.no_grad():
+                logits = first(input_ids=ids).logits[0, len(request.prompt_ids) - 1:-1].float()
+            forced = torch.log_softmax(logits, -1).gather(-1, ids[0, len(request.prompt_ids):, None]).squeeze(-1)
+            worst = max(worst, float((forced.cpu() - torch.tensor(answer.log_probs)).abs().max()))
+        if worst > 1e-3:
+            raise AssertionError(f"the engine's log-probs differ from the model's by {worst:.2e}")
+        greedy = Sampling(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=6, greedy=True)
+        engine.update_weights(second.state_dict().items())  # a weight sync: the replica now serves the second
+        theirs = HFEngine(second, tokenizer, None, seed=0).generate(requests, greedy)
+        if [a.token_ids for a in engine.generate(requests, greedy)] != [a.token_ids for a in theirs]:
+            raise AssertionError("after update_weights the replica does not answer as the model it was sent")
+        return f"3 requests, per-request limits kept, log-probs within {worst:.1e} of a forward; weights replaced"
+
+    steps.run("rollout replica protocol on the HF engine", hf_replica)
+
+    def weight_transfer():
+        import torch.multiprocessing as mp
+
+        backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+        out = work / "weights"
+        t0 = time.perf_counter()
+        mp.start_processes(_weight_transfer_rank, args=(backend, str(out), SHAPES[shape]), nprocs=2,
+                           start_method="spawn")
+        wall = time.perf_counter() - t0
+        result = torch.load(f"{out}.rank1")
+        if not result["equal"]:
+            raise AssertionError(f"the received weights differ: {result['differ'][:3]}")
+        why = "" if backend == "nccl" else (" (NCCL refuses two ranks on one GPU: gloo)" if on_gpu else "")
+        return (f"{backend}{why}: {result['bytes'] / 2**20:.0f} MiB in {result['buckets']} buckets, "
+                f"{result['bytes'] / 2**30 / max(result['seconds'], 1e-9):.2f} GiB/s, version {result['version']}; "
+                f"{wall:.1f}s with process start")
+
+    steps.run("checkpoint engine between two processes", weight_transfer)
+
+    def reward_model_forward():
+        from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+        config = Qwen2Config(vocab_size=VOCAB, num_labels=1, pad_token_id=0, **SHAPES[shape],
+                             max_position_embeddings=32768)
+        model = Qwen2ForSequenceClassification(config).to(device=device, dtype=torch.bfloat16).eval()
+        rows, tokens = (16, 2048) if on_gpu else (2, 96)  # gpu.yaml's bound: 32768 tokens a forward
+        batch = make_batch(rows, tokens, device, seed=5)
+        _reset_peak(on_gpu)
+        with torch.no_grad():
+            scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                           position_ids=batch["position_ids"]).logits
+        if scores.shape != (rows, 1) or not torch.isfinite(scores).all():
+            raise AssertionError(f"scores of shape {tuple(scores.shape)}, finite: {bool(torch.isfinite(scores).all())}")
+        per_layer = 6 * config.hidden_size + 4 * config.intermediate_size
+        estimate = rows * tokens * (per_layer + config.hidden_size) * 2  # config.micro_batch_memory's rule
+        del model
+        return f"{rows} x {tokens} tokens, {_peak(on_gpu)}; estimated activations {estimate / 2**30:.2f} GiB"
+
+    steps.run("reward model forward at the token bound", reward_model_forward)
 
     if dist.is_initialized():
         dist.destroy_process_group()

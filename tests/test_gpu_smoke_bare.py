@@ -43,14 +43,16 @@ def test_the_bare_smoke_runs_every_step_but_the_cuda_ones_without_ray_vllm_tenso
     assert "FAIL" not in status.values()
     for step in ("process group", "Qwen2 built from its config", "FSDP2 with the production options",
                  "padding removal", "log-probs 2 x 96", "PPO step 2 x 96", "log-probs 4 x 96", "PPO step 4 x 96",
-                 "full parameters streamed into a bf16 copy", "sharded checkpoint save and load"):
+                 "full parameters streamed into a bf16 copy", "sharded checkpoint save and load",
+                 "rollout replica protocol on the HF engine", "checkpoint engine between two processes",
+                 "reward model forward at the token bound"):
         assert status.get(step) == "PASS", (step, lines)
     skips = [line for line in lines if line.startswith("SKIP")]
     # only the CUDA-specific steps are skipped, each with its reason
     assert [line.split(" (")[0] for line in skips] == ["SKIP nccl all-reduce", "SKIP device-index rule",
                                                        "SKIP reference offload to host"]
     assert all("no CUDA" in line for line in skips)
-    assert lines[-1].startswith("PASS bare smoke: 10 passed, 0 failed, 3 skipped")
+    assert lines[-1].startswith("PASS bare smoke: 13 passed, 0 failed, 3 skipped")
 
 
 def test_the_bare_smoke_names_the_attention_it_used_and_what_it_measured(cpu_smoke):
