@@ -458,3 +458,23 @@ def test_a_rollout_snapshot_from_before_weight_versions_still_replays():
     diffs = compare(old, new)
     assert all(d.equal for d in diffs) and {d.kind for d in diffs} == {"exact", "not recorded"}
     assert not all(d.equal for d in compare(new, old))
+
+
+def test_a_killed_senders_shared_buckets_are_removed_by_the_next_sender(tmp_path):
+    """A SIGKILLed sender runs no finalizer: its /dev/shm buckets (named by its pid) stay
+    until the next sender on the node removes them; a live sender's, files of another
+    name and anything not this user's are left."""
+    import os
+    import subprocess
+
+    from rlhf_core.rollout import checkpoint_engine
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    names = [f"rlhf-weights-{dead.pid}-a1b2", f"rlhf-weights-{os.getpid()}-c3d4", "rlhf-weights-e5f6",
+             "something-else"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = checkpoint_engine._remove_orphans(str(tmp_path))
+    assert removed == [str(tmp_path / names[0])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -89,7 +89,11 @@ class WeightGroup:
             held = self._shared.get(slot)
             if held is not None and held[1].numel() >= nbytes:
                 return held
-            fd, path = tempfile.mkstemp(prefix="rlhf-weights-", dir="/dev/shm")
+            if not self._shared:
+                _remove_orphans()
+            # the sender's pid in the name: a bucket whose sender was killed (no finalizer
+            # ran) is found and removed by the next sender on the node
+            fd, path = tempfile.mkstemp(prefix=f"rlhf-weights-{os.getpid()}-", dir="/dev/shm")
             os.ftruncate(fd, max(nbytes, 1))
             os.close(fd)
             weakref.finalize(self, _remove, path)
@@ -111,6 +115,27 @@ def _node() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _remove_orphans(folder: str = "/dev/shm") -> list[str]:
+    """Remove this user's buckets whose sending process is gone (a SIGKILL runs no
+    finalizer); returns their paths. Another user's files and live senders' are left."""
+    removed = []
+    for name in os.listdir(folder):
+        parts = name.split("-")
+        if not (name.startswith("rlhf-weights-") and len(parts) >= 4 and parts[2].isdigit()):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[2]), 0)
+        except ProcessLookupError:
+            _remove(path)
+            removed.append(path)
+        except OSError:  # gone already, or a live process of another user: not ours to judge
+            continue
+    return removed
 
 
 def _remove(path: str) -> None:
