@@ -241,7 +241,11 @@ def test_verls_gsm8k_tool_config_maps_to_ours_and_scores(tmp_path):
 @pytest.mark.parametrize("text,word", [
     ("tools: [", "not YAML"),
     ("tools: {}", "'tools' list"),
-    ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    tool_schema: {function: {name: s}}", "refused"),
+    ("tools:\n  - class_name: verl.tools.mcp_search_tool.MCPSearchTool\n    tool_schema: {function: {name: s}}", "refused"),
+    ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    tool_schema: {function: {name: s}}",
+     "expected one of config.retrieval_service_url"),
+    ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    config: {retrieval_service_url: 'file:///etc'}\n"
+     "    tool_schema: {function: {name: s}}", "expected an http(s) URL"),
     ("tools:\n  - class_name: no.such.Tool\n    tool_schema: {function: {name: s}}", "cannot import"),
     ("tools:\n  - class_name: json.JSONDecoder\n    tool_schema: {function: {name: s}}", "subclass"),
     ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    tool_schema: {type: function}", "tool_schema"),
@@ -491,3 +495,72 @@ def test_the_built_in_tool_config_loads_and_its_calculator_answers():
     with pytest.raises(ToolConfigError, match="builtin:calculator"):
         load_tool_config("builtin:nothing")
     assert evaluate("(2+3)*4 - 6/3") == 18.0
+
+
+# ---------------------------------------------------------------- the search tool
+
+SEARCH_SCHEMA = {"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"query_list": {"type": "array"}}, "required": ["query_list"]}}}
+CORPUS = [{"title": "Paris", "text": "Paris is the capital of France."},
+          {"title": "Berlin", "text": "Berlin is the capital of Germany. Berlin has many museums."},
+          {"title": "Rome", "text": "Rome is in Italy."}]
+
+
+def _search(tool, queries):
+    import asyncio
+    import json as json_module
+
+    async def use():
+        instance, _ = await tool.create()
+        return await tool.execute(instance, {"query_list": queries})
+
+    response, reward, metrics = asyncio.run(use())
+    return json_module.loads(response.text)["result"], reward, metrics
+
+
+def test_the_search_tool_ranks_a_local_corpus_by_bm25_and_answers_as_verl_formats(tmp_path):
+    import math
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_core.agent.tools.search import BM25, SearchTool
+
+    path = tmp_path / "corpus.parquet"
+    pq.write_table(pa.Table.from_pylist(CORPUS), path)
+    tool = SearchTool({"corpus_path": str(path), "topk": 2}, SEARCH_SCHEMA)
+    text, reward, metrics = _search(tool, ["capital of Germany", "museums"])
+    first, second = text.split("\n---\n")
+    assert first.startswith("Doc 1 (Title: Berlin)\nBerlin is the capital of Germany.") and "Doc 2 (Title: " in first
+    assert second == "Doc 1 (Title: Berlin)\nBerlin is the capital of Germany. Berlin has many museums."
+    assert (reward, metrics) == (0.0, {"status": "success", "total_results": 3})
+    # BM25 by hand for "museums" (in one document of 3): idf ln(1 + 2.5 / 1.5), tf 1
+    index = BM25(["Paris\n" + CORPUS[0]["text"], "Berlin\n" + CORPUS[1]["text"], "Rome\n" + CORPUS[2]["text"]])
+    norm = 11 / ((7 + 11 + 5) / 3)  # words per document, titles included
+    assert index.scores("museums") == {1: pytest.approx(math.log(1 + 2.5 / 1.5) * 1.9 / (1 + 0.9 * (0.6 + 0.4 * norm)))}
+    assert _search(tool, ["zzz"])[0] == "No search results found."
+    assert "query_list" in _search(tool, "not a list")[0]
+
+
+def test_the_search_tool_speaks_verls_retrieval_protocol(tmp_path):
+    from json_http import JSONServer
+
+    from rlhf_core.agent.tools.search import SearchTool
+
+    def route(method, path, body):
+        return 200, {"result": [[{"document": {"contents": f"{q.title()}\nabout {q}"}, "score": 1.0}]
+                                for q in body["queries"]]}
+
+    server = JSONServer(route)
+    try:
+        tool = SearchTool({"retrieval_service_url": f"{server.url}/retrieve", "topk": 3}, SEARCH_SCHEMA)
+        text, _, metrics = _search(tool, ["cats", "dogs"])
+        assert server.requests[0]["body"] == {"queries": ["cats", "dogs"], "topk": 3, "return_scores": True}
+        assert server.requests[0]["path"] == "/retrieve"
+    finally:
+        server.close()
+    assert text == "Doc 1 (Title: Cats)\nabout cats\n---\nDoc 1 (Title: Dogs)\nabout dogs"
+    assert metrics == {"status": "success", "total_results": 2}
+    # the service gone: the model is told, the run goes on
+    text, _, metrics = _search(tool, ["cats"])
+    assert text.startswith("Search error: ") and metrics == {"status": "api_error"}

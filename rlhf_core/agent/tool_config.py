@@ -23,10 +23,10 @@ from rlhf_core.agent.tools.base import BaseTool
 VERL_TOOLS = {
     "verl.tools.gsm8k_tool.Gsm8kTool": "rlhf_core.agent.tools.gsm8k:Gsm8kTool",
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rlhf_core.agent.tools.code_interpreter:CodeInterpreterTool",
+    "verl.tools.search_tool.SearchTool": "rlhf_core.agent.tools.search:SearchTool",
 }
 #: verl's tool classes not served here, and why
 NOT_HERE = {
-    "verl.tools.search_tool.SearchTool": "the search tool (retrieval service) is not built here yet",
     "verl.tools.mcp_search_tool.MCPSearchTool": "MCP tools are not built here",
     "verl.tools.mcp_base_tool.MCPBaseTool": "MCP tools are not built here",
     "verl.tools.geo3k_tool.Geo3kTool": "multimodal tools are not built here",
@@ -133,8 +133,16 @@ def tool_class(spec: ToolSpec):
 
 
 def build_tools(specs: list[ToolSpec]) -> dict[str, BaseTool]:
-    """Each tool once per process (instances are per trajectory, through ``create``)."""
-    return {spec.name: tool_class(spec)(dict(spec.config), spec.schema) for spec in specs}
+    """Each tool once per process (instances are per trajectory, through ``create``); a
+    tool that refuses its config is refused in one line naming the file and the entry."""
+    tools = {}
+    for spec in specs:
+        cls = tool_class(spec)
+        try:
+            tools[spec.name] = cls(dict(spec.config), spec.schema)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ToolConfigError(f"{spec.source}.config: tool {spec.name!r}: {exc}") from None
+    return tools
 
 
 def file_digest(path: str) -> str:

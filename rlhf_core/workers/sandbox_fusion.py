@@ -69,7 +69,7 @@ def run_case(url: str, code: str, stdin, memory_limit_mb: int, opener=urllib.req
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         try:
             with opener(request, timeout=COMPILE_TIMEOUT_S + RUN_TIMEOUT_S + 10) as reply:
-                return json.loads(_bounded_read(reply, time.monotonic() + REPLY_DEADLINE_S))
+                return json.loads(bounded_read(reply, time.monotonic() + REPLY_DEADLINE_S))
         except urllib.error.HTTPError as exc:
             if exc.code != 504 or attempt == 2:
                 return None
@@ -85,18 +85,19 @@ MAX_REPLY_BYTES = 4 << 20
 REPLY_DEADLINE_S = COMPILE_TIMEOUT_S + RUN_TIMEOUT_S + 20
 
 
-def _bounded_read(reply, deadline: float) -> bytes:
-    """The reply's body, or ValueError past ``MAX_REPLY_BYTES`` or ``deadline``."""
+def bounded_read(reply, deadline: float, who: str = "sandbox_fusion") -> bytes:
+    """The reply's body, or ValueError past ``MAX_REPLY_BYTES`` or ``deadline`` (a
+    monotonic time); ``who`` names the service in the error."""
     chunks, size = [], 0
     while True:
         if time.monotonic() > deadline:
-            raise ValueError(f"sandbox_fusion: the reply took longer than {REPLY_DEADLINE_S} s")
+            raise ValueError(f"{who}: the reply took too long (a deadline of its own, or {REPLY_DEADLINE_S} s)")
         chunk = reply.read1(65536) if hasattr(reply, "read1") else reply.read(65536)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > MAX_REPLY_BYTES:
-            raise ValueError(f"sandbox_fusion: a reply over {MAX_REPLY_BYTES} bytes")
+            raise ValueError(f"{who}: a reply over {MAX_REPLY_BYTES} bytes")
         chunks.append(chunk)
 
 
