@@ -564,3 +564,75 @@ def test_the_search_tool_speaks_verls_retrieval_protocol(tmp_path):
     # the service gone: the model is told, the run goes on
     text, _, metrics = _search(tool, ["cats"])
     assert text.startswith("Search error: ") and metrics == {"status": "api_error"}
+
+
+# ---------------------------------------------------------------- a user's verl tool
+
+VERL_STYLE_TOOL = '''
+from typing import Any, Optional
+from uuid import uuid4
+
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+
+class EchoTool(BaseTool):
+    """Written for verl: its imports are verl's."""
+
+    def __init__(self, config: dict, tool_schema: OpenAIFunctionToolSchema):
+        super().__init__(config, tool_schema)
+        self._instance_dict = {}
+        self.prefix = config.get("prefix", "")
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return self.tool_schema
+
+    async def create(self, instance_id: Optional[str] = None, **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id or str(uuid4())
+        self._instance_dict[instance_id] = []
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[ToolResponse, float, dict]:
+        self._instance_dict[instance_id].append(parameters["text"])
+        return ToolResponse(text=f"{self.prefix}{self.tool_schema.function.name}: {parameters['text']}"), 0.5, {}
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        del self._instance_dict[instance_id]
+'''
+ECHO_SCHEMA = ("    tool_schema: {type: function, function: {name: echo, parameters: {type: object, properties: "
+               "{text: {type: string}}, required: [text]}}}\n")
+
+
+@pytest.mark.parametrize("form", ["file", "module"])
+def test_a_users_tool_written_for_verl_loads_with_verls_imports_answered_by_ours(tmp_path, monkeypatch, form):
+    import asyncio
+    import sys
+
+    (tmp_path / "my_verl_tools.py").write_text(VERL_STYLE_TOOL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    class_name = f"{tmp_path / 'my_verl_tools.py'}:EchoTool" if form == "file" else "my_verl_tools.EchoTool"
+    config = tmp_path / "tools.yaml"
+    config.write_text(f"tools:\n  - class_name: {class_name}\n    config: {{prefix: '> '}}\n" + ECHO_SCHEMA)
+    tools = build_tools(load_tool_config(str(config)))
+    assert "verl" not in sys.modules and "verl.tools.base_tool" not in sys.modules  # nothing left behind
+
+    async def use():
+        instance, _ = await tools["echo"].create()
+        answer = await tools["echo"].execute(instance, {"text": "hi"})
+        await tools["echo"].release(instance)
+        return answer
+
+    response, reward, _ = asyncio.run(use())
+    assert (response.text, reward) == ("> echo: hi", 0.5)
+
+
+def test_a_users_tool_file_that_fails_as_it_runs_is_refused_in_one_line(tmp_path):
+    (tmp_path / "broken.py").write_text("from verl.tools.base_tool import BaseTool\nraise RuntimeError('boom')\n")
+    config = tmp_path / "tools.yaml"
+    config.write_text(f"tools:\n  - class_name: {tmp_path / 'broken.py'}:Broken\n" + ECHO_SCHEMA)
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.class_name: tool 'echo': .*broken.py:Broken: importing "
+                                              r".*broken.py raised RuntimeError: boom$"):
+        build_tools(load_tool_config(str(config)))
+    config.write_text(f"tools:\n  - class_name: {tmp_path / 'missing.py'}:Gone\n" + ECHO_SCHEMA)
+    with pytest.raises(ToolConfigError, match=r"cannot import .*missing.py: no such file"):
+        build_tools(load_tool_config(str(config)))

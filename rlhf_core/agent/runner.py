@@ -119,7 +119,8 @@ class AgentContext:
                 return await tool.execute(instance, call.arguments, **kwargs.get("execute_kwargs", {}))
 
             response, reward, _ = await asyncio.wait_for(create_and_execute(), self.tool_timeout_s)
-            return "ok", response.text or "", float(reward or 0.0)
+            # a text or a ToolResponse (verl's tools have returned both)
+            return "ok", (response if isinstance(response, str) else response.text) or "", float(reward or 0.0)
         except asyncio.TimeoutError:
             return "timeout", f"Error: the tool {call.name} did not answer within {self.tool_timeout_s:g} s", 0.0
         except Exception as exc:  # noqa: BLE001 - a tool's failure is its answer (verl's text)

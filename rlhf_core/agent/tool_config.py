@@ -6,7 +6,9 @@
         tool_schema: {type: function, function: {name: ..., description: ..., parameters: {...}}}
 
 verl's own tool classes map to ours (``VERL_TOOLS``); another class name is imported
-(code the run's owner chose, like a reward function) and must subclass our ``BaseTool``.
+(code the run's owner chose, like a reward function: ``package.module.Class`` or
+``path/to/file.py:Class``), its imports of verl's ``BaseTool`` and schemas answered by
+ours (``verl_imports``), and must subclass our ``BaseTool``.
 Everything is checked before any worker is placed; an error names the file and the entry.
 """
 
@@ -14,6 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
+import sys
+import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +122,67 @@ def load_tool_config(path: str) -> list[ToolSpec]:
     return specs
 
 
+#: verl's modules a user's tool imports, served by ours while it is imported (its
+#: ``from verl.tools.base_tool import BaseTool`` then gives our BaseTool)
+VERL_MODULES = {"verl.tools.base_tool": "rlhf_core.agent.tools.base",
+                "verl.tools.schemas": "rlhf_core.agent.tools.base"}
+
+
+@contextmanager
+def verl_imports():
+    """``verl.tools.base_tool`` and ``verl.tools.schemas`` as our modules, for the length of
+    a user's tool import (verl itself need not be installed; if it is, the tool still gets
+    our classes). ``sys.modules`` is as it was afterwards."""
+    before = {name: sys.modules.get(name) for name in ("verl", "verl.tools", *VERL_MODULES)}
+    for name in ("verl", "verl.tools"):
+        if name not in sys.modules:
+            package = types.ModuleType(name)
+            package.__path__ = []  # a package: its submodules are the ones below
+            sys.modules[name] = package
+    for name, ours in VERL_MODULES.items():
+        sys.modules[name] = importlib.import_module(ours)
+    try:
+        yield
+    finally:
+        for name, module in before.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _import_tool_module(module_name: str):
+    """A dotted module, or a ``.py`` file (the run owner's code, like a reward file), with
+    verl's tool imports served by ours."""
+    with verl_imports():
+        if not module_name.endswith(".py"):
+            return importlib.import_module(module_name)
+        path = Path(module_name).expanduser().resolve()
+        if not path.is_file():
+            raise ImportError(f"no such file {str(path)!r}")
+        name = "rlhf_user_tool_" + hashlib.sha256(str(path).encode()).hexdigest()[:12]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses and pickling look a class's module up by name
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        return module
+
+
 def tool_class(spec: ToolSpec):
     module_name, _, class_name = spec.target.partition(":")
     where = spec.source or "rollout.multi_turn.tool_config_path"
     try:
-        module = importlib.import_module(module_name)
+        module = _import_tool_module(module_name)
     except ImportError as exc:
         raise ToolConfigError(f"{where}.class_name: tool {spec.name!r}: {spec.class_name}: cannot import "
                               f"{module_name}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the owner's module failed as it ran: say which, in one line
+        raise ToolConfigError(f"{where}.class_name: tool {spec.name!r}: {spec.class_name}: importing {module_name} "
+                              f"raised {type(exc).__name__}: {exc}") from None
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type) or not issubclass(cls, BaseTool):
         raise ToolConfigError(f"{where}.class_name: tool {spec.name!r}: {spec.class_name}: expected a subclass of "

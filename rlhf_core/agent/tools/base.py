@@ -19,13 +19,36 @@ class ToolResponse:
     text: str | None = None
 
 
+class ToolSchema(dict):
+    """The OpenAI function schema as a dict that verl's tool code can also read as its
+    ``OpenAIFunctionToolSchema`` (``schema.function.name``, ``model_dump()``)."""
+
+    def __getattr__(self, key: str):
+        try:
+            value = self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+        return ToolSchema(value) if isinstance(value, dict) and not isinstance(value, ToolSchema) else value
+
+    def model_dump(self, **_) -> dict:
+        return {k: v.model_dump() if isinstance(v, ToolSchema) else v for k, v in self.items()}
+
+    @classmethod
+    def model_validate(cls, data: dict) -> "ToolSchema":
+        return cls(data)
+
+
+#: verl's name for it (``verl.tools.schemas.OpenAIFunctionToolSchema``)
+OpenAIFunctionToolSchema = ToolSchema
+
+
 class BaseTool:
     """Subclass and override what the tool does; the defaults do nothing."""
 
     def __init__(self, config: dict, tool_schema: dict) -> None:
         self.config = config or {}
-        self.tool_schema = tool_schema
-        self.name = tool_schema["function"]["name"]
+        self.tool_schema = ToolSchema(tool_schema)
+        self.name = self.tool_schema["function"]["name"]
 
     def get_openai_tool_schema(self) -> dict:
         return self.tool_schema
