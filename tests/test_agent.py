@@ -419,6 +419,13 @@ def test_verls_multiturn_script_scaled_down_calls_tools_trains_on_its_own_tokens
     inserted = attended.bool() & ~rollout.batch["response_mask"].bool()
     assert inserted.any()  # tool answers: attended to, not trained on
     assert (rollout.batch["rollout_log_probs"][inserted] == 0).all()
+    # the rollout snapshot read back as chats with their calls (rlhf snapshots show)
+    from rlhf_core.record import audit
+
+    called = next(i for i, c in enumerate(calls) if c)
+    shown = audit.show(f"file://{store}/mt/iter-000001/rollout", str(rollout.non_tensor_batch["uid"][called]))
+    assert "  chat: " in shown and "    [assistant] tokens 0-" in shown and ", not trained on: " in shown
+    assert "      -> calc_gsm8k_reward({\"answer\": " in shown
 
     manifest = IterationStore(RunRef(f"file://{store}", "mt")).read_manifest(1)
     assert manifest["tools"]["classes"]["calc_gsm8k_reward"] == {
@@ -636,3 +643,20 @@ def test_a_users_tool_file_that_fails_as_it_runs_is_refused_in_one_line(tmp_path
     config.write_text(f"tools:\n  - class_name: {tmp_path / 'missing.py'}:Gone\n" + ECHO_SCHEMA)
     with pytest.raises(ToolConfigError, match=r"cannot import .*missing.py: no such file"):
         build_tools(load_tool_config(str(config)))
+
+
+def test_a_trajectory_prints_as_a_chat_with_its_calls():
+    from rlhf_core.record.audit import chat_lines
+
+    turns = [{"role": "assistant", "start": 0, "end": 9, "text": "<tool_call>...</tool_call>"},
+             {"role": "tool", "start": 9, "end": 15, "text": "56088"},
+             {"role": "assistant", "start": 15, "end": 20, "text": "56088"}]
+    calls = [{"turn": 0, "index": 0, "name": "calculator", "arguments": {"expression": "123*456"}, "status": "ok",
+              "answer": "56088", "truncated": False, "reward": 0.0, "started": 10.0, "ended": 10.25}]
+    lines = chat_lines(json.dumps(turns), json.dumps(calls))
+    assert lines == ["  chat: 3 turn(s), 1 tool call(s)",
+                     "    [assistant] tokens 0-9: '<tool_call>...</tool_call>'",
+                     '      -> calculator({"expression": "123*456"}): ok, 0.250 s, reward 0.0: \'56088\'',
+                     "    [tool] tokens 9-15, not trained on: '56088'",
+                     "    [assistant] tokens 15-20: '56088'"]
+    assert chat_lines("{not json", "[]")[0].startswith("  chat: unreadable record")

@@ -83,7 +83,7 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
                                     "old_log_probs", "ref_log_prob", "values", "data_source", "ground_truth",
                                     # a reward model's training: a scored preference pair
                                     "row", "step", "chosen_text", "rejected_text", "chosen_score", "rejected_score",
-                                    "uid")
+                                    "uid", *CHAT_FIELDS)
                         if f in catalog]
     unknown = [f for f in wanted if f not in catalog]
     if unknown:
@@ -100,6 +100,8 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
     for i in range(len(dp)):
         lines.append(f"--- row {i}")
         for name in wanted:
+            if name in CHAT_FIELDS:
+                continue
             if name in dp.non_tensor_batch:
                 lines.append(f"  {name}: {dp.non_tensor_batch[name][i]}")
                 continue
@@ -118,4 +120,45 @@ def show(uri: str, uid: str | None = None, fields: list[str] | None = None, toke
                              f"first {[round(x, 4) for x in v[:4].tolist()]}")
             else:
                 lines.append(f"  {name}: {value.tolist()}")
+        if "agent/turns" in wanted and "agent/turns" in dp.non_tensor_batch:
+            calls = dp.non_tensor_batch["agent/tool_calls"][i] if "agent/tool_calls" in dp.non_tensor_batch else "[]"
+            lines.extend(chat_lines(dp.non_tensor_batch["agent/turns"][i], calls))
     return "\n".join(lines)
+
+
+#: an agent rollout's record of each trajectory (rlhf_core/agent/batch.py), shown as a chat
+CHAT_FIELDS = ("agent/turns", "agent/tool_calls")
+
+
+def chat_lines(turns_json: str, calls_json: str) -> list[str]:
+    """A trajectory as a chat: each turn with its role and token span in the response
+    (tool and user turns are not trained on), each assistant turn's tool calls under it
+    with their status, time and answer as the model was given it. The record is data:
+    JSON read and printed, nothing else."""
+    import json
+
+    try:
+        turns, calls = json.loads(turns_json), json.loads(calls_json)
+    except (TypeError, ValueError) as exc:
+        return [f"  chat: unreadable record ({exc})"]
+    if not isinstance(turns, list) or not isinstance(calls, list):
+        return ["  chat: unreadable record (expected lists of turns and calls)"]
+    assistant_turns = [k for k, turn in enumerate(turns) if isinstance(turn, dict) and turn.get("role") == "assistant"]
+    lines = [f"  chat: {len(turns)} turn(s), {len(calls)} tool call(s)"]
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            continue
+        role = str(turn.get("role"))
+        trained = "" if role == "assistant" else ", not trained on"
+        lines.append(f"    [{role}] tokens {turn.get('start')}-{turn.get('end')}{trained}: {str(turn.get('text'))!r}")
+        if role != "assistant" or k not in assistant_turns:
+            continue
+        number = assistant_turns.index(k)
+        for call in (c for c in calls if isinstance(c, dict) and c.get("turn") == number):
+            took = (f", {float(call['ended']) - float(call['started']):.3f} s"
+                    if isinstance(call.get("ended"), (int, float)) and isinstance(call.get("started"), (int, float))
+                    else "")
+            cut = ", truncated" if call.get("truncated") else ""
+            lines.append(f"      -> {call.get('name')}({json.dumps(call.get('arguments'), ensure_ascii=False)}): "
+                         f"{call.get('status')}{took}{cut}, reward {call.get('reward')}: {str(call.get('answer'))!r}")
+    return lines
