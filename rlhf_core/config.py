@@ -239,8 +239,9 @@ class MultiTurnConfig:
                                           choices=("left", "middle", "right"))
     tool_config_path: str = _f("", "verl's tool-config YAML (tools: class_name, config, tool_schema); its content "
                                "hash is in the run's manifest")
-    interaction_config_path: str = _f("", "verl's interaction-config YAML (simulated users): not built here yet, "
-                                      "refused when set")
+    interaction_config_path: str = _f("", "verl's interaction-config YAML (interaction: name, class_name, config): "
+                                      "simulated users answer each turn without a tool call; a row picks one by "
+                                      "extra_info.interaction_kwargs.name; its content hash is in the manifest")
     format: str = _f("hermes", "how tool calls are written in a turn (verl's parser names)", choices=("hermes",))
     use_inference_chat_template: bool = _f(False, "no effect here: the chat template renders each turn as "
                                            "inference would (verl's switch for templates that drop reasoning)",

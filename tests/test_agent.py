@@ -660,3 +660,131 @@ def test_a_trajectory_prints_as_a_chat_with_its_calls():
                      "    [tool] tokens 9-15, not trained on: '56088'",
                      "    [assistant] tokens 15-20: '56088'"]
     assert chat_lines("{not json", "[]")[0].startswith("  chat: unreadable record")
+
+
+# ---------------------------------------------------------------- interactions (simulated users)
+
+GSM8K_INTERACTION_CONFIG = """interaction:
+  - name: "gsm8k"
+    class_name: "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+    config: {}
+"""
+
+
+def _interaction_row(i, truth, recorded=None):
+    kwargs = {"name": "gsm8k", "query": f"q{i}", "ground_truth": truth}
+    return AgentRow(i, [], [{"role": "user", "content": f"q{i}"}], 11, "tool_agent", {}, recorded, kwargs)
+
+
+def test_verls_gsm8k_interaction_asks_again_until_right_and_replays_from_the_record(tokenizer, tmp_path):
+    """verl's gsm8k interaction config: a turn without a tool call is answered by the
+    simulated user, "try again" until the #### answer is right ("correct!" ends it); the
+    user's tokens are out of the loss; a replay gives the recorded replies without
+    building an interaction."""
+    from rlhf_core.agent.interaction_config import build_interactions, load_interaction_config
+    from rlhf_core.agent.interactions.gsm8k import CORRECT, TRY_AGAIN
+
+    path = tmp_path / "gsm8k_interaction_config.yaml"
+    path.write_text(GSM8K_INTERACTION_CONFIG)
+    specs = load_interaction_config(str(path))
+    assert [(s.name, s.target) for s in specs] == [("gsm8k", "rlhf_core.agent.interactions.gsm8k:Gsm8kInteraction")]
+    script = {(0, 0): "#### 41", (0, 1): "#### 40", (0, 2): "#### 42", (0, 3): "unreached",
+              (1, 0): "#### 7", (1, 1): "unreached"}
+    ctx = _ctx(tokenizer, {}, max_user_turns=5)
+    ctx.interactions = lambda: build_interactions(specs)
+    loops = {"tool_agent": ToolAgentLoop()}
+    (wrong_twice, right), _ = run_trajectories([_interaction_row(0, "42"), _interaction_row(1, "7")], loops, ctx,
+                                              Scripted(tokenizer, script))
+    assert [t["role"] for t in wrong_twice.turns] == ["assistant", "user"] * 3
+    replies = [c["answer"] for c in wrong_twice.tool_calls]
+    assert replies == [TRY_AGAIN, TRY_AGAIN, CORRECT] and wrong_twice.turn_scores == [0.0, 0.0, 1.0]
+    assert [c["terminate"] for c in wrong_twice.tool_calls] == [False, False, True]
+    assert [t["role"] for t in right.turns] == ["assistant", "user"] and right.turn_scores == [1.0]
+    for turn in wrong_twice.turns:  # the user's words are context, not trained on
+        span = wrong_twice.response_mask[turn["start"]:turn["end"]]
+        assert span == [int(turn["role"] == "assistant")] * len(span)
+    assert CORRECT in tokenizer.decode(wrong_twice.response_ids)
+
+    replay_ctx = _ctx(tokenizer, {}, max_user_turns=5)
+    replay_ctx.interactions = lambda: pytest.fail("an interaction was built in a replay")
+    (again, _), _ = run_trajectories([_interaction_row(0, "42", recorded=wrong_twice.tool_calls),
+                                      _interaction_row(1, "7", recorded=right.tool_calls)], loops, replay_ctx,
+                                     Scripted(tokenizer, script))
+    assert (again.response_ids, again.response_mask, again.tool_calls) == (
+        wrong_twice.response_ids, wrong_twice.response_mask, wrong_twice.tool_calls)
+    # max_user_turns ends the exchange: one reply, then the second assistant turn is the last
+    short = _ctx(tokenizer, {}, max_user_turns=1)
+    short.interactions = lambda: build_interactions(specs)
+    (cut, _), _ = run_trajectories([_interaction_row(0, "42"), _interaction_row(1, "7")], loops, short,
+                                   Scripted(tokenizer, script))
+    assert [t["role"] for t in cut.turns] == ["assistant", "user", "assistant"]
+
+
+def test_a_users_interaction_written_for_verl_loads_and_a_bad_config_is_refused_in_one_line(tmp_path, monkeypatch):
+    import sys
+
+    from rlhf_core.agent.interaction_config import build_interactions, load_interaction_config
+
+    (tmp_path / "my_interaction.py").write_text(
+        "from verl.interactions.base import BaseInteraction\n\n"
+        "class EchoInteraction(BaseInteraction):\n"
+        "    async def generate_response(self, instance_id, messages, **kwargs):\n"
+        "        return True, 'you said ' + messages[-1]['content'], 0.5, {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "interaction.yaml"
+    path.write_text("interaction:\n  - class_name: my_interaction.EchoInteraction\n")
+    built = build_interactions(load_interaction_config(str(path)))
+    assert list(built) == ["echo"] and built["echo"].name == "echo"  # verl's default name: the class less its suffix
+    assert "verl.interactions.base" not in sys.modules
+    for text, word in [("interaction: [", "not YAML"), ("interaction: []", "'interaction' list"),
+                       ("interaction:\n  - class_name: no.such.Thing\n", "cannot import"),
+                       ("interaction:\n  - class_name: json.JSONDecoder\n", "subclass"),
+                       ("interaction:\n  - {name: a, class_name: my_interaction.EchoInteraction}\n"
+                        "  - {name: a, class_name: my_interaction.EchoInteraction}\n", "named twice")]:
+        path.write_text(text)
+        with pytest.raises(ToolConfigError) as caught:
+            build_interactions(load_interaction_config(str(path)))
+        assert word in str(caught.value) and str(path) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_run_with_verls_gsm8k_interaction_records_the_users_replies_and_replays_without_them(
+        tmp_path, ray_local, monkeypatch):
+    from rlhf_core.agent.interactions.gsm8k import Gsm8kInteraction, TRY_AGAIN
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.testing.model_folders import build_model_folder, teach, write_verl_multiturn_parquet
+    from rlhf_core.trainer.replay import replay
+
+    config = tmp_path / "gsm8k_interaction_config.yaml"
+    config.write_text(GSM8K_INTERACTION_CONFIG)
+    data = write_verl_multiturn_parquet(tmp_path / "train.parquet", count=4, interaction="gsm8k")
+    import pyarrow.parquet as pq
+
+    # a warm start that answers at once, and wrongly: the user asks again
+    model = teach(build_model_folder(tmp_path / "model", tools=True),
+                  [row["prompt"] for row in pq.read_table(data).to_pylist()], "#### 1", steps=120, lr=5e-3)
+    store, out = tmp_path / "store", tmp_path / "out"
+    assert main(["run", "--direct", "--run-id", "talk", "--store", f"file://{store}",
+                 f"actor_rollout_ref.model.path={model}",
+                 f"data.train_files={data}", "data.val_files=", "data.train_batch_size=2", "data.max_prompt_length=640",
+                 "data.return_raw_chat=true", "actor_rollout_ref.rollout.n=2",
+                 "actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                 "actor_rollout_ref.rollout.multi_turn.enable=true",
+                 f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={config}",
+                 "actor_rollout_ref.rollout.multi_turn.max_user_turns=2", "data.max_response_length=96",
+                 "trainer.total_iterations=1", f"trainer.output_dir={out}", "trainer.progress=false"]) == 0
+    istore = IterationStore(RunRef(f"file://{store}", "talk"))
+    rollout = istore.load(0, "rollout")
+    records = [json.loads(c) for c in rollout.non_tensor_batch["agent/tool_calls"]]
+    asked = [c for calls in records for c in calls if c["name"] == "interaction:gsm8k"]
+    assert asked and all(c["answer"] == TRY_AGAIN for c in asked)  # an untrained model: never right
+    assert istore.read_manifest(0)["tools"]["interactions"]["classes"]["gsm8k"]["class_name"] == \
+        "verl.interactions.gsm8k_interaction.Gsm8kInteraction"
+
+    def unbuilt(self, *args, **kwargs):
+        raise RuntimeError("an interaction was built in a replay")
+
+    monkeypatch.setattr(Gsm8kInteraction, "__init__", unbuilt)
+    [result] = replay(f"file://{store}/talk/iter-000000", stages=["rollout"], log=lambda *a: None)
+    assert result.ok, [d for d in result.diffs if not d.equal]

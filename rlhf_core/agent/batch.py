@@ -35,9 +35,11 @@ def rows_of(prompts: DataProto, default_loop: str, replaying: bool = False) -> l
         messages = list(chat) if isinstance(chat, (list, tuple, np.ndarray)) else \
             [{"role": "user", "content": str(nt["raw_prompt"][i])}]
         recorded = recorded_answers(nt["agent/tool_calls"][i]) if replaying else None
+        interaction = extra.get("interaction_kwargs")
         rows.append(AgentRow(i, ids[i][mask[i]].tolist(), [dict(m) for m in messages], int(seeds[i]),
                              str(names[i]) if names is not None and names[i] else default_loop,
-                             dict(extra.get("tools_kwargs") or {}), recorded))
+                             dict(extra.get("tools_kwargs") or {}), recorded,
+                             dict(interaction) if isinstance(interaction, dict) else None))
     return rows
 
 
@@ -90,8 +92,9 @@ def agent_metrics(trajectories: list[Trajectory], stats: dict) -> dict[str, floa
         return float(np.mean(values)) if len(values) else 0.0
 
     turns = [t.assistant_turns + t.user_turns + 1 for t in trajectories]
-    calls = [len([c for c in t.tool_calls if c.get("status") != "skipped"]) for t in trajectories]
-    errors = [len([c for c in t.tool_calls if c.get("status") in ("error", "timeout")]) for t in trajectories]
+    tool_calls = [[c for c in t.tool_calls if c.get("index") != -1] for t in trajectories]  # -1: an interaction's
+    calls = [len([c for c in cs if c.get("status") != "skipped"]) for cs in tool_calls]
+    errors = [len([c for c in cs if c.get("status") in ("error", "timeout")]) for cs in tool_calls]
     generated = [t.generated_tokens for t in trajectories]
     inserted = [len(t.response_ids) - t.generated_tokens for t in trajectories]
     return {"num_turns/mean": mean(turns), "num_turns/max": float(max(turns, default=0)),
@@ -103,6 +106,8 @@ def agent_metrics(trajectories: list[Trajectory], stats: dict) -> dict[str, floa
                                                  for c in t.tool_calls)),
             "agent/generated_tokens/mean": mean(generated), "agent/inserted_tokens/mean": mean(inserted),
             "agent/cut_fraction": mean([float(t.cut) for t in trajectories]),
+            "agent/interaction_turns/mean": mean([len(t.turn_scores) for t in trajectories]),
+            "agent/turn_score/mean": mean([s for t in trajectories for s in t.turn_scores]),
             "agent/rounds": float(stats.get("rounds", 0))}
 
 

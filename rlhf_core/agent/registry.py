@@ -70,11 +70,12 @@ def build_loops(agent_cfg) -> dict:
 
 def default_loop(cfg) -> str:
     """The loop of a row without an ``agent_name``: ``rollout.agent.default_agent_loop``,
-    except that a run with tools configured and the default left at ``single_turn_agent``
-    runs ``tool_agent`` (verl would run its rows single-turn, never calling the tools it
-    was given: our choice, written in docs/agents.md)."""
+    except that a run with tools or interactions configured and the default left at
+    ``single_turn_agent`` runs ``tool_agent`` (verl would run its rows single-turn, never
+    calling the tools or users it was given: our choice, written in docs/agents.md)."""
     chosen = cfg.rollout.agent.default_agent_loop
-    if chosen == "single_turn_agent" and cfg.rollout.multi_turn.tool_config_path:
+    multi = cfg.rollout.multi_turn
+    if chosen == "single_turn_agent" and (multi.tool_config_path or multi.interaction_config_path):
         return "tool_agent"
     return chosen
 
@@ -97,9 +98,10 @@ def check(cfg) -> None:
         raise AgentConfigError("algorithm.adv_estimator=remax: expected an estimator without a greedy baseline "
                                "with rollout.multi_turn.enable=true (a greedy trajectory would call the tools "
                                "again); found remax")
-    if multi.interaction_config_path:
-        raise AgentConfigError(f"rollout.multi_turn.interaction_config_path: interactions (simulated users) are not "
-                               f"built here yet; found {multi.interaction_config_path!r}")
     build_loops(cfg.rollout.agent)
     if multi.tool_config_path:
         build_tools(load_tool_config(multi.tool_config_path))
+    if multi.interaction_config_path:
+        from rlhf_core.agent.interaction_config import build_interactions, load_interaction_config
+
+        build_interactions(load_interaction_config(multi.interaction_config_path))

@@ -39,6 +39,8 @@ class AgentRow:
     tools_kwargs: dict = field(default_factory=dict)
     #: replay: the calls recorded for this row (answers given instead of calling a tool)
     recorded_calls: list[dict] | None = None
+    #: extra_info.interaction_kwargs: which interaction answers it (``name``) and its arguments
+    interaction_kwargs: dict | None = None
 
 
 @dataclass
@@ -54,6 +56,8 @@ class AgentContext:
     tool_timeout_s: float = TOOL_TIMEOUT_S
     #: the schemas rendered into the prompt (default: the built tools')
     schemas: list[dict] | None = None
+    #: the interactions (simulated users) by name, or a function building them; None: none
+    interactions: dict | Callable | None = None
 
     @property
     def tool_schemas(self) -> list[dict]:
@@ -142,6 +146,51 @@ class AgentContext:
         trajectory.tool_calls.append(dict(recorded))
         trajectory.tool_rewards.append(float(recorded.get("reward", 0.0)))
         return recorded["answer"]
+
+    async def interact(self, row: AgentRow, trajectory: Trajectory, turn: int) -> tuple[str, bool]:
+        """The simulated user's reply to assistant turn ``turn`` and whether it ends the
+        trajectory; recorded with the calls (index -1, ``interaction:<name>``), and in a
+        replay given from the record instead of asking again."""
+        kwargs = dict(row.interaction_kwargs or {})
+        name = kwargs.get("name")
+        record = {"turn": turn, "index": -1, "name": f"interaction:{name}", "arguments": {}, "started": time.time()}
+        if row.recorded_calls is not None:
+            recorded = next((c for c in row.recorded_calls if c.get("turn") == turn and c.get("index") == -1), None)
+            if recorded is None or recorded.get("name") != record["name"]:
+                raise ReplayMismatch(f"row {row.index}, turn {turn}: the replay asked interaction {name!r}; the "
+                                     f"record has {recorded and recorded.get('name')}")
+            trajectory.tool_calls.append(dict(recorded))
+            trajectory.turn_scores.append(float(recorded.get("reward", 0.0)))
+            return str(recorded["answer"]), bool(recorded.get("terminate"))
+        if callable(self.interactions):
+            self.interactions = self.interactions()
+        interaction = (self.interactions or {}).get(name)
+        if interaction is None:
+            raise ValueError(f"extra_info.interaction_kwargs.name: expected one of {sorted(self.interactions or {})} "
+                             f"(rollout.multi_turn.interaction_config_path); found {name!r} in row {row.index}")
+        instance = await interaction.start_interaction(f"{row.index}-{row.seed}-t{turn}", **kwargs)
+        try:
+            done, text, score, _ = await interaction.generate_response(instance, self.messages(row, trajectory),
+                                                                       **kwargs)
+        finally:
+            await interaction.finalize_interaction(instance)
+        score = float(score or 0.0)
+        record.update(status="ok", answer=str(text), truncated=False, reward=score, terminate=bool(done),
+                      ended=time.time())
+        trajectory.tool_calls.append(record)
+        trajectory.turn_scores.append(score)
+        return str(text), bool(done)
+
+    def messages(self, row: AgentRow, trajectory: Trajectory) -> list[dict]:
+        """The chat so far, as an interaction reads it: the prompt's messages, then each turn
+        (an assistant's text without special tokens, as verl decodes it)."""
+        out = [dict(m) for m in row.messages]
+        for turn in trajectory.turns:
+            tokens = trajectory.response_ids[turn["start"]:turn["end"]]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True) if turn["role"] == "assistant" \
+                else turn["text"]
+            out.append({"role": turn["role"], "content": text})
+        return out
 
     def skip_tool(self, trajectory: Trajectory, turn: int, k: int, call: ToolCall) -> None:
         """A call past ``max_parallel_calls``: recorded, not run, not answered (verl drops it)."""

@@ -125,7 +125,10 @@ def load_tool_config(path: str) -> list[ToolSpec]:
 #: verl's modules a user's tool imports, served by ours while it is imported (its
 #: ``from verl.tools.base_tool import BaseTool`` then gives our BaseTool)
 VERL_MODULES = {"verl.tools.base_tool": "rlhf_core.agent.tools.base",
-                "verl.tools.schemas": "rlhf_core.agent.tools.base"}
+                "verl.tools.schemas": "rlhf_core.agent.tools.base",
+                "verl.interactions.base": "rlhf_core.agent.interactions.base"}
+#: their parent packages, made empty for the import when absent
+VERL_PACKAGES = ("verl", "verl.tools", "verl.interactions")
 
 
 @contextmanager
@@ -133,8 +136,8 @@ def verl_imports():
     """``verl.tools.base_tool`` and ``verl.tools.schemas`` as our modules, for the length of
     a user's tool import (verl itself need not be installed; if it is, the tool still gets
     our classes). ``sys.modules`` is as it was afterwards."""
-    before = {name: sys.modules.get(name) for name in ("verl", "verl.tools", *VERL_MODULES)}
-    for name in ("verl", "verl.tools"):
+    before = {name: sys.modules.get(name) for name in (*VERL_PACKAGES, *VERL_MODULES)}
+    for name in VERL_PACKAGES:
         if name not in sys.modules:
             package = types.ModuleType(name)
             package.__path__ = []  # a package: its submodules are the ones below

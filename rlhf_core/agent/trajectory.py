@@ -21,6 +21,8 @@ class Trajectory:
     #: model), "truncated", "error", "started", "ended", "reward"}
     tool_calls: list[dict] = field(default_factory=list)
     tool_rewards: list[float] = field(default_factory=list)
+    #: each interaction reply's score (verl's ``turn_scores``)
+    turn_scores: list[float] = field(default_factory=list)
     assistant_turns: int = 0
     user_turns: int = 0
     cut: bool = False     # the turns together reached the response length

@@ -102,9 +102,11 @@ def build_reward_model_folder(path: Path, policy_folder: Path, shape: dict | Non
     return Path(path)
 
 
-def write_verl_multiturn_parquet(path: Path, count: int = 64) -> Path:
+def write_verl_multiturn_parquet(path: Path, count: int = 64, interaction: str | None = None) -> Path:
     """GSM8K-style rows as verl's examples/data_preprocess/gsm8k_multiturn_w_tool.py writes
-    them: a system prompt asking for the calc_gsm8k_reward tool, its tools_kwargs."""
+    them: a system prompt asking for the calc_gsm8k_reward tool, its tools_kwargs;
+    ``interaction``: the interaction's name in interaction_kwargs, as
+    gsm8k_multiturn_w_interaction.py writes it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -118,7 +120,8 @@ def write_verl_multiturn_parquet(path: Path, count: int = 64) -> Path:
             "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": "train", "index": i, "question": text, "need_tools_kwargs": True,
                            "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
-                           "interaction_kwargs": {"query": text, "ground_truth": answer}}})
+                           "interaction_kwargs": {"query": text, "ground_truth": answer,
+                                                  **({"name": interaction} if interaction else {})}}})
     pq.write_table(pa.Table.from_pylist(rows), path)
     return Path(path)
 

@@ -314,9 +314,15 @@ class PPOTrainer:
             specs = load_tool_config(cfg.rollout.multi_turn.tool_config_path) \
                 if cfg.rollout.multi_turn.tool_config_path else []
             eos = tokenizer.eos_token_id
+            interactions = None
+            if cfg.rollout.multi_turn.interaction_config_path:  # built when first asked (a replay asks none)
+                from rlhf_core.agent.interaction_config import build_interactions, load_interaction_config
+
+                chosen = load_interaction_config(cfg.rollout.multi_turn.interaction_config_path)
+                interactions = lambda: build_interactions(chosen)  # noqa: E731
             ctx = AgentContext(tokenizer, cfg.rollout.multi_turn, cfg.rollout.response_length,
                                lambda: build_tools(specs), eos_ids=(eos,) if eos is not None else (),
-                               schemas=[spec.schema for spec in specs])
+                               schemas=[spec.schema for spec in specs], interactions=interactions)
             self._agent = (ctx, build_loops(cfg.rollout.agent))
         return self._agent
 

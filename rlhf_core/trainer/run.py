@@ -205,10 +205,14 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     manifest["weights"] = weights
     if cfg.reward_model.enable:
         manifest["reward_model"] = trainer.reward_model_identity()
-    if cfg.rollout.multi_turn.enable and cfg.rollout.multi_turn.tool_config_path:
+    multi = cfg.rollout.multi_turn
+    if multi.enable and (multi.tool_config_path or multi.interaction_config_path):
+        from rlhf_core.agent.interaction_config import interactions_identity
         from rlhf_core.agent.tool_config import tools_identity
 
-        manifest["tools"] = tools_identity(cfg.rollout.multi_turn.tool_config_path)
+        manifest["tools"] = tools_identity(multi.tool_config_path) if multi.tool_config_path else {}
+        if multi.interaction_config_path:
+            manifest["tools"]["interactions"] = interactions_identity(multi.interaction_config_path)
     if keeper is not None:
         manifest["lease"] = {"holder": keeper.lease.holder, "token": keeper.lease.token}
     check()

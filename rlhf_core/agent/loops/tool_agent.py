@@ -1,7 +1,9 @@
 """verl's ``tool_agent``: generate; run the tool calls of the turn (up to
 ``max_parallel_calls``, side by side); append their answers as the chat template renders
 tool messages; generate again, until a turn calls no tool or a limit is reached
-(``max_assistant_turns``, ``max_user_turns``, the response length over all turns)."""
+(``max_assistant_turns``, ``max_user_turns``, the response length over all turns). With
+an interaction configured, a turn without a call is answered by the simulated user (a
+user message) until it says the trajectory is done."""
 
 from __future__ import annotations
 
@@ -35,7 +37,20 @@ class ToolAgentLoop:
                 break
             calls = parse_hermes(text)
             if not calls:
-                break
+                if ctx.interactions is None:
+                    break
+                # a simulated user answers the turn (verl's interaction), then the model again
+                reply, done = await ctx.interact(row, trajectory, turn)
+                tokens = chat.message_tokens(ctx.tokenizer, [{"role": "user", "content": reply}])
+                if len(trajectory.response_ids) + len(tokens) >= ctx.response_length:
+                    trajectory.cut = True
+                    break
+                trajectory.append("user", tokens, ctx.tokenizer.decode(tokens))
+                trajectory.user_turns += 1
+                turn += 1
+                if done:
+                    break
+                continue
             answers = await asyncio.gather(*(ctx.call_tool(row, trajectory, turn, k, call)
                                               for k, call in enumerate(calls[:settings.max_parallel_calls])))
             for k, call in enumerate(calls[settings.max_parallel_calls:], start=settings.max_parallel_calls):

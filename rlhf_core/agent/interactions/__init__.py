@@ -1,0 +1,1 @@
+"""Interactions: simulated users that answer each assistant turn (verl's ``BaseInteraction``)."""
