@@ -35,7 +35,9 @@ def timed(args: list[str]) -> dict:
     wall = time.perf_counter() - start
     summary = next((line for line in reversed(out.stdout.splitlines()) if re.search(r"\d+ passed", line)), "")
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|deselected|error)", summary)}
-    return {"wall_s": round(wall, 1), "returncode": out.returncode, **counts}
+    failed = re.findall(r"^FAILED (\S+)", out.stdout, re.M)
+    return {"wall_s": round(wall, 1), "returncode": out.returncode, **counts, **({"failed_tests": failed} if failed
+                                                                                   else {})}
 
 
 def main() -> None:

@@ -555,6 +555,8 @@ def test_the_search_tool_speaks_verls_retrieval_protocol(tmp_path):
     from rlhf_core.agent.tools.search import SearchTool
 
     def route(method, path, body):
+        if body["queries"] == ["down"]:
+            return 503, {"error": "overloaded"}
         return 200, {"result": [[{"document": {"contents": f"{q.title()}\nabout {q}"}, "score": 1.0}]
                                 for q in body["queries"]]}
 
@@ -564,13 +566,13 @@ def test_the_search_tool_speaks_verls_retrieval_protocol(tmp_path):
         text, _, metrics = _search(tool, ["cats", "dogs"])
         assert server.requests[0]["body"] == {"queries": ["cats", "dogs"], "topk": 3, "return_scores": True}
         assert server.requests[0]["path"] == "/retrieve"
+        assert text == "Doc 1 (Title: Cats)\nabout cats\n---\nDoc 1 (Title: Dogs)\nabout dogs"
+        assert metrics == {"status": "success", "total_results": 2}
+        # the service failing: the model is told, the run goes on
+        text, _, metrics = _search(tool, ["down"])
+        assert text.startswith("Search error: ") and "503" in text and metrics == {"status": "api_error"}
     finally:
         server.close()
-    assert text == "Doc 1 (Title: Cats)\nabout cats\n---\nDoc 1 (Title: Dogs)\nabout dogs"
-    assert metrics == {"status": "success", "total_results": 2}
-    # the service gone: the model is told, the run goes on
-    text, _, metrics = _search(tool, ["cats"])
-    assert text.startswith("Search error: ") and metrics == {"status": "api_error"}
 
 
 # ---------------------------------------------------------------- a user's verl tool
