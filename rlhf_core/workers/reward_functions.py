@@ -204,11 +204,42 @@ class _Worker:
         except (ProcessLookupError, PermissionError):
             pass
         self.proc.wait()
+        _wait_group_dead(self.proc.pid)
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
             except OSError:
                 pass
+
+
+#: how long a killed call's processes may take to die (SIGKILL is delivered asynchronously)
+GROUP_DEATH_S = 10.0
+
+
+def _wait_group_dead(pgid: int, limit_s: float = GROUP_DEATH_S) -> None:
+    """Until no process of group ``pgid`` is alive (a zombie waiting for its reaper is
+    dead), at most ``limit_s``: a SIGKILLed process that has not been scheduled yet still
+    runs for a moment, and "every process is gone" is this module's promise."""
+    proc = "/proc"
+    if not os.path.isdir(proc):
+        return
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        alive = False
+        for name in os.listdir(proc):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"{proc}/{name}/stat", "rb") as fh:
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):  # state, pgrp after "comm)"
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
 
 
 def call_all(fn, calls: list[tuple], timeout_s: float, workers: int) -> list[Outcome]:
