@@ -74,6 +74,8 @@ def test_iterated_rounds_ask_about_the_policys_own_responses_and_continue_from_i
     # round 1 starts from round 0's last checkpoint, exported, and is scored by the continued reward model
     export = json.loads((demo / "policy-round1" / "EXPORT.json").read_text())
     assert export["checkpoint_uri"] == first.read_manifest(1)["checkpoint"]
+    # the run records the weights it started from: the exported ones
+    assert second.read_manifest(0)["model"]["weights_sha256"] == export["weights_sha256"]
     config = second.read_manifest(0)["config"]
     assert config["model"]["path"] == str(demo / "policy-round1")
     assert config["reward_model"]["model"]["path"] == str(demo / "reward-model-round1")
@@ -136,6 +138,14 @@ def test_a_policy_folders_export_record_is_read_as_data_and_refused_in_one_line_
                                                     "global_step": 2, "weights_sha256": "f" * 64}))
     assert started_from(rows) == {"model": str(folder), "checkpoint": "file:///r/run/checkpoints/step-000002-ab",
                                   "global_step": 2, "weights_sha256": "f" * 64}
+    # the run's manifest hashed the weights it loaded: the same export is traced ...
+    rows[-1]["model"] = {"path": str(folder), "sha256": "0" * 64, "weights_sha256": "f" * 64}
+    assert started_from(rows)["checkpoint"] == "file:///r/run/checkpoints/step-000002-ab"
+    # ... a folder overwritten since (another export) is not
+    rows[-1]["model"]["weights_sha256"] = "a" * 64
+    with pytest.raises(LineageError, match=r"EXPORT.json names weights ffffffffffffffff\.\.\. but run .* started "
+                                           r"from weights aaaaaaaaaaaaaaaa\.\.\. \(the folder was overwritten"):
+        started_from(rows)
 
 
 def test_a_run_whose_policy_names_its_own_later_checkpoint_is_refused_not_walked_forever(tmp_path, monkeypatch):

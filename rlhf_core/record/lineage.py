@@ -60,7 +60,8 @@ def chain(uri: str) -> list[dict]:
                     "reward": m["metrics"].get("critic/score/mean"), "metrics": m["metrics"],
                     "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n),
                     "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None,
-                    "tools": dict(m["tools"]) if m.get("tools") is not None else None})
+                    "tools": dict(m["tools"]) if m.get("tools") is not None else None,
+                    "model": dict(m["model"]) if m.get("model") is not None else None})
         parent = m["parent_iteration"]
         if parent is not None and (not isinstance(parent, int) or parent >= n):
             raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
@@ -92,6 +93,13 @@ def started_from(rows: list[dict]) -> dict | None:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("checkpoint_uri"), str):
         raise LineageError(f"{record}: expected a checkpoint_uri string; found {str(data)[:80]!r}")
+    # the weights the run started from, as its manifest hashed them: a folder overwritten
+    # since (another export, another model) is not traced as the export the run used
+    loaded = (rows[-1].get("model") or {}).get("weights_sha256")
+    if loaded is not None and data.get("weights_sha256") != loaded:
+        raise LineageError(f"{path}: its EXPORT.json names weights {str(data.get('weights_sha256'))[:16]}... but run "
+                           f"{rows[-1].get('run_id')} started from weights {loaded[:16]}... (the folder was "
+                           f"overwritten after the run started): not traced further")
     return {"model": path, "checkpoint": data["checkpoint_uri"], "global_step": data.get("global_step"),
             "weights_sha256": data.get("weights_sha256")}
 

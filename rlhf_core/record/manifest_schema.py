@@ -58,6 +58,8 @@ _TYPES = {
     "computed_ahead": (lambda v: isinstance(v, list), "a list"),
     "weights": (lambda v: isinstance(v, dict), "an object"),
     "lease": (lambda v: isinstance(v, dict), "an object"),
+    # the model the policy started from: its configured path, content hash, weights file's sha256
+    "model": (lambda v: isinstance(v, dict), "an object"),
     # what scored the responses, when a reward model did: its configured path, its content hash
     "reward_model": (lambda v: isinstance(v, dict), "an object"),
     # the tools that answered an agent rollout: their config file by content hash, each class

@@ -91,6 +91,7 @@ class PPOTrainer:
         self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
         self._val_loader = None
         self._reward_model_identity: dict | None = None
+        self._starting_model: dict | None = None
         # rollout.mode=async: replicas behind one manager, the actor's ranks or a pool of their own
         self.replicas = workers.get("rollout")  # a rollout pool of its own (rollout.nnodes > 0)
         self._weight_group = None  # its weight group's address, once opened
@@ -455,6 +456,13 @@ class PPOTrainer:
                 variables[key[len("reward_extra/"):]] = values
         return self._stage_metrics(batch, validation_metrics(nt["data_source"].tolist(), nt["uid"].tolist(),
                                                              variables))
+
+    def starting_model_identity(self) -> dict:
+        """The policy's starting model: its configured path and content hashes (rank 0's
+        actor answers); asked once per controller."""
+        if self._starting_model is None:
+            self._starting_model = dict(self.actor.starting_model()[0])
+        return self._starting_model
 
     def reward_model_identity(self) -> dict | None:
         """The reward model's path and content hash (rank 0's: the one that read the

@@ -203,6 +203,7 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
                                   snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg, iteration)},
                                   computed_ahead=trainer.adopted)
     manifest["weights"] = weights
+    manifest["model"] = trainer.starting_model_identity()
     if cfg.reward_model.enable:
         manifest["reward_model"] = trainer.reward_model_identity()
     multi = cfg.rollout.multi_turn

@@ -97,6 +97,30 @@ class ActorRolloutRefWorker(TrainableWorker):
         self.sync_dtype = self.rollout.sync_dtype  # what the engine keeps (None: it runs on the policy itself)
         self.serves_adapter = self.rollout.serves_adapter
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def starting_model(self) -> dict | None:
+        """The model this run started from (rank 0's answer, None on the others):
+        ``model.path`` as configured, the content hash of the folder loaded and the sha256
+        of its ``model.safetensors`` (what ``rlhf export`` records as ``weights_sha256``;
+        None for sharded weights). Hashed once per worker."""
+        if self.rank != 0:
+            return None
+        if getattr(self, "_starting_model", None) is None:
+            import hashlib
+            from pathlib import Path
+
+            weights = Path(self.model_path) / "model.safetensors"
+            digest = None
+            if weights.is_file():
+                digest = hashlib.sha256()
+                with open(weights, "rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 20), b""):
+                        digest.update(block)
+            self._starting_model = {"path": self.config.model.path,
+                                    "sha256": modeling.content_sha256(self.model_path),
+                                    "weights_sha256": digest.hexdigest() if digest else None}
+        return dict(self._starting_model)
+
     def _packed(self, model):
         if self.config.model.use_remove_padding:  # padding-free forwards (packing)
             packing.enable_packing(model)
