@@ -51,7 +51,9 @@ def changed_files(uri: str, checksums: dict) -> list[str]:
 
 
 def end_iteration_0(istore, workers) -> None:
-    trainer = SimpleNamespace(state=TrainerState(global_step=1), adopted=[])
+    trainer = SimpleNamespace(state=TrainerState(global_step=1), adopted=[],
+                              starting_model_identity=lambda: {"path": "builtin:digits", "sha256": "0" * 64,
+                                                               "weights_sha256": None})
     commit(RunConfig(), workers, istore, trainer, 0, {}, {}, IterationCommit())
 
 
