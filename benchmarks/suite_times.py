@@ -5,7 +5,9 @@
 Runs the fast tier (``pytest -q -m "not slow"``, the README's developer loop) ``--runs``
 times and, with ``--full``, the whole suite (what ``.ci/run`` runs) once; prints each
 run's wall time and the median with its spread, and writes docs/measured/suite_times.json
-with the commit, the machine and the test counts. Nothing else should run meanwhile.
+with the commit, the machine and the test counts, and the lines of docs/testing.md that
+state them (``--doc-only``: those lines again from the JSON). Nothing else should run
+meanwhile.
 
 Goals (issue [7/7] item 13): the fast tier within 3 minutes, the full suite within 20, on
 2 cores in a clean clone.
@@ -40,12 +42,41 @@ def timed(args: list[str]) -> dict:
                                                                                    else {})}
 
 
+DOC = ROOT / "docs" / "testing.md"
+START, END = "<!-- suite_times: written by benchmarks/suite_times.py -->", "<!-- /suite_times -->"
+
+
+def write_doc(result: dict, doc: Path = DOC) -> None:
+    """The measured lines of docs/testing.md, between its markers, from ``result``."""
+    fast = result["fast_tier"]
+    walls = ", ".join(f"{r['wall_s']:.0f} s" for r in fast["runs"])
+    counts = fast["runs"][-1]
+    lines = [START, "",
+             f"Measured on {result['commit']} ({result['machine']['cores']} cores, {result['machine']['cpu']}; "
+             f"[measured/suite_times.json](measured/suite_times.json)): the fast tier "
+             f"({counts.get('passed', 0)} passed, {counts.get('skipped', 0)} skipped) took a median of "
+             f"{fast['median_s'] / 60:.1f} minutes over {len(fast['runs'])} runs ({walls}; the goal: 3 minutes)."]
+    if "full_suite" in result:
+        full = result["full_suite"]["run"]
+        lines.append(f"The full suite took {full['wall_s'] / 60:.1f} minutes once ({full.get('passed', 0)} passed; "
+                     f"the goal: 20 minutes).")
+    lines += ["", END]
+    text = doc.read_text()
+    head, _, rest = text.partition(START)
+    _, _, tail = rest.partition(END)
+    doc.write_text(head + "\n".join(lines) + tail)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="also time the whole suite once")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "measured" / "suite_times.json")
+    parser.add_argument("--doc-only", action="store_true", help="write docs/testing.md's lines from --out")
     args = parser.parse_args()
+    if args.doc_only:
+        write_doc(json.loads(args.out.read_text()))
+        return
     fast = []
     for i in range(args.runs):
         fast.append(timed(["-m", "not slow"]))
@@ -63,6 +94,7 @@ def main() -> None:
         print(f"full suite: {full}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_doc(result)
     print(json.dumps({k: v for k, v in result.items() if k not in ("fast_tier", "full_suite")}))
 
 
