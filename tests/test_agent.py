@@ -790,3 +790,21 @@ def test_a_run_with_verls_gsm8k_interaction_records_the_users_replies_and_replay
     monkeypatch.setattr(Gsm8kInteraction, "__init__", unbuilt)
     [result] = replay(f"file://{store}/talk/iter-000000", stages=["rollout"], log=lambda *a: None)
     assert result.ok, [d for d in result.diffs if not d.equal]
+
+
+def test_a_prompt_too_long_with_the_tools_schemas_is_refused_before_anything_is_generated(tokenizer):
+    import torch
+
+    from rlhf_core.agent.batch import AgentBatchError, run_batch
+    from rlhf_core.protocol import DataProto, object_column
+
+    chats = [[{"role": "user", "content": "q0"}], [{"role": "user", "content": "q1"}]]
+    ids = torch.ones(2, 8, dtype=torch.long)
+    prompts = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                   "sample_seed": torch.tensor([11, 12])}, {"raw_chat": object_column(chats)})
+    engine = Scripted(tokenizer, {(0, 0): "#### 1", (1, 0): "#### 2"})
+    with pytest.raises(AgentBatchError, match=r"^data.max_prompt_length: expected prompts of at most 8 tokens; "
+                                              r"found one of \d+ \(row 0\) once rendered with the tools' schemas"):
+        run_batch(prompts, _ctx(tokenizer, {"calc": Calculator({}, CALC)}), {"tool_agent": ToolAgentLoop()},
+                  "tool_agent", engine, pad_id=0)
+    assert engine.rounds == []  # refused before the first request

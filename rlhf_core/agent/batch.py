@@ -113,5 +113,20 @@ def agent_metrics(trajectories: list[Trajectory], stats: dict) -> dict[str, floa
 
 def run_batch(prompts: DataProto, ctx: AgentContext, loops: dict, default_loop: str, generate_round,
               pad_id: int, replaying: bool = False) -> tuple[DataProto, dict[str, float]]:
-    trajectories, stats = run_trajectories(rows_of(prompts, default_loop, replaying), loops, ctx, generate_round)
+    rows = rows_of(prompts, default_loop, replaying)
+    check_prompt_lengths(rows, loops, ctx, prompts.batch["input_ids"].shape[1])
+    trajectories, stats = run_trajectories(rows, loops, ctx, generate_round)
     return batch_of(prompts, trajectories, ctx.response_length, pad_id), agent_metrics(trajectories, stats)
+
+
+def check_prompt_lengths(rows: list[AgentRow], loops: dict, ctx: AgentContext, width: int) -> None:
+    """Every row's first prompt as its loop renders it (the tool agent adds the tools'
+    schemas) fits the batch's prompt width, checked before anything is generated."""
+    for row in rows:
+        loop = loops.get(row.agent_name)
+        render = getattr(loop, "prompt_ids", None)
+        length = len(render(ctx, row)) if render is not None else len(row.prompt_ids)
+        if length > width:
+            raise AgentBatchError(f"data.max_prompt_length: expected prompts of at most {width} tokens; found one "
+                                  f"of {length} (row {row.index}) once rendered with the tools' schemas (raise "
+                                  f"data.max_prompt_length)")

@@ -15,9 +15,14 @@ from rlhf_core.agent.trajectory import Trajectory
 
 
 class ToolAgentLoop:
+    @staticmethod
+    def prompt_ids(ctx, row) -> list[int]:
+        """The first prompt: the row's chat rendered with the tools' schemas."""
+        return chat.prompt_tokens(ctx.tokenizer, row.messages, ctx.tool_schemas)
+
     async def run(self, ctx, row) -> Trajectory:
         settings = ctx.settings
-        prompt_ids = chat.prompt_tokens(ctx.tokenizer, row.messages, ctx.tool_schemas)
+        prompt_ids = self.prompt_ids(ctx, row)
         trajectory = Trajectory(prompt_ids, row.seed)
         turn = 0
         while True:
