@@ -214,7 +214,13 @@ def test_prime_scores_in_worker_processes_inside_a_run_as_naive_does(ray_runs):
     expected, _ = reward_managers.naive(fn, name, rows, RunConfig())
     assert prime.batch["token_level_scores"].sum(dim=-1).tolist() == expected and sum(expected) > 0
     assert list(prime.non_tensor_batch["reward_extra/prime_failed"]) == [0.0] * len(prime)
-    workers = [p for p in psutil.Process().children(recursive=True) if "reward_functions" in " ".join(p.cmdline())]
+    def cmdline(process) -> str:  # a child that is exiting (a zombie, or gone) has no command line to read
+        try:
+            return " ".join(process.cmdline())
+        except (psutil.ZombieProcess, psutil.NoSuchProcess, psutil.AccessDenied):
+            return ""
+
+    workers = [p for p in psutil.Process().children(recursive=True) if "reward_functions" in cmdline(p)]
     assert workers == []  # none outlived its stage
 
 
