@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_core.agent.interactions.base import BaseInteraction
-from rlhf_core.agent.tool_config import MAX_BYTES, ToolConfigError, _import_tool_module
+from rlhf_core.agent.tool_config import ToolConfigError, _import_tool_module, read_yaml_file
 
 #: verl's interaction classes -> ours (module:class)
 VERL_INTERACTIONS = {
@@ -38,17 +38,8 @@ class InteractionSpec:
 
 
 def load_interaction_config(path: str) -> list[InteractionSpec]:
-    import yaml
-
-    file, where = Path(path), f"{FIELD}={path}"
-    if not file.is_file():
-        raise ToolConfigError(f"{where}: expected a YAML file; found none there")
-    if file.stat().st_size > MAX_BYTES:
-        raise ToolConfigError(f"{where}: expected at most {MAX_BYTES} bytes; found {file.stat().st_size}")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as exc:
-        raise ToolConfigError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+    where = f"{FIELD}={path}"
+    data = read_yaml_file(Path(path), where)
     if not isinstance(data, dict) or not isinstance(data.get("interaction"), list) or not data["interaction"]:
         raise ToolConfigError(f"{where}: expected a mapping with an 'interaction' list; found {str(data)[:120]!r}")
     specs, names = [], set()

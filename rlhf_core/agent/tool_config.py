@@ -87,19 +87,23 @@ def config_file(path: str) -> Path:
     return Path(path)
 
 
-def load_tool_config(path: str) -> list[ToolSpec]:
+def read_yaml_file(file: Path, where: str):
+    """A config file's YAML, bounded in size; refused in one line starting with ``where``."""
     import yaml
 
-    file = config_file(path)
-    where = f"rollout.multi_turn.tool_config_path={path}"
     if not file.is_file():
         raise ToolConfigError(f"{where}: expected a YAML file; found none there")
     if file.stat().st_size > MAX_BYTES:
         raise ToolConfigError(f"{where}: expected at most {MAX_BYTES} bytes; found {file.stat().st_size}")
     try:
-        data = yaml.safe_load(file.read_text())
+        return yaml.safe_load(file.read_text())
     except yaml.YAMLError as exc:
         raise ToolConfigError(f"{where}: not YAML: {str(exc).splitlines()[0]}") from None
+
+
+def load_tool_config(path: str) -> list[ToolSpec]:
+    where = f"rollout.multi_turn.tool_config_path={path}"
+    data = read_yaml_file(config_file(path), where)
     if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
         raise ToolConfigError(f"{where}: expected a mapping with a 'tools' list; found {type(data).__name__}")
     specs, names = [], set()
