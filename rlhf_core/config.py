@@ -361,6 +361,37 @@ class RolloutConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    """Asynchronous training (verl's fully-async policy, ``async_training.*``): the rollout
+    pool generates the coming trainer steps' batches while the trainer trains, and the
+    weights move every ``trigger_parameter_sync_step`` steps (docs/async.md)."""
+
+    enable: bool = _f(False, "asynchronous training: a rollout pool of its own (rollout.mode=async, rollout.nnodes "
+                      ">= 1) generates ahead of the trainer within the staleness bound (verl's entry point "
+                      "verl.experimental.fully_async_policy.fully_async_main sets it)")
+    staleness_threshold: float = _f(0.1, "how far the rollout may run ahead of the weights it holds, as a share of a "
+                                    "sync window (verl's rule): it may start the batches of the steps up to the "
+                                    "next sync plus floor(staleness_threshold x trigger_parameter_sync_step) more "
+                                    "(whole steps' batches here); 0: each step's batch waits for the weights of "
+                                    "the last sync", ge=0)
+    trigger_parameter_sync_step: int = _f(4, "trainer steps between two weight syncs to the rollout pool (verl's "
+                                          "default 4; 1 with staleness_threshold=1 is one-step-off-policy)",
+                                          **POSITIVE)
+    require_batches: int = _f(1, "actor.ppo_mini_batch_size batches a trainer step takes (verl's rule: a step "
+                              "trains require_batches x ppo_mini_batch_size prompts, which must equal "
+                              "data.train_batch_size here)", **POSITIVE)
+    partial_rollout: bool = _f(False, "stop the generations in flight at a weight sync and continue them on the "
+                               "new weights (verl's default true); not built yet: true is refused when "
+                               "staleness_threshold > 0, and has no effect at 0 (verl's rule)")
+    use_rollout_log_probs: bool = _f(True, "the update's old log-probs are the rollout engine's (the behaviour "
+                                     "policy that sampled each row, stale or not; verl's default); false: the "
+                                     "trainer's own forward before the update")
+    compute_prox_log_prob: bool = _f(False, "run the old_log_prob stage on the trainer's weights (the proximal "
+                                     "policy): the update's ratio uses it, and algorithm.rollout_correction "
+                                     "weighs it against the rollout's (AReaL's decoupled PPO)")
+
+
+@dataclass
 class CriticConfig:
     enable: bool | None = _f(None, "train a critic (None: only when adv_estimator is gae)", checkpoint=True)
     model_path: str = _f("", "the value model's starting weights (verl's critic.model.path): a causal LM folder "
@@ -746,6 +777,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
 
     @property
     def estimator(self):
@@ -790,8 +822,14 @@ class RunConfig:
     @property
     def old_log_prob_column(self) -> str | None:
         """The batch column the update's old log-probs come from: None on-policy (the
-        update's own forward), ``rollout_log_probs`` in bypass mode (the engine's, written
-        by the rollout stage), else ``old_log_probs`` (the ``old_log_prob`` stage's)."""
+        update's own forward), ``rollout_log_probs`` in bypass mode or asynchronous
+        training's default (the engine's, written by the rollout stage), else
+        ``old_log_probs`` (the ``old_log_prob`` stage's)."""
+        asynchronous = self.async_training
+        if asynchronous.enable and asynchronous.compute_prox_log_prob:  # the proximal policy's: the stage's
+            return "old_log_probs"
+        if asynchronous.enable and asynchronous.use_rollout_log_probs:  # rows may be stale: the behaviour policy's
+            return "rollout_log_probs"
         if self.on_policy_update:
             return None
         return "rollout_log_probs" if self.algorithm.rollout_correction.bypass_mode else "old_log_probs"
@@ -827,6 +865,42 @@ class RunConfig:
             raise ConfigError(f"rollout.nnodes: expected 0 with a LoRA policy (model.lora_rank={self.model.lora_rank}): "
                               f"sending an adapter to a rollout pool of its own is not built yet; found "
                               f"{rollout.nnodes}")
+
+    def _check_async_training(self) -> None:
+        """Asynchronous training: a rollout pool of its own, a step that is whole mini-batches,
+        and only what is built for it (each refusal names its key)."""
+        asynchronous = self.async_training
+        if not asynchronous.enable:
+            return
+        if not self.rollout.own_pool:
+            raise ConfigError("async_training.enable: expected a rollout pool of its own (rollout.mode=async, "
+                              "rollout.nnodes >= 1: it generates while the trainer trains); found rollout.nnodes=0")
+        step = asynchronous.require_batches * self.actor.ppo_mini_batch_size
+        if self.data.train_batch_size != step:
+            raise ConfigError(f"async_training.require_batches: expected require_batches x actor.ppo_mini_batch_size "
+                              f"= data.train_batch_size (the prompts of one trainer step); found "
+                              f"{asynchronous.require_batches} x {self.actor.ppo_mini_batch_size} = {step} against "
+                              f"{self.data.train_batch_size}")
+        if not self.trainer.total_epochs and asynchronous.trigger_parameter_sync_step > self.trainer.total_iterations:
+            raise ConfigError(f"async_training.trigger_parameter_sync_step: expected at most the run's "
+                              f"{self.trainer.total_iterations} trainer steps (trainer.total_iterations); found "
+                              f"{asynchronous.trigger_parameter_sync_step}")
+        if asynchronous.partial_rollout and asynchronous.staleness_threshold > 0:
+            raise ConfigError(f"async_training.partial_rollout: expected false (stopping generations in flight at a "
+                              f"weight sync is not built yet: they finish on the weights they began with); found "
+                              f"true with staleness_threshold={asynchronous.staleness_threshold}")
+        unbuilt = [("rollout.multi_turn.enable", self.rollout.multi_turn.enable),
+                   ("algorithm.filter_groups.enable", self.algorithm.filter_groups.enable),
+                   (f"algorithm.adv_estimator={self.algorithm.adv_estimator}", self.estimator.needs_reward_baseline)]
+        for key, used in unbuilt:
+            if used:
+                raise ConfigError(f"async_training.enable: expected false with {key} (asynchronous training "
+                                  f"generates single-turn batches without a reward baseline here); found true")
+        correction = self.algorithm.rollout_correction
+        if correction.active and not correction.bypass_mode and not asynchronous.compute_prox_log_prob:
+            raise ConfigError("async_training.compute_prox_log_prob: expected true with algorithm.rollout_correction "
+                              "outside bypass mode (its weights compare the trainer's log-probs with the rollout's); "
+                              "found false")
 
     def _check_rollout_correction(self) -> None:
         from rlhf_core.algorithms import rollout_correction
@@ -952,6 +1026,7 @@ class RunConfig:
                                   f"ranks on each of at least 1 node (the training pool's node shape) with "
                                   f"enable_resource_pool; found {rm.n_gpus_per_node} x {rm.nnodes}")
         self._check_rollout_pool()
+        self._check_async_training()
         if self.model.dtype != "float32" and not self.model.lora and not self.model.train_in_16bit:
             raise ConfigError(f"model.dtype: expected float32 for trained weights (FSDP computes in bf16 on GPUs "
                               f"with actor.fsdp_config.mixed_precision=auto; AdamW stepping {self.model.dtype} "
@@ -980,7 +1055,9 @@ class RunConfig:
             raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} needs a critic; "
                               f"found critic.enable=False")
         if self.old_log_prob_column == "rollout_log_probs" and (self.rollout.top_p != 1 or self.rollout.top_k > 0):
-            raise ConfigError(f"algorithm.rollout_correction.bypass_mode: expected false when sampling is not "
+            key = ("async_training.use_rollout_log_probs" if self.async_training.enable
+                   else "algorithm.rollout_correction.bypass_mode")
+            raise ConfigError(f"{key}: expected false when sampling is not "
                               f"the plain softmax (the engine's log-probs would not be the policy's); found true "
                               f"with rollout.top_p="
                               f"{self.rollout.top_p}, rollout.top_k={self.rollout.top_k}, rollout.temperature="

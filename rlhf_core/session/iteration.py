@@ -85,6 +85,12 @@ def iterate(cfg: RunConfig, istore, head, iterations: int = 1, log=print, on_sta
 
     from rlhf_core.session.prefetch import SessionPrefetch
 
+    if cfg.async_training.enable:
+        from rlhf_core.config import ConfigError
+
+        raise ConfigError("async_training.enable: expected a direct run (`rlhf run --direct`): a session's "
+                          "iteration runs do not keep the rollout generating between them yet; found a "
+                          "session-attached controller")
     run_id, state = istore.run_id, open_run(cfg, istore, log)
     run_dir = Path(cfg.trainer.output_dir) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,19 @@ class PrefetchSource(Protocol):
         ...
 
 
+def seeded_prompts(batch: DataProto, cfg: RunConfig) -> tuple[DataProto, DataProto]:
+    """A step's prompt batch as the rollout samples it: each prompt repeated
+    ``rollout.n`` times (the rows share its uid), one ``sample_seed`` per row (its sample
+    does not depend on batching, restarts or which thread generates it; filter_groups'
+    further generation batches: seeds after the earlier ones'). Returns the batch without
+    the prompt columns, and those columns (the engines' input)."""
+    step = batch.meta_info["global_step"]
+    batch = batch.repeat(cfg.rollout.n, interleave=True)
+    first = step * 1_000_003 + batch.meta_info.get("generation", 0) * len(batch)
+    batch.batch["sample_seed"] = cfg.rollout.seed + first + torch.arange(len(batch))
+    return batch, batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
+
+
 class PPOTrainer:
     """Drives PPO/GRPO iterations over worker groups placed on a local or remote Ray."""
 
@@ -104,6 +117,10 @@ class PPOTrainer:
                                                   RayReplicaTransport(self.replicas or self.actor))
         self.generation_metrics: dict = {}  # measured by the manager: timing, not data
         self._agent = None  # (context, loops) of the agent loops, once built
+        self.rollouter = None  # async_training: the batches of the coming steps, generated ahead
+        #: the weight version the actor holds when it is not the iteration's own (a replay of a
+        #: batch generated ahead loads the weights that generated it)
+        self.policy_version: int | None = None
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -238,18 +255,71 @@ class PPOTrainer:
 
     def rollout(self, batch: DataProto) -> DataProto:
         cfg, step = self.config, batch.meta_info["global_step"]
-        batch = batch.repeat(cfg.rollout.n, interleave=True)  # n responses share a uid
-        # one seed per response row: its sample does not depend on batching or restarts
-        # (filter_groups' further generation batches: seeds after the earlier ones')
-        first = step * 1_000_003 + batch.meta_info.get("generation", 0) * len(batch)
-        batch.batch["sample_seed"] = cfg.rollout.seed + first + torch.arange(len(batch))
-        prompts = self._with_chat(batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids",
-                                                        "sample_seed"]), batch)
-        batch = batch.union(self.generate_sequences(prompts, step))
+        batch, prompts = seeded_prompts(batch, cfg)
+        prompts = self._with_chat(prompts, batch)
+        if self.rollouter is not None:  # generated ahead on the rollout pool (async_training)
+            batch = batch.union(self._take_generated(prompts, step))
+        else:
+            batch = batch.union(self.generate_sequences(prompts, step))
         if cfg.trainer.balance_batch and cfg.actor.world_size > 1:  # each rank's chunk: about the same tokens
             batch.reorder(modeling.balanced_order(batch.batch["attention_mask"].sum(dim=1).tolist(),
                                                   cfg.actor.world_size))
         return batch
+
+    def _take_generated(self, prompts: DataProto, step: int) -> DataProto:
+        """This step's batch from the rollouter (waiting for it when it is not done), as
+        ``generate_sequences`` would give it; the fully-async metrics (verl's names) are
+        measurements of this run's timing, kept beside the batch, not in it."""
+        generated, waited, queued = self.rollouter.take(step)
+        wanted = requests_of(prompts)
+        if [(r.prompt_ids, r.seed) for r in generated.requests] != [(r.prompt_ids, r.seed) for r in wanted]:
+            raise RuntimeError(f"rollout: the batch generated ahead for step {step} holds other prompts or seeds "
+                               f"than the step's own (the rollouter's data cursor and the trainer's disagree)")
+        out = responses_of(prompts, generated.completions, self.config.rollout.response_length, generated.pad_id)
+        versions = torch.tensor(generated.versions, dtype=torch.long)
+        out.batch["weight_version"] = versions
+        staleness = (step - versions).float()
+        self.generation_metrics.update(generated.metrics)  # the background call's timing
+        self.generation_metrics.update({
+            "fully_async/trainer/wait_s": waited, "fully_async/queue/steps_ready": float(queued),
+            "fully_async/staleness/mean": float(staleness.mean()), "fully_async/staleness/max": float(staleness.max()),
+            "fully_async/count/stale_samples": float((staleness > 0).sum()), **self.rollouter.metrics()})
+        self.worker_time[self.current_stage] = waited
+        return out
+
+    def start_rollouter(self, until_step: int) -> None:
+        """async_training: start generating the batches of steps up to ``until_step``
+        (exclusive) from the current step, after the one whose rollout is committed; the
+        replicas get the trainer's weights first when they hold others."""
+        from rlhf_core.trainer.loaders import make_loader
+        from rlhf_core.trainer.rollouter import Rollouter
+
+        cfg, step = self.config, self.state.global_step
+        if not cfg.async_training.enable or step >= until_step:
+            return
+        loader = make_loader(cfg, TrainerState(cursor=dict(self.state.cursor)))  # its own, at this step's cursor
+        first = step
+        if self.stage_store is not None and self.stage_store.has(step, "rollout"):
+            loader.next_batch()  # this step's batch is committed: it is never generated again
+            first += 1
+
+        def prompts_of(j: int) -> DataProto:
+            batch = loader.next_batch()
+            batch.meta_info.update(global_step=j, temperature=cfg.rollout.temperature)
+            return seeded_prompts(batch, cfg)[1]
+
+        if any(v != step for v in self.replicas.held_version()):
+            self._send_weights(step)
+        self.rollouter = Rollouter(
+            cfg, prompts_of, lambda requests, sampling, version: self.rollout_manager.generate(
+                requests, sampling, version=version), first, until_step, version=step).start()
+
+    def stop_rollouter(self) -> None:
+        """Stop generating ahead: what was generated and not taken is dropped (a resumed run
+        generates it again from the same prompts and seeds)."""
+        if self.rollouter is not None:
+            self.rollouter.stop()
+            self.rollouter = None
 
     def generate_sequences(self, prompts: DataProto, step: int) -> DataProto:
         """The one generation call site (training rollouts, DAPO's further batches,
@@ -276,10 +346,17 @@ class PPOTrainer:
             batch.meta_info = dict(prompts.meta_info)
             out = self._take(self.actor.generate_sequences(batch))
             return completions_of(requests, out), out.batch["weight_version"].tolist(), self._pad_id
-        if self.replicas is not None and any(v != step for v in self.replicas.held_version()):
-            self._send_weights(step)  # a first rollout, or after a restore: the trainer's weights first
-        completions, versions, stats = self.rollout_manager.generate(
-            requests, sampling_of(prompts, self.config.rollout), version=step)
+        version = step if self.policy_version is None else self.policy_version
+        if self.rollouter is not None:
+            self.rollouter.pause()  # one caller of the replicas at a time (validation)
+        try:
+            if self.replicas is not None and any(v != version for v in self.replicas.held_version()):
+                self._send_weights(version)  # a first rollout, or after a restore: the trainer's weights first
+            completions, versions, stats = self.rollout_manager.generate(
+                requests, sampling_of(prompts, self.config.rollout), version=version)
+        finally:
+            if self.rollouter is not None:
+                self.rollouter.resume(version)
         for key, value in stats.metrics().items():  # summed over the calls of a stage (an agent's turns)
             self.generation_metrics[key] = self.generation_metrics.get(key, 0.0) + value \
                 if key.endswith("/requests") or key == "timing_s/gen" else value
@@ -559,16 +636,26 @@ class PPOTrainer:
 
     def weight_sync(self, batch: DataProto) -> DataProto:
         """The updated weights to the rollout engines, as version ``global_step + 1``: in
-        place on the actor's ranks, or through the checkpoint engine to a pool of their own."""
-        if self.replicas is not None:
-            synced = self._send_weights(batch.meta_info["global_step"] + 1)
+        place on the actor's ranks, or through the checkpoint engine to a pool of their own
+        (async_training: every trigger_parameter_sync_step steps, the rollouter paused for it)."""
+        version = batch.meta_info["global_step"] + 1
+        if self.config.async_training.enable:
+            if self.rollouter is None or version % self.config.async_training.trigger_parameter_sync_step:
+                # no sync at this step (a redo on restore: the rollouter's start sends the weights)
+                return self._stage_metrics(batch, {"fully_async/weight_synced": 0.0})
+            self.rollouter.pause()
+            synced = self._send_weights(version)  # a failure raises: the rollouter stays paused
+            self.rollouter.resume(version)
+        elif self.replicas is not None:
+            synced = self._send_weights(version)
         else:
-            synced = self.actor.sync_weights(batch.meta_info["global_step"] + 1)
+            synced = self.actor.sync_weights(version)
         self.worker_time[self.current_stage] = max(s["seconds"] for s in synced)
         return self._stage_metrics(batch, {
             "perf/weight_sync_peak_gathered_mib": max(s["peak_gathered_bytes"] for s in synced) / 2**20,
             "perf/weight_sync_bytes": float(max(s["bytes"] for s in synced)),
-            "training/weight_version": float(synced[0]["version"])})
+            "training/weight_version": float(synced[0]["version"]),
+            **({"fully_async/weight_synced": 1.0} if self.config.async_training.enable else {})})
 
     def _send_weights(self, version: int) -> list[dict]:
         """The checkpoint engine: the actor's ranks gather the policy, its first rank

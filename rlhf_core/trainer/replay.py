@@ -247,11 +247,16 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         # stateless stages first (one restore serves them all), then each update stage
         # from a fresh restore: the state every stage saw the first time
         stateful = {s.name for s in stage_table.STAGES if s.stateful}
+        loaded = None  # the step whose weights the workers hold (None: changed by an update stage)
         # side stages (validation) first: on the weights the iteration started from
-        for i, stage in enumerate(sorted(wanted, key=lambda s: (s in stateful, plan.index(s) if s in plan else -1))):
+        for stage in sorted(wanted, key=lambda s: (s in stateful, plan.index(s) if s in plan else -1)):
             t0 = time.perf_counter()
-            if i == 0 or stage in stateful:  # the last checkpoint, and a redo of what followed it
-                load_checkpoint(workers, istore, n, trainer)
+            # a batch generated ahead (async_training) is generated again on the weights that made it
+            start = generated_by(istore, n) if stage == "rollout" and cfg.async_training.enable else n
+            if loaded != start or stage in stateful:  # the last checkpoint, and a redo of what followed it
+                load_checkpoint(workers, istore, start, trainer)
+                loaded = None if stage in stateful else start
+            trainer.policy_version = start if start != n else None
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
             [(_, out, _)] = trainer.run_stages(batch, [stage_table.BY_NAME[stage]])
@@ -267,6 +272,15 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
         return results
     finally:
         workers.kill()
+
+
+def generated_by(istore, n: int) -> int:
+    """The weight version that generated iteration ``n``'s committed rollout batch (one
+    call of the rollouter: every row has the same)."""
+    versions = set(istore.load(n, "rollout").batch["weight_version"].tolist())
+    if len(versions) != 1:
+        raise ReplayError(f"iteration {n}: expected one weight version in its rollout batch; found {sorted(versions)}")
+    return versions.pop()
 
 
 def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:

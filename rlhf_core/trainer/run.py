@@ -119,6 +119,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
     rows = []
     train_start = time.monotonic()
     try:
+        trainer.start_rollouter(until_step=trainer.state.global_step + iterations)  # async_training only
         with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as out:
             for k in range(iterations):
                 iteration = trainer.state.global_step
@@ -151,6 +152,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
             pass
         raise
     finally:
+        trainer.stop_rollouter()
         bar.close()
     return rows, trainer
 
