@@ -535,6 +535,19 @@ VERL_DEFAULTS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.checkpoint_engine.backend": _m("rollout.checkpoint_engine.backend"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         _m("rollout.checkpoint_engine.update_weights_bucket_megabytes"),
+    # verl's fully-async recipe (async_training.* of ours has its other keys under the same names)
+    "async_training.checkpoint_engine.enable": _only("True", "the weights always go through the checkpoint engine "
+                                                     "(rollout.checkpoint_engine)", "a per-tensor weight sync"),
+    "async_training.checkpoint_engine.device_buffer_size_M": _m(
+        "rollout.checkpoint_engine.update_weights_bucket_megabytes", note="the MiB of one broadcast bucket"),
+    "async_training.checkpoint_engine.overlap_broadcast_and_consume": _only(
+        "False", "a bucket is loaded before the next one is broadcast", "overlapping a broadcast with the load"),
+    "async_training.use_trainer_do_validate": _only("False", "validation generates on the rollout replicas, the "
+                                                    "rollout paused for it", "validating on the trainer's ranks"),
+    "rollout.total_epochs": _m("trainer.total_epochs", note="the run's passes over the training set"),
+    "rollout.total_rollout_steps": _refuse("set trainer.total_iterations (trainer steps: total_rollout_steps / "
+                                           "data.train_batch_size)"),
+    "rollout.test_freq": _refuse("set trainer.test_freq (validation every K trainer steps here)"),
     **{f"{section}.tiled_mlp.enabled": _only("False", FEATURE_OFF, "tiled MLP")
        for section in ("actor_rollout_ref.model", "critic.model")},
     "actor_rollout_ref.rollout.agent.default_agent_loop": _m("rollout.agent.default_agent_loop"),

@@ -54,6 +54,17 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
     ]:
         with pytest.raises(ConfigError, match=message):
             apply_overrides(RunConfig(), overrides).validate()
+    # verl's fully-async keys outside the section's own fields: mapped, noted or refused
+    notes = []
+    cfg = apply_overrides(RunConfig(), ["async_training.checkpoint_engine.device_buffer_size_M=64",
+                                        "async_training.checkpoint_engine.enable=True", "rollout.total_epochs=2",
+                                        "async_training.use_trainer_do_validate=False"], notes=notes)
+    assert (cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes, cfg.trainer.total_epochs) == (64, 2)
+    assert len(notes) == 2 and all("verl's default" in note for note in notes)
+    for key in ("rollout.total_rollout_steps=100", "rollout.test_freq=2", "async_training.use_trainer_do_validate=true",
+                "async_training.checkpoint_engine.overlap_broadcast_and_consume=true"):
+        with pytest.raises(ValueError, match=f"^verl key '{key.split('=')[0]}'"):
+            apply_overrides(RunConfig(), [key])
     # partial_rollout without staleness: verl's rule, no effect
     apply_overrides(RunConfig(), [*small, *ASYNC, "async_training.partial_rollout=true",
                                   "async_training.staleness_threshold=0"]).validate()
@@ -207,3 +218,62 @@ def test_at_zero_staleness_async_training_is_the_synchronous_run_and_one_step_of
     for r in replay(f"{store}/off/iter-{stale:06d}", log=lambda *a: None):
         assert r.ok and r.diffs and all(d.max_abs == 0 for d in r.diffs), (r.stage, [d for d in r.diffs
                                                                                       if not d.equal])
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def test_a_run_killed_in_generation_update_weight_sync_and_commit_consumes_each_prompt_once(tmp_path, ray_local,
+                                                                                             monkeypatch):
+    """Crashed at each point where the rollout has generated ahead (the start of a step's
+    rollout, its update, its weight sync, its commit) and resumed each time: the steps
+    consume exactly the prompts, in the same order, that an uninterrupted run consumes;
+    no step is lost or run twice, and the run ends at the same step."""
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.runtime import probes
+    from rlhf_core.trainer.run import run_direct
+
+    cfg = apply_overrides(RunConfig(), _common(tmp_path, *ASYNC, "async_training.trigger_parameter_sync_step=1",
+                                               "async_training.staleness_threshold=2"))
+    quiet, total = (lambda *a: None), 5
+    whole = RunRef(f"file://{tmp_path / 'whole'}", "run")
+    run_direct(cfg, total, whole, log=quiet)
+
+    killed = RunRef(f"file://{tmp_path / 'killed'}", "run")
+    istore = IterationStore(killed)
+
+    def at(iteration, stage):
+        def hook(it, name):
+            if (it, name) == (iteration, stage):
+                raise Crash(f"at iteration {it}, stage {name}")
+        return hook
+
+    for iteration, stage in [(1, "rollout"), (2, "update_actor"), (2, "weight_sync")]:
+        with pytest.raises(Crash):
+            run_direct(cfg, total - len(istore.committed_iterations()), killed, log=quiet, on_stage=at(iteration, stage))
+    reached = probes.reached
+
+    def commit_crash(point):
+        if point == "commit:3":
+            raise Crash(point)
+        reached(point)
+
+    monkeypatch.setattr(probes, "reached", commit_crash)
+    with pytest.raises(Crash):
+        run_direct(cfg, total - len(istore.committed_iterations()), killed, log=quiet)
+    monkeypatch.setattr(probes, "reached", reached)
+    assert istore.committed_iterations() == [0, 1, 2]
+    result = run_direct(cfg, total - len(istore.committed_iterations()), killed, log=quiet)
+    assert [r["iteration"] for r in result["rows"]] == [3, 4]
+
+    def consumed(ref):
+        store = IterationStore(ref)
+        return [store.load(n, "rollout").non_tensor_batch["uid"].tolist() for n in store.committed_iterations()]
+
+    assert consumed(killed) == consumed(whole) and len(consumed(whole)) == total
+    assert istore.read_manifest(total - 1)["global_step"] == total
+    for n in range(total):  # every consumed row was generated within the bound
+        versions = istore.load(n, "rollout").batch["weight_version"]
+        assert bool(((n - versions) >= 0).all() and ((n - versions) <= 2).all()), (n, versions)
