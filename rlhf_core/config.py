@@ -97,10 +97,13 @@ class DataConfig:
                           "once per node into the cache and checked) in verl's format (prompt as chat messages, "
                           "data_source, reward_model.ground_truth, extra_info) or ours (prompt text, "
                           "ground_truth, data_source), or builtin:<task>")
-    train_batch_size: int = _f(256, "prompts per iteration (before rollout.n repeats)", **POSITIVE)
+    train_batch_size: int = _f(256, "prompts per iteration (before rollout.n repeats); 0 only with "
+                               "async_training.enable (verl's fully-async scripts): async_training.require_batches x "
+                               "actor.ppo_mini_batch_size", **NON_NEGATIVE)
     gen_batch_size: int = _f(0, "prompts per generation batch with algorithm.filter_groups.enable (DAPO's "
                              "dynamic sampling: batches are generated until train_batch_size groups are kept); "
-                             "0: train_batch_size", **NON_NEGATIVE)
+                             "0: train_batch_size. No effect with async_training.enable (verl's streaming unit: "
+                             "the rollout generates whole steps' batches here)", **NON_NEGATIVE)
     max_prompt_length: int = _f(16, "prompt tokens (after the chat template); longer prompts are "
                                 "handled by data.truncation", **POSITIVE)
     truncation: str = _f("error", "a prompt longer than max_prompt_length: error (refuse the dataset), "
@@ -345,6 +348,12 @@ class RolloutConfig:
     n_gpus_per_node: int = _f(1, "ranks per node of the rollout's own pool: one GPU each on GPU nodes, "
                               "trainer.cpus_per_worker CPUs each on CPU nodes (no effect with rollout.nnodes=0)",
                               **POSITIVE)
+    total_rollout_steps: int = _f(0, "verl's fully-async total of prompts generated (with async_training.enable): "
+                                  "sets trainer.total_iterations to it / data.train_batch_size; 0: unset",
+                                  **NON_NEGATIVE)
+    test_freq: int = _f(0, "verl's fully-async validation every K weight syncs (with async_training.enable): sets "
+                        "trainer.test_freq to K x async_training.trigger_parameter_sync_step; 0: unset",
+                        **NON_NEGATIVE)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -381,11 +390,17 @@ class AsyncTrainingConfig:
                               "trains require_batches x ppo_mini_batch_size prompts, which must equal "
                               "data.train_batch_size here)", **POSITIVE)
     partial_rollout: bool = _f(False, "stop the generations in flight at a weight sync and continue them on the "
-                               "new weights (verl's default true); not built yet: true is refused when "
-                               "staleness_threshold > 0, and has no effect at 0 (verl's rule)")
+                               "new weights (verl's default true); not built yet: refused when a batch can be in "
+                               "flight at a sync (staleness_threshold x trigger_parameter_sync_step >= 1), no "
+                               "effect otherwise (every batch started before a sync was consumed by it)")
     use_rollout_log_probs: bool = _f(True, "the update's old log-probs are the rollout engine's (the behaviour "
                                      "policy that sampled each row, stale or not; verl's default); false: the "
                                      "trainer's own forward before the update")
+    @property
+    def steps_beyond_sync(self) -> int:
+        """Whole steps' batches the rollout may start beyond the next sync."""
+        return int(self.staleness_threshold * self.trigger_parameter_sync_step + 1e-9)
+
     compute_prox_log_prob: bool = _f(False, "run the old_log_prob stage on the trainer's weights (the proximal "
                                      "policy): the update's ratio uses it, and algorithm.rollout_correction "
                                      "weighs it against the rollout's (AReaL's decoupled PPO)")
@@ -866,6 +881,34 @@ class RunConfig:
                               f"sending an adapter to a rollout pool of its own is not built yet; found "
                               f"{rollout.nnodes}")
 
+    def _resolve_fully_async_totals(self) -> None:
+        """verl's fully-async scripts count differently: ``data.train_batch_size=0`` (a step is
+        ``require_batches x ppo_mini_batch_size`` prompts), ``rollout.total_rollout_steps``
+        (prompts generated in all) and ``rollout.test_freq`` (validation every K weight
+        syncs); and their weights always go through the checkpoint engine (the collective
+        backend of the nodes when ``rollout.checkpoint_engine.backend`` is left naive).
+        Resolved here into the trainer's own fields, once (validating again finds them
+        resolved)."""
+        asynchronous, rollout = self.async_training, self.rollout
+        if not asynchronous.enable:
+            for key, value in (("data.train_batch_size", self.data.train_batch_size),):
+                if value == 0:
+                    raise ConfigError(f"{key}: expected > 0 (0 only with async_training.enable); found 0")
+            for key in ("total_rollout_steps", "test_freq"):
+                if getattr(rollout, key):
+                    raise ConfigError(f"rollout.{key}: expected 0 without async_training.enable (verl's fully-async "
+                                      f"key); found {getattr(rollout, key)}")
+            return
+        if self.data.train_batch_size == 0:
+            self.data.train_batch_size = asynchronous.require_batches * self.actor.ppo_mini_batch_size
+        engine = rollout.checkpoint_engine
+        if rollout.own_pool and engine.backend == "naive":  # verl's fully-async always uses its checkpoint engine
+            engine.backend = "nccl" if self.resources.gpus_per_node else "gloo"
+        if rollout.total_rollout_steps:
+            self.trainer.total_iterations = max(1, rollout.total_rollout_steps // self.data.train_batch_size)
+        if rollout.test_freq:
+            self.trainer.test_freq = rollout.test_freq * asynchronous.trigger_parameter_sync_step
+
     def _check_async_training(self) -> None:
         """Asynchronous training: a rollout pool of its own, a step that is whole mini-batches,
         and only what is built for it (each refusal names its key)."""
@@ -885,10 +928,10 @@ class RunConfig:
             raise ConfigError(f"async_training.trigger_parameter_sync_step: expected at most the run's "
                               f"{self.trainer.total_iterations} trainer steps (trainer.total_iterations); found "
                               f"{asynchronous.trigger_parameter_sync_step}")
-        if asynchronous.partial_rollout and asynchronous.staleness_threshold > 0:
+        if asynchronous.partial_rollout and asynchronous.steps_beyond_sync:
             raise ConfigError(f"async_training.partial_rollout: expected false (stopping generations in flight at a "
                               f"weight sync is not built yet: they finish on the weights they began with); found "
-                              f"true with staleness_threshold={asynchronous.staleness_threshold}")
+                              f"true with staleness_threshold x trigger_parameter_sync_step >= 1")
         unbuilt = [("rollout.multi_turn.enable", self.rollout.multi_turn.enable),
                    ("algorithm.filter_groups.enable", self.algorithm.filter_groups.enable),
                    (f"algorithm.adv_estimator={self.algorithm.adv_estimator}", self.estimator.needs_reward_baseline)]
@@ -962,6 +1005,7 @@ class RunConfig:
         field, what was expected and what was found."""
         from rlhf_core.algorithms.core import NOT_HERE
 
+        self._resolve_fully_async_totals()
         for path, f in _leaf_paths(self).items():
             value = _get(self, path)
             if isinstance(value, str) and value in NOT_HERE and (f.metadata.get("registry") or f.metadata.get("choices")):
@@ -1079,7 +1123,7 @@ class RunConfig:
                               "applied after the groups are chosen here; use seq_reward, or "
                               "algorithm.use_kl_in_reward=false")
         if self.data.gen_batch_size and self.data.gen_batch_size != self.data.train_batch_size and \
-                not groups.enable:
+                not groups.enable and not self.async_training.enable:
             raise ConfigError(f"data.gen_batch_size: differs from data.train_batch_size only with "
                               f"algorithm.filter_groups.enable=true (without it verl trains every generated row: set "
                               f"data.train_batch_size={self.data.gen_batch_size}); found {self.data.gen_batch_size}")

@@ -140,7 +140,8 @@ TABLE: dict[str, Rule] = {
     "critic.model.lora_alpha": _m("critic.lora_alpha"),
     "critic.model.target_modules": _m("critic.target_modules", note="all-linear or a list of module names, as in verl"),
     "critic.model.exclude_modules": _m("critic.exclude_modules"),
-    "actor_rollout_ref.hybrid_engine": _note("always: actor, rollout and reference share processes here"),
+    "actor_rollout_ref.hybrid_engine": _note("actor and reference share processes here; the rollout too unless "
+                                             "rollout.nnodes >= 1 gives it a pool of its own"),
     # Ulysses splits each sequence's attention heads over N ranks: the same losses and
     # gradients as whole sequences on one rank, so a layout choice (like a kernel's)
     **{f"{role}.ulysses_sequence_parallel_size": Rule(
@@ -533,8 +534,13 @@ VERL_DEFAULTS: dict[str, Rule] = {
     "actor_rollout_ref.rollout.prometheus.enable": _only("False", FEATURE_OFF, "the engine's Prometheus metrics"),
     "actor_rollout_ref.rollout.trace.backend": _only("null", FEATURE_OFF, "rollout tracing"),
     "actor_rollout_ref.rollout.checkpoint_engine.backend": _m("rollout.checkpoint_engine.backend"),
+    "actor_rollout_ref.rollout.enable_sleep_mode": _m("rollout.free_cache_engine", note="vLLM's sleep mode: the "
+                                                      "engine's memory freed while the actor trains"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         _m("rollout.checkpoint_engine.update_weights_bucket_megabytes"),
+    # Hydra's choice of a named config file (verl's recipes' own trainer YAMLs)
+    **{flag: _refuse("verl's named config files are not read here: give the file to `rlhf run --config FILE` "
+                     "(a verl YAML), or its keys as arguments") for flag in ("--config-path", "--config-name")},
     # verl's fully-async recipe (async_training.* of ours has its other keys under the same names)
     "async_training.checkpoint_engine.enable": _only("True", "the weights always go through the checkpoint engine "
                                                      "(rollout.checkpoint_engine)", "a per-tensor weight sync"),
@@ -545,9 +551,6 @@ VERL_DEFAULTS: dict[str, Rule] = {
     "async_training.use_trainer_do_validate": _only("False", "validation generates on the rollout replicas, the "
                                                     "rollout paused for it", "validating on the trainer's ranks"),
     "rollout.total_epochs": _m("trainer.total_epochs", note="the run's passes over the training set"),
-    "rollout.total_rollout_steps": _refuse("set trainer.total_iterations (trainer steps: total_rollout_steps / "
-                                           "data.train_batch_size)"),
-    "rollout.test_freq": _refuse("set trainer.test_freq (validation every K trainer steps here)"),
     **{f"{section}.tiled_mlp.enabled": _only("False", FEATURE_OFF, "tiled MLP")
        for section in ("actor_rollout_ref.model", "critic.model")},
     "actor_rollout_ref.rollout.agent.default_agent_loop": _m("rollout.agent.default_agent_loop"),

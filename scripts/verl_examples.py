@@ -3,6 +3,11 @@
     python scripts/verl_examples.py VERL_CHECKOUT [--commit SHA]   # record, then write the doc
     python scripts/verl_examples.py --doc-only                      # the doc, from the recording
 
+Also records verl's fully-async scripts (``verl/experimental/fully_async_policy/shell/*.sh``
+calling ``verl.experimental.fully_async_policy.fully_async_main``, the same engines left
+out) under ``"fully_async_scripts"``: here they run as ``rlhf run --direct
+async_training.enable=true`` with the same arguments.
+
 Selects every ``examples/**/*.sh`` of a verl checkout that calls ``verl.trainer.main_ppo``,
 leaving out scripts for engines and hardware this trainer does not run (Megatron, SGLang,
 NPUs, TensorRT-LLM, vision models, profiling, Slurm), and runs each with ``bash`` and a
@@ -29,6 +34,9 @@ LEFT_OUT_PATHS = re.compile(r"megatron|npu|sglang|sgl_|trtllm|_vl|vl-|vl_|glm41v
                             r"nsys|prof", re.I)
 LEFT_OUT_TEXT = re.compile(r"megatron|sglang", re.I)
 ENTRY = "verl.trainer.main_ppo"
+#: verl's fully-async entry point and where its scripts are.
+ASYNC_ENTRY = "verl.experimental.fully_async_policy.fully_async_main"
+ASYNC_SHELL = "verl/experimental/fully_async_policy/shell"
 #: verl's trainer config with every default, as its trainer writes it.
 TRAINER_YAML = "verl/trainer/config/_generated_ppo_trainer.yaml"
 #: Opens the generated listing in docs/verl-examples.md (everything above it is prose).
@@ -67,16 +75,26 @@ def selected(root: pathlib.Path) -> list[str]:
     return chosen
 
 
-def arguments(root: pathlib.Path, rel: str) -> list[str]:
-    """What the script passes to ``python3 -m verl.trainer.main_ppo`` (its first call)."""
+def selected_fully_async(root: pathlib.Path) -> list[str]:
+    """verl's fully-async scripts for the engines this trainer runs, sorted."""
+    return [path.relative_to(root).as_posix() for path in sorted((root / ASYNC_SHELL).glob("*.sh"))
+            # by name only: each says "sglang or vllm" beside its choice of vllm
+            if ASYNC_ENTRY in path.read_text(errors="replace") and not LEFT_OUT_PATHS.search(path.name)]
+
+
+def arguments(root: pathlib.Path, rel: str, entry: str = ENTRY) -> list[str]:
+    """What the script passes to ``python3 -m <entry>`` (its first call; ``python`` and a
+    ``ray job submit`` of it too)."""
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         bin_dir = tmp / "bin"
         bin_dir.mkdir()
-        recorder = bin_dir / "python3"
-        recorder.write_text(RECORDER.format(entry=ENTRY, python=sys.executable))
+        recorders = ("python3", "python", "ray")  # ray: `ray job submit ... -- python3 -m <entry> ...`
+        for name in recorders:
+            (bin_dir / name).write_text(RECORDER.format(entry=entry, python=sys.executable))
         for tool in QUIET_TOOLS:
-            (bin_dir / tool).write_text("#!/bin/bash\nexit 0\n")
+            if tool not in recorders:
+                (bin_dir / tool).write_text("#!/bin/bash\nexit 0\n")
         for stand_in in bin_dir.iterdir():
             stand_in.chmod(0o755)
         out = tmp / "args.jsonl"
@@ -88,7 +106,7 @@ def arguments(root: pathlib.Path, rel: str) -> list[str]:
         run = subprocess.run(["bash", str(root / rel)], cwd=str(home), env=env, stdin=subprocess.DEVNULL,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60)
         if not out.exists():
-            raise SystemExit(f"{rel}: python3 -m {ENTRY} was never called (exit {run.returncode}: "
+            raise SystemExit(f"{rel}: python3 -m {entry} was never called (exit {run.returncode}: "
                              f"{run.stderr.strip().splitlines()[-1:]})")
         # the scripts' $HOME paths as a user's home would give them, not this scratch folder
         return [arg.replace(str(home), HOME) for arg in json.loads(out.read_text().splitlines()[0])]
@@ -119,8 +137,10 @@ def main() -> None:
     commit = args.commit or subprocess.run(["git", "-C", str(args.checkout), "rev-parse", "HEAD"],
                                            capture_output=True, text=True).stdout.strip() or "unknown"
     scripts = {rel: arguments(args.checkout, rel) for rel in selected(args.checkout)}
+    fully_async = {rel: arguments(args.checkout, rel, ASYNC_ENTRY) for rel in selected_fully_async(args.checkout)}
     args.out.write_text(json.dumps({"verl_commit": commit, "scripts": scripts,
-                                    "ppo_trainer_yaml": trainer_yaml_items(args.checkout)}, indent=1) + "\n")
+                                    "ppo_trainer_yaml": trainer_yaml_items(args.checkout),
+                                    "fully_async_scripts": fully_async}, indent=1) + "\n")
     print(f"{len(scripts)} scripts -> {args.out}")
     write_doc(args.out, args.doc)
 

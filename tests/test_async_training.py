@@ -42,7 +42,8 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
          r"^async_training.trigger_parameter_sync_step"),
         ([*small, *ASYNC, "trainer.total_iterations=3", "async_training.trigger_parameter_sync_step=4"],
          r"^async_training.trigger_parameter_sync_step: expected at most the run's 3 trainer steps"),
-        ([*small, *ASYNC, "async_training.partial_rollout=true"], r"^async_training.partial_rollout: expected false"),
+        ([*small, *ASYNC, "async_training.partial_rollout=true", "async_training.staleness_threshold=0.25"],
+         r"^async_training.partial_rollout: expected false"),
         ([*small, *ASYNC, "rollout.multi_turn.enable=true"],
          r"^async_training.enable: expected false with rollout.multi_turn.enable"),
         ([*small, *ASYNC, "algorithm.adv_estimator=remax"],
@@ -61,13 +62,25 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
                                         "async_training.use_trainer_do_validate=False"], notes=notes)
     assert (cfg.rollout.checkpoint_engine.update_weights_bucket_megabytes, cfg.trainer.total_epochs) == (64, 2)
     assert len(notes) == 2 and all("verl's default" in note for note in notes)
-    for key in ("rollout.total_rollout_steps=100", "rollout.test_freq=2", "async_training.use_trainer_do_validate=true",
+    for key in ("async_training.use_trainer_do_validate=true",
                 "async_training.checkpoint_engine.overlap_broadcast_and_consume=true"):
         with pytest.raises(ValueError, match=f"^verl key '{key.split('=')[0]}'"):
             apply_overrides(RunConfig(), [key])
-    # partial_rollout without staleness: verl's rule, no effect
+    # verl's fully-async counting: a step of require_batches mini-batches, totals in prompts, validation per sync
+    cfg = apply_overrides(RunConfig(), [*ASYNC, "data.train_batch_size=0", "data.gen_batch_size=1",
+                                        "actor.ppo_mini_batch_size=4", "async_training.require_batches=2",
+                                        "rollout.total_rollout_steps=100", "rollout.test_freq=3",
+                                        "async_training.trigger_parameter_sync_step=2"]).validate()
+    assert (cfg.data.train_batch_size, cfg.trainer.total_iterations, cfg.trainer.test_freq) == (8, 12, 6)
+    assert cfg.validate().trainer.total_iterations == 12  # resolved once
+    for overrides, message in [(["data.train_batch_size=0"], r"^data.train_batch_size: expected > 0"),
+                               (["rollout.total_rollout_steps=5"], r"^rollout.total_rollout_steps: expected 0 without"),
+                               ([*small, "data.gen_batch_size=1"], r"^data.gen_batch_size: differs")]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(RunConfig(), overrides).validate()
+    # partial_rollout where no batch is in flight at a sync (less than a whole step beyond it): no effect
     apply_overrides(RunConfig(), [*small, *ASYNC, "async_training.partial_rollout=true",
-                                  "async_training.staleness_threshold=0"]).validate()
+                                  "async_training.staleness_threshold=0.1"]).validate()
 
 
 class Stats:

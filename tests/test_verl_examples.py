@@ -32,6 +32,44 @@ def test_each_example_script_is_taken_whole(path):
     assert all(note.split("=", 1)[0] in keys or note.startswith("an empty argument") for note in notes), notes
 
 
+FULLY_ASYNC = RECORDED["fully_async_scripts"]
+#: verl's fully-async scripts refused in one line, and why (everything else is taken whole)
+FULLY_ASYNC_REFUSED = {
+    "dapo_30b_a3b_base_math_fsdp.sh": r"^verl key '--config-path'=config: verl's named config files are not read",
+    "dapo_7b_async_retool.sh": r"^verl key 'data.custom_cls.path'=recipe/retool/retool.py: a custom custom_cls",
+    "dapo_7b_math_fsdp2_64_64.sh": r"^async_training.partial_rollout: expected false",
+    "dapo_7b_math_fsdp2_64_64_mis.sh": r"^async_training.partial_rollout: expected false",
+}
+
+
+def test_the_recorded_fully_async_scripts_are_verls_fsdp_ones():
+    assert len(FULLY_ASYNC) == 9 and all("/fully_async_policy/shell/" in path for path in FULLY_ASYNC)
+    assert set(FULLY_ASYNC_REFUSED) <= {path.rsplit("/", 1)[1] for path in FULLY_ASYNC}
+
+
+@pytest.mark.parametrize("path", sorted(FULLY_ASYNC))
+def test_each_fully_async_script_is_taken_whole_with_the_entry_point_changed(path):
+    """``python -m verl.experimental.fully_async_policy.fully_async_main ARGS`` becomes
+    ``rlhf run async_training.enable=true ARGS``: verl's counting (train_batch_size=0, totals
+    in prompts, validation per sync) resolved, or one line naming what is not here."""
+    from rlhf_core.config import ConfigError
+
+    refused = FULLY_ASYNC_REFUSED.get(path.rsplit("/", 1)[1])
+    if refused:
+        with pytest.raises(ConfigError, match=refused):
+            apply_overrides(RunConfig(), ["async_training.enable=true", *FULLY_ASYNC[path]], notes=[]).validate()
+        return
+    args = dict(arg.lstrip("+").split("=", 1) for arg in FULLY_ASYNC[path] if "=" in arg)
+    cfg = apply_overrides(RunConfig(), ["async_training.enable=true", *FULLY_ASYNC[path]], notes=[]).validate()
+    step = int(args["async_training.require_batches"]) * int(args["actor_rollout_ref.actor.ppo_mini_batch_size"])
+    assert args["data.train_batch_size"] == "0" and cfg.data.train_batch_size == step
+    assert cfg.trainer.total_iterations == int(args["rollout.total_rollout_steps"]) // step
+    if "rollout.test_freq" in args:  # else the script's trainer.test_freq stands
+        assert cfg.trainer.test_freq == \
+            int(args["rollout.test_freq"]) * int(args["async_training.trigger_parameter_sync_step"])
+    assert cfg.rollout.checkpoint_engine.backend == "nccl" and cfg.old_log_prob_column == "rollout_log_probs"
+
+
 def test_docs_list_what_rlhf_config_says_of_each():
     doc = (ROOT / "docs" / "verl-examples.md").read_text()
     listing = doc.split("```text\n", 1)[1].split("\n```", 1)[0]
@@ -48,7 +86,7 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def scaled(path: str, tmp_path, changes: dict[str, str], extra: list[str] = ()) -> list[str]:
+def scaled(path: str, tmp_path, changes: dict[str, str], extra: list[str] = (), scripts: dict = SCRIPTS) -> list[str]:
     """A recorded script's arguments with its model, data and sizes scaled to a tiny model
     on CPU: ``changes`` replace values of keys it sets (a key it does not set is an error),
     the GPU counts are left out (CPU ranks here), ``extra`` is appended."""
@@ -64,7 +102,7 @@ def scaled(path: str, tmp_path, changes: dict[str, str], extra: list[str] = ()) 
               "actor_rollout_ref.actor.ppo_mini_batch_size": "2", "actor_rollout_ref.rollout.n": "4"}
     changes = {**common, **changes}
     args, seen = [], set()
-    for arg in SCRIPTS[path]:
+    for arg in scripts[path]:
         key = arg.split("=", 1)[0].lstrip("+")
         if key in ("trainer.n_gpus_per_node", "trainer.nnodes"):
             continue
@@ -118,6 +156,29 @@ def test_verls_dapo_script_scaled_down_runs(tmp_path, ray_local):
     full = [r for r in rows if r["response_length/clip_ratio"] == 1.0]
     assert full, [r["response_length/clip_ratio"] for r in rows]
     assert all(r["critic/score/mean"] == pytest.approx(r["critic/reward_extra/acc/mean"] - 1.0) for r in full)
+
+
+def test_verls_fully_async_dapo_script_scaled_down_runs(tmp_path, ray_local):
+    """verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_4_4.sh with the entry
+    point changed: a step of require_batches x ppo_mini_batch_size prompts (its
+    train_batch_size=0), 3 steps from total_rollout_steps, the dapo manager, a sync every 2
+    steps with staleness 0.1 (no step beyond a sync: partial_rollout has no effect), the
+    rollout's log-probs as the old ones. The second step of each sync window was generated
+    on the weights before the first's update."""
+    args = scaled("verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_4_4.sh", tmp_path, {
+        "data.train_batch_size": "0", "data.gen_batch_size": "1", "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
+        "async_training.require_batches": "2", "rollout.total_rollout_steps": "12",
+        "async_training.trigger_parameter_sync_step": "2", "rollout.n_gpus_per_node": "1",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len": "2", "reward_model.reward_kwargs.max_resp_len": "6",
+        "actor_rollout_ref.model.override_config.max_position_embeddings": "4096",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size": "1", "actor_rollout_ref.rollout.top_k": "0",
+        "actor_rollout_ref.rollout.val_kwargs.top_k": "0"},
+        extra=["async_training.enable=true", "trainer.cpus_per_worker=1"], scripts=FULLY_ASYNC)
+    rows = run_scaled(args, tmp_path)
+    assert len(rows) == 12 // 4 and all(math.isfinite(r["actor/pg_loss"]) for r in rows)
+    assert [r["fully_async/staleness/max"] for r in rows] == [0.0, 1.0, 0.0]
+    assert [r["fully_async/weight_synced"] for r in rows] == [0.0, 1.0, 0.0]
+    assert all("critic/reward_extra/acc/mean" in r for r in rows)  # the dapo manager
 
 
 def test_a_script_with_a_cosine_warmup_follows_verls_schedule(tmp_path, ray_local):

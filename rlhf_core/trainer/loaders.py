@@ -23,11 +23,15 @@ def make_val_loader(cfg: RunConfig):
 
 def total_iterations(cfg: RunConfig) -> int:
     """The run's total: ``trainer.total_epochs`` x the loader's whole batches per epoch
-    (verl's ``len(dataloader) * total_epochs``, after ``data.filter_overlong_prompts``),
-    else ``trainer.total_iterations``."""
+    (verl's ``len(dataloader) * total_epochs``, after ``data.filter_overlong_prompts``;
+    at most ``rollout.total_rollout_steps``' steps under verl's fully-async rule), else
+    ``trainer.total_iterations``."""
     if not cfg.trainer.total_epochs:
         return cfg.trainer.total_iterations
-    return cfg.trainer.total_epochs * make_loader(cfg).iterations_per_epoch
+    by_epochs = cfg.trainer.total_epochs * make_loader(cfg).iterations_per_epoch
+    if cfg.async_training.enable and cfg.rollout.total_rollout_steps:  # verl's fully-async: the smaller
+        return min(by_epochs, cfg.trainer.total_iterations)
+    return by_epochs
 
 
 def make_loader(cfg: RunConfig, state=None):
