@@ -932,13 +932,12 @@ class RunConfig:
             raise ConfigError(f"async_training.partial_rollout: expected false (stopping generations in flight at a "
                               f"weight sync is not built yet: they finish on the weights they began with); found "
                               f"true with staleness_threshold x trigger_parameter_sync_step >= 1")
-        unbuilt = [("rollout.multi_turn.enable", self.rollout.multi_turn.enable),
-                   ("algorithm.filter_groups.enable", self.algorithm.filter_groups.enable),
+        unbuilt = [("algorithm.filter_groups.enable", self.algorithm.filter_groups.enable),
                    (f"algorithm.adv_estimator={self.algorithm.adv_estimator}", self.estimator.needs_reward_baseline)]
         for key, used in unbuilt:
             if used:
                 raise ConfigError(f"async_training.enable: expected false with {key} (asynchronous training "
-                                  f"generates single-turn batches without a reward baseline here); found true")
+                                  f"generates whole steps' batches without a reward baseline here); found true")
         correction = self.algorithm.rollout_correction
         if correction.active and not correction.bypass_mode and not asynchronous.compute_prox_log_prob:
             raise ConfigError("async_training.compute_prox_log_prob: expected true with algorithm.rollout_correction "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -44,8 +45,8 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
          r"^async_training.trigger_parameter_sync_step: expected at most the run's 3 trainer steps"),
         ([*small, *ASYNC, "async_training.partial_rollout=true", "async_training.staleness_threshold=0.25"],
          r"^async_training.partial_rollout: expected false"),
-        ([*small, *ASYNC, "rollout.multi_turn.enable=true"],
-         r"^async_training.enable: expected false with rollout.multi_turn.enable"),
+        ([*small, *ASYNC, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc"],
+         r"^async_training.enable: expected false with algorithm.filter_groups.enable"),
         ([*small, *ASYNC, "algorithm.adv_estimator=remax"],
          r"^async_training.enable: expected false with algorithm.adv_estimator=remax"),
         ([*small, *ASYNC, "algorithm.rollout_correction.rollout_is=token",
@@ -83,13 +84,6 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
                                   "async_training.staleness_threshold=0.1"]).validate()
 
 
-class Stats:
-    pad_id = 0
-
-    def metrics(self):
-        return {}
-
-
 class FakeReplicas:
     """The manager's call, recording (step, version) per call; a call can be held until
     the test releases it."""
@@ -98,15 +92,19 @@ class FakeReplicas:
         self.calls, self.hold = [], {}
         self.started = threading.Condition()
 
-    def generate(self, requests, sampling, version):
-        step = requests[0].seed
+    def generate(self, prompts, version):
+        import torch
+
+        from rlhf_core.protocol import DataProto
+
+        step = int(prompts.batch["sample_seed"][0])
         gate = self.hold.get(step)
         with self.started:
             self.calls.append((step, version))
             self.started.notify_all()
         if gate is not None:
             gate.wait()
-        return [], [version] * len(requests), Stats()
+        return DataProto.from_dict({"weight_version": torch.tensor([version])}), {}
 
     def wait_for_calls(self, count):
         with self.started:
@@ -141,7 +139,7 @@ def test_the_rollouter_runs_ahead_to_its_bound_and_on_after_each_sync():
         rollouter.pause()
         rollouter.resume(version=1)  # the trainer's sync after step 0
         replicas.wait_for_calls(3)
-        assert rollouter.take(2)[0].versions == [1] and rollouter.wait_at_bound()
+        assert rollouter.take(2)[0].out.batch["weight_version"].tolist() == [1] and rollouter.wait_at_bound()
         assert replicas.calls == [(0, 0), (1, 0), (2, 1)]
     finally:
         rollouter.stop()
@@ -171,7 +169,7 @@ def test_a_pause_waits_for_the_batch_under_way_and_starts_none_until_resumed():
 
 
 def test_a_failed_generation_reaches_the_trainer_at_its_next_take():
-    def broken(requests, sampling, version):
+    def broken(prompts, version):
         raise RuntimeError("every replica died")
 
     rollouter = make_rollouter(FakeReplicas(), async_cfg(1, 0.0))
@@ -290,3 +288,37 @@ def test_a_run_killed_in_generation_update_weight_sync_and_commit_consumes_each_
     for n in range(total):  # every consumed row was generated within the bound
         versions = istore.load(n, "rollout").batch["weight_version"]
         assert bool(((n - versions) >= 0).all() and ((n - versions) <= 2).all()), (n, versions)
+    # the lineage says, per step, which weights generated its rows
+    from rlhf_core.record.lineage import chain, format_lineage
+
+    rows = chain(istore.run_uri)
+    assert {r["iteration"]: r["weight_versions"] for r in rows} == {
+        n: sorted(set(istore.load(n, "rollout").batch["weight_version"].tolist())) for n in range(total)}
+    assert format_lineage(rows).count("rollout on weights of step") == total
+
+
+def test_async_training_with_the_tool_agent_loop_records_and_replays(tmp_path, ray_local):
+    """The calculator task's agent loop under one-step-off training: each step's
+    trajectories (turns, tool calls and answers) are generated ahead on the rollout pool,
+    every row records its weights, and a step generated on older weights replays exactly
+    (the rollout on those weights, the recorded answers given again)."""
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.replay import replay
+
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["run", "--direct", "--config", str(Path(__file__).resolve().parents[1] / "examples" / "agent" / "calculator.yaml"), "--iterations", "3", "--run-id",
+                 "agent", "--store", store, "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=2",
+                 "trainer.progress=false", "trainer.cpus_per_worker=1", f"trainer.output_dir={tmp_path / 'out'}",
+                 *ASYNC, "async_training.trigger_parameter_sync_step=1", "async_training.staleness_threshold=1"]) == 0
+    istore = IterationStore(RunRef(store, "agent"))
+    rollouts = [istore.load(n, "rollout") for n in range(3)]
+    versions = [set(r.batch["weight_version"].tolist()) for r in rollouts]
+    assert all(len(v) == 1 and 0 <= n - min(v) <= 1 for n, v in enumerate(versions)), versions
+    assert all("agent/tool_calls" in r.non_tensor_batch for r in rollouts)
+    assert any(calls for r in rollouts for calls in r.non_tensor_batch["agent/tool_calls"].tolist())
+    stale = next((n for n, v in enumerate(versions) if n - min(v) == 1), None)
+    assert stale is not None, versions
+    for r in replay(f"{store}/agent/iter-{stale:06d}", stages=["rollout", "reward"], log=lambda *a: None):
+        assert r.ok and r.diffs, (r.stage, [d for d in r.diffs if not d.equal])

@@ -61,7 +61,8 @@ def chain(uri: str) -> list[dict]:
                     "config": m["config"], "snapshots": m["snapshots"], "manifest": istore.iteration_uri(n),
                     "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None,
                     "tools": dict(m["tools"]) if m.get("tools") is not None else None,
-                    "model": dict(m["model"]) if m.get("model") is not None else None})
+                    "model": dict(m["model"]) if m.get("model") is not None else None,
+                    "weight_versions": list(m["weight_versions"]) if m.get("weight_versions") is not None else None})
         parent = m["parent_iteration"]
         if parent is not None and (not isinstance(parent, int) or parent >= n):
             raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
@@ -194,6 +195,8 @@ def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> st
                      f"{r['code_version'].get('source_sha256', '')[:12]:<13} {cursor:<14} "
                      f"{r['reward'] if r['reward'] is not None else float('nan'):>7.3f}  {r['checkpoint']}"
                      + (f" + redo {','.join(map(str, r['redo']))}" if r["redo"] else "")
+                     + (f"  rollout on weights of step {','.join(map(str, r['weight_versions']))}"
+                        if r.get("weight_versions") is not None else "")
                      + (f"  (git {git[:10]})" if git else ""))
     scorers = {(r["reward_model"]["path"], r["reward_model"]["sha256"]): [] for r in rows if r.get("reward_model")}
     for r in rows:

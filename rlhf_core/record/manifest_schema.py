@@ -64,6 +64,8 @@ _TYPES = {
     "reward_model": (lambda v: isinstance(v, dict), "an object"),
     # the tools that answered an agent rollout: their config file by content hash, each class
     "tools": (lambda v: isinstance(v, dict), "an object"),
+    # asynchronous training: the weight versions (trainer steps) that generated the iteration's rows
+    "weight_versions": (_whole_list, "a list of whole numbers >= 0"),
     "reward_model.trained_from": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
                                   "an object of strings"),
 }

@@ -118,6 +118,7 @@ class PPOTrainer:
         self.generation_metrics: dict = {}  # measured by the manager: timing, not data
         self._agent = None  # (context, loops) of the agent loops, once built
         self.rollouter = None  # async_training: the batches of the coming steps, generated ahead
+        self.weight_versions: list[int] = []  # the last iteration's rows' weight versions
         #: the weight version the actor holds when it is not the iteration's own (a replay of a
         #: batch generated ahead loads the weights that generated it)
         self.policy_version: int | None = None
@@ -176,6 +177,8 @@ class PPOTrainer:
             if [stage] == last_update and self.on_updated is not None:
                 self.on_updated()  # the weights are final for this iteration (a checkpoint may start)
 
+        if "weight_version" in batch.batch.keys():  # which weights generated the rows (async: older ones)
+            self.weight_versions = sorted(set(batch.batch["weight_version"].tolist()))
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()
         self.state.kl_coef = self.kl_ctrl.value
@@ -271,15 +274,12 @@ class PPOTrainer:
         ``generate_sequences`` would give it; the fully-async metrics (verl's names) are
         measurements of this run's timing, kept beside the batch, not in it."""
         generated, waited, queued = self.rollouter.take(step)
-        wanted = requests_of(prompts)
-        if [(r.prompt_ids, r.seed) for r in generated.requests] != [(r.prompt_ids, r.seed) for r in wanted]:
+        if not all(torch.equal(generated.prompts.batch[key], prompts.batch[key]) for key in ("input_ids", "sample_seed")):
             raise RuntimeError(f"rollout: the batch generated ahead for step {step} holds other prompts or seeds "
                                f"than the step's own (the rollouter's data cursor and the trainer's disagree)")
-        out = responses_of(prompts, generated.completions, self.config.rollout.response_length, generated.pad_id)
-        versions = torch.tensor(generated.versions, dtype=torch.long)
-        out.batch["weight_version"] = versions
-        staleness = (step - versions).float()
-        self.generation_metrics.update(generated.metrics)  # the background call's timing
+        out = generated.out
+        staleness = (step - out.batch["weight_version"]).float()
+        self.generation_metrics.update(generated.timing)  # the background calls' timing
         self.generation_metrics.update({
             "fully_async/trainer/wait_s": waited, "fully_async/queue/steps_ready": float(queued),
             "fully_async/staleness/mean": float(staleness.mean()), "fully_async/staleness/max": float(staleness.max()),
@@ -306,13 +306,37 @@ class PPOTrainer:
         def prompts_of(j: int) -> DataProto:
             batch = loader.next_batch()
             batch.meta_info.update(global_step=j, temperature=cfg.rollout.temperature)
-            return seeded_prompts(batch, cfg)[1]
+            batch, prompts = seeded_prompts(batch, cfg)
+            return self._with_chat(prompts, batch)
 
         if any(v != step for v in self.replicas.held_version()):
             self._send_weights(step)
-        self.rollouter = Rollouter(
-            cfg, prompts_of, lambda requests, sampling, version: self.rollout_manager.generate(
-                requests, sampling, version=version), first, until_step, version=step).start()
+        self.rollouter = Rollouter(cfg, prompts_of, self._generate_ahead, first, until_step, version=step).start()
+
+    def _generate_ahead(self, prompts: DataProto, version: int) -> tuple[DataProto, dict]:
+        """The rollouter's call (its thread): the rollout's columns for one step's prompt
+        rows on the pool's weights of ``version`` (each row through its agent loop with
+        multi_turn), and the generation's timing."""
+        sampling = sampling_of(prompts, self.config.rollout)
+        timing: dict = {}
+
+        def generate_round(requests: list) -> tuple[list, list]:
+            completions, versions, stats = self.rollout_manager.generate(requests, sampling, version=version)
+            for key, value in stats.metrics().items():  # summed over an agent's rounds
+                timing[key] = timing.get(key, 0.0) + value if key.endswith("/requests") or key == "timing_s/gen" \
+                    else value
+            timing["pad_id"] = stats.pad_id
+            return completions, versions
+
+        if self.config.rollout.multi_turn.enable:
+            out, metrics = self._agent_batch(prompts, generate_round)
+            out.meta_info.setdefault("stage_metrics", {})["rollout"] = metrics  # from the data: replayed too
+        else:
+            completions, versions = generate_round(requests_of(prompts))
+            out = responses_of(prompts, completions, self.config.rollout.response_length, timing["pad_id"])
+            out.batch["weight_version"] = torch.tensor(versions, dtype=torch.long)
+        timing.pop("pad_id", None)
+        return out, timing
 
     def stop_rollouter(self) -> None:
         """Stop generating ahead: what was generated and not taken is dropped (a resumed run
@@ -368,15 +392,18 @@ class PPOTrainer:
         (rlhf_core/agent/), the turns of the trajectories waiting together sent as one
         call; with ``prompts.meta_info["replay_tool_calls"]`` the recorded answers are
         given instead of calling the tools."""
+        out, metrics = self._agent_batch(prompts, lambda requests: self._generate_requests(requests, prompts, step)[:2])
+        return self._stage_metrics(out, metrics) if self.current_stage == "rollout" else out
+
+    def _agent_batch(self, prompts: DataProto, generate_round) -> tuple[DataProto, dict]:
+        """Every row's trajectory through its agent loop, ``generate_round(requests)``
+        answering each round of turns; the batch and the agent metrics."""
         from rlhf_core.agent.batch import run_batch
         from rlhf_core.agent.registry import default_loop
 
         ctx, loops = self._agents()
-        out, metrics = run_batch(
-            prompts, ctx, loops, default_loop(self.config),
-            lambda requests: self._generate_requests(requests, prompts, step)[:2], self._pad_id,
-            replaying="agent/tool_calls" in prompts.non_tensor_batch)
-        return self._stage_metrics(out, metrics) if self.current_stage == "rollout" else out
+        return run_batch(prompts, ctx, loops, default_loop(self.config), generate_round, self._pad_id,
+                         replaying="agent/tool_calls" in prompts.non_tensor_batch)
 
     def _agents(self):
         """The agent context and loops, built once per controller (tools are built once

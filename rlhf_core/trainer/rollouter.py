@@ -33,8 +33,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rlhf_core.rollout import requests_of, sampling_of
-from rlhf_core.rollout.engine import Completion
 
 
 def next_sync(version: int, sync_every: int) -> int:
@@ -52,15 +50,14 @@ def steps_allowed(version: int, sync_every: int, staleness_threshold: float) -> 
 
 @dataclass
 class Generated:
-    """One step's batch as generated: a completion per request (in request order), the
-    weight version every row came from, and what generating it measured."""
+    """One step's batch as generated: the prompt rows it was asked for, the rollout's
+    columns for them (``weight_version`` included), and what generating it measured
+    (timings: never data)."""
 
     step: int
-    requests: list
-    completions: list[Completion]
-    versions: list[int]
-    pad_id: int
-    metrics: dict = field(default_factory=dict)
+    prompts: object
+    out: object
+    timing: dict = field(default_factory=dict)
     seconds: float = 0.0
 
 
@@ -71,9 +68,11 @@ class RolloutStopped(RuntimeError):
 class Rollouter:
     """Generates steps ``[first_step, until_step)`` ahead of the trainer.
 
-    ``prompts_of_next_step()``: the next step's seeded prompt rows (a loader of the
-    rollouter's own, at the cursor of ``first_step``); ``generate(requests, sampling,
-    version)``: the rollout manager's call. ``version``: the weights the replicas hold."""
+    ``prompts_of_next_step(step)``: the next step's seeded prompt rows (a loader of the
+    rollouter's own, at the cursor of ``first_step``); ``generate(prompts, version)``: the
+    rollout's columns for them on the replicas' weights of ``version`` and the timing
+    measured (the manager's call, or an agent loop's rounds of calls). ``version``: the
+    weights the replicas hold."""
 
     def __init__(self, cfg, prompts_of_next_step: Callable[[int], object], generate: Callable,
                  first_step: int, until_step: int, version: int) -> None:
@@ -202,8 +201,6 @@ class Rollouter:
 
     def _generate_step(self, step: int, version: int) -> Generated:
         prompts = self._prompts_of(step)
-        requests = requests_of(prompts)
         t0 = time.perf_counter()
-        completions, versions, stats = self._generate(requests, sampling_of(prompts, self.cfg.rollout), version)
-        return Generated(step, requests, completions, versions, stats.pad_id, stats.metrics(),
-                         time.perf_counter() - t0)
+        out, timing = self._generate(prompts, version)
+        return Generated(step, prompts, out, timing, time.perf_counter() - t0)
