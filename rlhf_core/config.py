@@ -370,6 +370,42 @@ class RolloutConfig:
 
 
 @dataclass
+class TeacherModelConfig:
+    model_path: str = _f("", "the teacher (verl's distillation.teacher_model.model_path): an HF folder, an s3:// / gs:// "
+                         "folder or builtin:<task>, any size, with the policy's tokenizer (its vocabulary is checked "
+                         "when the workers load it); a frozen copy on the actor's ranks scores the policy's samples, "
+                         "as the reference does", checkpoint=True)
+
+
+@dataclass
+class DistillationLossConfig:
+    loss_mode: str = _f("k3", "the per-token reverse KL estimator of log pi_student - log pi_teacher at each sampled "
+                        "token (verl's loss_mode; forward_kl_topk is not built yet)", registry="KL_ESTIMATORS")
+    use_task_rewards: bool = _f(False, "keep the task's advantages and subtract distillation_loss_coef x the per-token "
+                                "KL from them (A_t - lambda KL_t, slime's form); false: the advantages are -KL_t alone "
+                                "(verl's default: distillation without rewards)")
+    distillation_loss_coef: float = _f(1.0, "lambda: the KL's weight beside the task's advantages (use_task_rewards)",
+                                       ge=0)
+    use_policy_gradient: bool = _f(True, "the negative KL enters the policy gradient as a per-token advantage "
+                                   "(verl's default, Thinking Machines' recipe); false (verl: the KL backpropagated as "
+                                   "a supervised loss) is not built yet")
+    loss_max_clamp: float | None = _f(None, "clamp each token's KL to [-value, value] (null: no clamp)", gt=0)
+    log_prob_min_clamp: float | None = _f(None, "clamp both log-probs from below before the KL (null: no clamp)")
+    topk: int = _f(32, "teacher log-probs kept per token for a top-k loss_mode (no effect with an estimator: none is "
+                   "built yet)", **POSITIVE)
+
+
+@dataclass
+class DistillationConfig:
+    """On-policy distillation (newer verl's ``distillation.*``): a teacher's log-probs of the
+    policy's own samples as a per-token training signal (docs/distillation.md)."""
+
+    enabled: bool = _f(False, "distill a teacher into the policy on the policy's samples")
+    teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+
+
+@dataclass
 class AsyncTrainingConfig:
     """Asynchronous training (verl's fully-async policy, ``async_training.*``): the rollout
     pool generates the coming trainer steps' batches while the trainer trains, and the
@@ -793,6 +829,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
 
     @property
     def estimator(self):
@@ -909,6 +946,18 @@ class RunConfig:
         if rollout.test_freq:
             self.trainer.test_freq = rollout.test_freq * asynchronous.trigger_parameter_sync_step
 
+    def _check_distillation(self) -> None:
+        """On-policy distillation: a teacher, and only the losses built here."""
+        distill = self.distillation
+        if not distill.enabled:
+            return
+        if not distill.teacher_model.model_path:
+            raise ConfigError("distillation.teacher_model.model_path: expected the teacher's folder with "
+                              "distillation.enabled; found none")
+        if not distill.distillation_loss.use_policy_gradient:
+            raise ConfigError("distillation.distillation_loss.use_policy_gradient: expected true (the KL as a per-token "
+                              "advantage; the supervised KL loss is not built yet); found false")
+
     def _check_async_training(self) -> None:
         """Asynchronous training: a rollout pool of its own, a step that is whole mini-batches,
         and only what is built for it (each refusal names its key)."""
@@ -990,6 +1039,12 @@ class RunConfig:
                     parent.pop(part)
         if not self.reward_model.enable:
             data.pop("reward_model")  # its settings train nothing while it is off (hashes of runs without one stay)
+        if not self.async_training.enable:  # the same for sections added later: a run from before resumes
+            data.pop("async_training")
+            for key in ("total_rollout_steps", "test_freq"):
+                data["rollout"].pop(key)
+        if not self.distillation.enabled:
+            data.pop("distillation")
         for knob in unused_loss_settings(self.actor.policy_loss):  # another loss's knobs train nothing
             data["actor"].pop(knob)
         from rlhf_core.algorithms.schedules import uses_total
@@ -1070,6 +1125,7 @@ class RunConfig:
                                   f"enable_resource_pool; found {rm.n_gpus_per_node} x {rm.nnodes}")
         self._check_rollout_pool()
         self._check_async_training()
+        self._check_distillation()
         if self.model.dtype != "float32" and not self.model.lora and not self.model.train_in_16bit:
             raise ConfigError(f"model.dtype: expected float32 for trained weights (FSDP computes in bf16 on GPUs "
                               f"with actor.fsdp_config.mixed_precision=auto; AdamW stepping {self.model.dtype} "

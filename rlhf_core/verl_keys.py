@@ -102,6 +102,8 @@ LOGIT_SLICES_NOTE = ("no effect on results: log-probs and entropy are computed h
                      "budget and recomputed in the backward (the memory verl's fused kernels and entropy "
                      "checkpointing save)")
 
+TEACHER_HERE = ("the teacher is a frozen HF model on the actor's ranks here (sharded as the reference), scoring "
+                "each batch in one forward, not an inference server of its own")
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
 TABLE: dict[str, Rule] = {
@@ -538,9 +540,30 @@ VERL_DEFAULTS: dict[str, Rule] = {
                                                       "engine's memory freed while the actor trains"),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         _m("rollout.checkpoint_engine.update_weights_bucket_megabytes"),
+    # newer verl's on-policy distillation (distillation.* of ours has its other keys under the same names)
+    "distillation.distillation_loss.use_policy_loss": _m("distillation.distillation_loss.use_task_rewards",
+                                                         note="verl's earlier name of use_task_rewards"),
+    "distillation.distillation_loss.jsd_beta": _inert("the jsd loss_mode is not built here"),
+    "distillation.num_workers": _inert(TEACHER_HERE),
+    **{f"{section}.{key}": _inert(TEACHER_HERE) for section in ("distillation", "distillation.teacher_model")
+       for key in ("n_gpus_per_node", "nnodes")},
+    **{f"{section}.enable_resource_pool": _only("False", TEACHER_HERE, "a pool of its own for the teacher")
+       for section in ("distillation", "distillation.teacher_model")},
+    **{f"distillation.teacher_model.inference.{key}": _inert(TEACHER_HERE) for key in (
+        "name", "dtype", "gpu_memory_utilization", "enforce_eager", "cudagraph_capture_sizes", "free_cache_engine",
+        "data_parallel_size", "expert_parallel_size", "tensor_model_parallel_size", "max_num_batched_tokens",
+        "max_model_len", "max_num_seqs", "load_format", "limit_images", "enable_chunked_prefill",
+        "enable_prefix_caching", "disable_log_stats", "skip_tokenizer_init", "prompt_length", "response_length",
+        "temperature")},
     # Hydra's choice of a named config file (verl's recipes' own trainer YAMLs)
-    **{flag: _refuse("verl's named config files are not read here: give the file to `rlhf run --config FILE` "
-                     "(a verl YAML), or its keys as arguments") for flag in ("--config-path", "--config-name")},
+    "--config-path": Rule(note="config (verl's): where verl's own trainer YAMLs are; its defaults are ours",
+                          refuse="verl's recipe config folders are not read here: give the file to `rlhf run --config "
+                                 "FILE` (a verl YAML), or its keys as arguments",
+                          accepts=lambda raw: raw.strip().strip("'\"") == "config"),
+    "--config-name": Rule(note="ppo_trainer (verl's default trainer config): its defaults are ours",
+                          refuse="verl's named config files are not read here: give the file to `rlhf run --config "
+                                 "FILE` (a verl YAML), or its keys as arguments",
+                          accepts=lambda raw: raw.strip().strip("'\"") in ("ppo_trainer", "ppo_trainer.yaml")),
     # verl's fully-async recipe (async_training.* of ours has its other keys under the same names)
     "async_training.checkpoint_engine.enable": _only("True", "the weights always go through the checkpoint engine "
                                                      "(rollout.checkpoint_engine)", "a per-tensor weight sync"),

@@ -84,6 +84,17 @@ def test_the_async_keys_are_checked_each_refusal_naming_its_key():
                                   "async_training.staleness_threshold=0.1"]).validate()
 
 
+def test_sections_added_later_leave_an_older_runs_config_hash_while_they_are_off():
+    """A run committed before async_training and distillation existed resumes: while off,
+    neither section (nor verl's fully-async counters) is part of the hash; on, they are."""
+    base = RunConfig().config_hash()
+    assert base == "53b523858c6e1e8d27c53daf331dced2ef34fbe357cdef0883d340a2d4dcf62d"  # the default's, before them
+    off = apply_overrides(RunConfig(), ["async_training.staleness_threshold=0.5",
+                                        "distillation.distillation_loss.distillation_loss_coef=0.5"])
+    assert off.config_hash() == base
+    assert apply_overrides(RunConfig(), ASYNC).config_hash() != base
+
+
 class FakeReplicas:
     """The manager's call, recording (step, version) per call; a call can be held until
     the test releases it."""

@@ -35,7 +35,7 @@ def test_each_example_script_is_taken_whole(path):
 FULLY_ASYNC = RECORDED["fully_async_scripts"]
 #: verl's fully-async scripts refused in one line, and why (everything else is taken whole)
 FULLY_ASYNC_REFUSED = {
-    "dapo_30b_a3b_base_math_fsdp.sh": r"^verl key '--config-path'=config: verl's named config files are not read",
+    "dapo_30b_a3b_base_math_fsdp.sh": r"^verl key '--config-name'=fully_async_dapo_trainer.yaml: verl's named config ",
     "dapo_7b_async_retool.sh": r"^verl key 'data.custom_cls.path'=recipe/retool/retool.py: a custom custom_cls",
     "dapo_7b_math_fsdp2_64_64.sh": r"^async_training.partial_rollout: expected false",
     "dapo_7b_math_fsdp2_64_64_mis.sh": r"^async_training.partial_rollout: expected false",

@@ -64,6 +64,8 @@ _TYPES = {
     "reward_model": (lambda v: isinstance(v, dict), "an object"),
     # the tools that answered an agent rollout: their config file by content hash, each class
     "tools": (lambda v: isinstance(v, dict), "an object"),
+    # on-policy distillation: the teacher's configured path and content hash
+    "teacher": (lambda v: isinstance(v, dict), "an object"),
     # asynchronous training: the weight versions (trainer steps) that generated the iteration's rows
     "weight_versions": (_whole_list, "a list of whole numbers >= 0"),
     "reward_model.trained_from": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
@@ -71,6 +73,8 @@ _TYPES = {
 }
 _REQUIRED_IN = {"reward_model": {"path": (lambda v: isinstance(v, str), "a string"),
                                  "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex string")},
+                "teacher": {"path": (lambda v: isinstance(v, str), "a string"),
+                            "sha256": (lambda v: isinstance(v, str) and len(v) == 64, "a sha256 hex string")},
                 "weights": {"checkpoint": (lambda v: isinstance(v, str), "a string (a checkpoint URI)"),
                             "checkpoint_step": (_whole, "a whole number >= 0"),
                             "redo": (_whole_list, "a list of whole numbers >= 0")}}

@@ -104,6 +104,7 @@ class PPOTrainer:
         self.side_metrics: dict = {}  # the iteration's side stages' metrics (validation)
         self._val_loader = None
         self._reward_model_identity: dict | None = None
+        self._teacher_identity: dict | None = None
         self._starting_model: dict | None = None
         # rollout.mode=async: replicas behind one manager, the actor's ranks or a pool of their own
         self.replicas = workers.get("rollout")  # a rollout pool of its own (rollout.nnodes > 0)
@@ -597,6 +598,20 @@ class PPOTrainer:
         out = self.actor.compute_ref_log_prob(batch.select(SEQUENCE_KEYS, []))
         return batch.union(self._take(out))
 
+    def compute_teacher_log_prob(self, batch: DataProto) -> DataProto:
+        """The distillation teacher's log-prob of each sampled token (``teacher_log_prob``)."""
+        out = self.actor.compute_teacher_log_prob(batch.select(SEQUENCE_KEYS, []))
+        return batch.union(self._take(out))
+
+    def teacher_identity(self) -> dict | None:
+        """The distillation teacher's path and content hash (rank 0's), or None without
+        one; asked once."""
+        if not self.config.distillation.enabled:
+            return None
+        if self._teacher_identity is None:
+            self._teacher_identity = dict(self.actor.teacher_identity()[0])
+        return self._teacher_identity
+
     def compute_values(self, batch: DataProto) -> DataProto:
         out = self.critic.compute_values(batch.select(SEQUENCE_KEYS + ["response_mask"], []))
         return batch.union(self._take(out))
@@ -629,11 +644,28 @@ class PPOTrainer:
             gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
             old_log_probs=columns.get("old_log_probs", None), sum_pi_squared=columns.get("sum_pi_squared", None),
             rollout_is_weights=columns.get("rollout_is_weights", None))
+        if self.config.distillation.enabled:  # the teacher's per-token signal on the advantages
+            advantages, distilled = self._distilled(batch, advantages, mask)
+            metrics.update(distilled)
         batch.batch["token_level_rewards"] = rewards
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
         if cfg.use_pf_ppo:  # PF-PPO: the updates see the rows drawn again by their scores
             batch = self._pf_ppo_resample(batch)
         return self._stage_metrics(batch, metrics) if metrics else batch
+
+    def _distilled(self, batch: DataProto, advantages: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The advantages with the teacher's per-token KL (``rlhf_core.algorithms.distillation``),
+        measured against the log-probs the student sampled with (the old_log_prob stage's
+        when it runs, else the rollout engine's)."""
+        from rlhf_core.algorithms.distillation import distillation_kl, distillation_metrics, distilled_advantages
+
+        loss = self.config.distillation.distillation_loss
+        columns = batch.batch
+        student = columns["old_log_probs"] if "old_log_probs" in columns.keys() else columns["rollout_log_probs"]
+        kl = distillation_kl(student, columns["teacher_log_prob"], mask, loss.loss_mode, loss.log_prob_min_clamp,
+                             loss.loss_max_clamp)
+        return (distilled_advantages(advantages, kl, mask, loss.use_task_rewards, loss.distillation_loss_coef),
+                distillation_metrics(kl, mask))
 
     def _pf_ppo_resample(self, batch: DataProto) -> DataProto:
         """As many rows as the batch, drawn with replacement by ``pf_ppo_weights`` of their

@@ -216,6 +216,8 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
         manifest["tools"] = tools_identity(multi.tool_config_path) if multi.tool_config_path else {}
         if multi.interaction_config_path:
             manifest["tools"]["interactions"] = interactions_identity(multi.interaction_config_path)
+    if cfg.distillation.enabled:
+        manifest["teacher"] = trainer.teacher_identity()
     if cfg.async_training.enable:  # rows may come from weights older than the step's
         manifest["weight_versions"] = list(trainer.weight_versions)
     if keeper is not None:

@@ -58,6 +58,7 @@ STAGES: tuple[Stage, ...] = (
           draws_prompts=True),
     Stage("old_log_prob", "compute_old_log_prob", ("actor",), enabled=lambda cfg: cfg.runs_old_log_prob_stage),
     Stage("ref_log_prob", "compute_ref_log_prob", ("actor",), enabled=lambda cfg: cfg.use_reference),
+    Stage("teacher_log_prob", "compute_teacher_log_prob", ("actor",), enabled=lambda cfg: cfg.distillation.enabled),
     Stage("values", "compute_values", ("critic",), enabled=lambda cfg: cfg.use_critic),
     Stage("advantage", "compute_advantage", ()),
     Stage("update_critic", "update_critic", ("critic",), stateful=True, enabled=lambda cfg: cfg.use_critic),

@@ -69,6 +69,7 @@ class ActorRolloutRefWorker(TrainableWorker):
                                                 overrides=modeling.config_overrides(cfg.model)).eval().requires_grad_(False)
             self.reference = sharding.wrap(self._packed(reference), ref_spec, trainable=False, source=weights)
         del weights
+        self.teacher = self._load_teacher(reads) if cfg.distillation.enabled else None
         self.optimizer = torch.optim.AdamW(lora.trainable_parameters(self.policy), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay)
         self.scheduler = self._lr_schedule(cfg.actor)
@@ -82,6 +83,49 @@ class ActorRolloutRefWorker(TrainableWorker):
         local = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in self.policy.parameters())
         return {"rank": self.rank, "model_path": self.model_path, "strategy": cfg.actor.strategy,
                 "parameters": sum(p.numel() for p in self.policy.parameters()), "local_parameters": local}
+
+    def _load_teacher(self, reads: bool):
+        """The distillation teacher: a frozen model sharded as the reference is (its first
+        rank reads the folder under FSDP), refused when its vocabulary is not the policy's
+        (its log-probs would score other tokens)."""
+        cfg = self.config
+        path = modeling.resolve_model_path(cfg.distillation.teacher_model.model_path, cfg.trainer.seed,
+                                           field="distillation.teacher_model.model_path")
+        tokenizer = modeling.load_tokenizer(path)
+        if tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"distillation.teacher_model.model_path: expected the policy's tokenizer (the same "
+                             f"{len(self.tokenizer)} tokens); found {len(tokenizer)} tokens, or the same count "
+                             f"with other ids, in {cfg.distillation.teacher_model.model_path}")
+        spec = sharding.ShardingSpec.from_config(cfg, param_offload=cfg.actor.fsdp_config.ref_param_offload)
+        dtype = "bfloat16" if sharding.computes_in_bf16(spec) else cfg.model.dtype
+        teacher = modeling.load_causal_lm(path, dtype, empty=not reads).eval().requires_grad_(False)
+        if teacher.config.vocab_size < len(self.tokenizer):
+            raise ValueError(f"distillation.teacher_model.model_path: expected an output layer over the policy's "
+                             f"{len(self.tokenizer)} tokens; found {teacher.config.vocab_size}")
+        self.teacher_path = path
+        source = sharding.FullWeights.of(teacher) if reads else None
+        return sharding.wrap(self._packed(teacher), spec, trainable=False, source=source)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def teacher_identity(self) -> dict | None:
+        """The teacher: ``distillation.teacher_model.model_path`` as configured and the
+        content hash of the folder loaded (rank 0's answer; None on the others)."""
+        if self.rank != 0:
+            return None
+        return {"path": self.config.distillation.teacher_model.model_path,
+                "sha256": modeling.content_sha256(self.teacher_path)}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """``teacher_log_prob``: the teacher's log-prob of each sampled response token."""
+        if self.teacher is None:
+            raise RuntimeError("no teacher: set distillation.enabled and distillation.teacher_model.model_path")
+        data = devices.to_device(data)
+        with torch.no_grad():
+            log_probs, _ = modeling.forward_in_chunks(
+                lambda part: self._log_probs(self.teacher, part, with_entropy=False),
+                data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
+        return DataProto.from_dict(devices.to_host({"teacher_log_prob": log_probs}))
 
     def _build_engine(self) -> None:
         """The generation engine on this rank (``rollout.name``), fed the policy's weights."""
