@@ -374,7 +374,7 @@ class TeacherModelConfig:
     model_path: str = _f("", "the teacher (verl's distillation.teacher_model.model_path): an HF folder, an s3:// / gs:// "
                          "folder or builtin:<task>, any size, with the policy's tokenizer (its vocabulary is checked "
                          "when the workers load it); a frozen copy on the actor's ranks scores the policy's samples, "
-                         "as the reference does", checkpoint=True)
+                         "as the reference does")
 
 
 @dataclass

@@ -107,6 +107,10 @@ def test_a_student_moves_towards_its_teacher_and_the_record_names_the_teacher(tm
     assert sum(kl[-4:]) < 0.8 * sum(kl[:4]) and sum(kl[4:]) < 0.9 * sum(control[4:]), (kl, control)
     istore = IterationStore(RunRef(store, "opd"))
     assert istore.read_manifest(9)["teacher"] == {"path": str(teacher), "sha256": content_sha256(str(teacher))}
+    from rlhf_core.record.lineage import chain, format_lineage
+
+    assert f"distilled from teacher {teacher} (sha256 {content_sha256(str(teacher))[:16]}...): iterations " \
+           f"{','.join(map(str, range(10)))}" in format_lineage(chain(istore.run_uri))
     batch = istore.load(9, "advantage")
     assert torch.equal(batch.batch["advantages"], -distillation_kl(
         batch.batch["rollout_log_probs"], batch.batch["teacher_log_prob"], batch.batch["response_mask"].float(), "k1"))

@@ -62,7 +62,8 @@ def chain(uri: str) -> list[dict]:
                     "reward_model": dict(m["reward_model"]) if m.get("reward_model") is not None else None,
                     "tools": dict(m["tools"]) if m.get("tools") is not None else None,
                     "model": dict(m["model"]) if m.get("model") is not None else None,
-                    "weight_versions": list(m["weight_versions"]) if m.get("weight_versions") is not None else None})
+                    "weight_versions": list(m["weight_versions"]) if m.get("weight_versions") is not None else None,
+                    "teacher": dict(m["teacher"]) if m.get("teacher") is not None else None})
         parent = m["parent_iteration"]
         if parent is not None and (not isinstance(parent, int) or parent >= n):
             raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
@@ -204,6 +205,13 @@ def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> st
             scorers[r["reward_model"]["path"], r["reward_model"]["sha256"]].append(r["iteration"])
     origins = {(r["reward_model"]["path"], r["reward_model"]["sha256"]): r["reward_model"].get("trained_from")
                for r in rows if r.get("reward_model")}
+    teachers: dict = {}
+    for r in rows:
+        if r.get("teacher"):
+            teachers.setdefault((r["teacher"]["path"], r["teacher"]["sha256"]), []).append(r["iteration"])
+    for (path, digest), iterations in teachers.items():
+        lines.append(f"distilled from teacher {path} (sha256 {digest[:16]}...): iterations "
+                     f"{','.join(map(str, sorted(iterations)))}")
     for (path, digest), iterations in scorers.items():
         lines.append(f"scored by reward model {path} (sha256 {digest[:16]}...): iterations "
                      f"{','.join(map(str, sorted(iterations)))}")
