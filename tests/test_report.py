@@ -139,3 +139,14 @@ def test_the_report_shows_what_the_rollout_replicas_held_and_served(tmp_path):
     for row in ("| training/weight_version | 1.0000 |", "| rollout/load_imbalance | 1.2500 |",
                 "| rollout/replica_0/requests | 40.0000 |", "| rollout/replica_1/requests | 24.0000 |"):
         assert row in text
+
+
+def test_the_report_shows_staleness_and_the_teachers_kl(tmp_path):
+    store = f"file://{tmp_path}/store"
+    IterationStore(RunRef(store, "run-a")).commit_iteration(0, {**OWN_CHECKPOINT, "metrics": {
+        "critic/score/mean": 0.5, "fully_async/staleness/max": 1.0, "fully_async/trainer/wait_s": 0.25,
+        "distillation/loss": 0.125}})
+    text = markdown_report(IterationStore(RunRef(store, "run-a")))
+    for row in ("| fully_async/staleness/max | 1.0000 |", "| fully_async/trainer/wait_s | 0.2500 |",
+                "| distillation/loss | 0.1250 |"):
+        assert row in text

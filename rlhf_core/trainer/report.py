@@ -234,7 +234,9 @@ def markdown_report(istore, samples: int = 4) -> str:
     keys = ["critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "response_length/mean",
             # generation as a service (docs/rollout.md): what the replicas held and served
             "training/weight_version", "timing_s/gen", "rollout/load_imbalance", "rollout/replicas_lost",
-            *sorted(k for k in last if k.startswith("rollout/replica_"))]
+            *sorted(k for k in last if k.startswith("rollout/replica_")),
+            # asynchronous training (docs/async.md) and distillation (docs/distillation.md)
+            *sorted(k for k in last if k.startswith(("fully_async/", "distillation/")))]
     table = "\n".join(f"| {k} | {last[k]:.4f} |" for k in keys if k in last)
     validated = [r for r in rows if any(k.startswith("val-core/") for k in r)]
     if validated:  # the latest validation, wherever it was
