@@ -531,12 +531,18 @@ class RewardModelRolloutConfig:
     """The engine that serves the reward model with ``reward_model.use_reward_loop`` (verl's
     ``reward_model.rollout``)."""
 
-    name: str = _f("vllm", "the serving engine: vllm (its pooling runner, the score head's raw output at the "
-                   "last token)", choices=("vllm",))
+    name: str = _f("vllm", "the serving engine: vllm (a classifier: its pooling runner, the score head's raw "
+                   "output at the last token) or hf (a judge: transformers' generate behind the judge's "
+                   "chat-completions endpoint; a judge on vLLM is not built yet)", choices=("vllm", "hf"))
     gpu_memory_utilization: float = _f(0.5, "share of a GPU the reward model's engine may take (GPU nodes)", gt=0,
                                        le=1, hashed=False)
     tensor_model_parallel_size: int = _f(1, "GPUs per reward-model engine: 1 here (one engine per rank of the "
                                          "reward model's pool)", **POSITIVE)
+    prompt_length: int = _f(2048, "a judge's longest prompt in tokens once templated (a longer request is "
+                            "refused, which fails the row); no effect on a classifier (reward_model.max_length)",
+                            **POSITIVE)
+    response_length: int = _f(2048, "a judge's longest answer in tokens (a request's max_tokens is cut to it); no "
+                              "effect on a classifier", **POSITIVE)
 
 
 @dataclass
@@ -618,6 +624,11 @@ class RewardModelConfig:
                              choices=("naive", "dapo", "batch", "prime"))
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
+    max_concurrent: int = _f(64, "responses a served judge scores at once (verl's reward-loop key: each "
+                             "response's reward-function call is a coroutine of its own)", hashed=False, **POSITIVE)
+    timeout: float = _f(300.0, "seconds one response's reward-function call may take with a served judge, its "
+                        "retries of failed judge calls included (verl's key); then the stage fails in one line",
+                        hashed=False, **POSITIVE)
     log_function_score: bool = _f(False, "also score every response with reward.function and log it "
                                   "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "
                                   "beside the learned reward, which stays the reward (over-optimization shows as the "
@@ -1016,6 +1027,13 @@ class RunConfig:
             else self.data.train_batch_size
 
     @property
+    def judge_served(self) -> bool:
+        """The reward model is a judge served behind ``reward_router_address`` (verl's reward
+        loop with a custom reward function): the function asks it, no ``rm_score`` stage runs."""
+        rm = self.reward_model
+        return rm.enable and rm.use_reward_loop and bool(self.custom_reward_function.path)
+
+    @property
     def runs_old_log_prob_stage(self) -> bool:
         """The ``old_log_prob`` stage runs: the update's old log-probs come from it, or the
         advantage needs its sum pi^2."""
@@ -1045,6 +1063,9 @@ class RunConfig:
                 data["rollout"].pop(key)
         if not self.distillation.enabled:
             data.pop("distillation")
+        if self.reward_model.enable and not self.judge_served:  # a judge's settings score nothing without one
+            for key in ("prompt_length", "response_length"):
+                data["reward_model"]["rollout"].pop(key)
         for knob in unused_loss_settings(self.actor.policy_loss):  # another loss's knobs train nothing
             data["actor"].pop(knob)
         from rlhf_core.algorithms.schedules import uses_total
@@ -1114,6 +1135,17 @@ class RunConfig:
         if rm.enable and rm.use_reward_loop and rm.rollout.tensor_model_parallel_size != 1:
             raise ConfigError(f"reward_model.rollout.tensor_model_parallel_size: expected 1 (one engine per rank of the "
                               f"reward model's pool here); found {rm.rollout.tensor_model_parallel_size}")
+        if self.judge_served:
+            if rm.rollout.name != "hf":
+                raise ConfigError(f"reward_model.rollout.name: expected hf for a judge served behind "
+                                  f"reward_router_address (use_reward_loop with custom_reward_function.path; a judge "
+                                  f"on vLLM is not built yet); found {rm.rollout.name!r}")
+            if rm.reward_manager not in ("naive", "dapo"):
+                raise ConfigError(f"reward_model.reward_manager: expected naive or dapo with a served judge (each "
+                                  f"response's call a coroutine of its own); found {rm.reward_manager!r}")
+        elif rm.enable and rm.use_reward_loop and rm.rollout.name != "vllm":
+            raise ConfigError(f"reward_model.rollout.name: expected vllm to serve a classifier (hf serves a judge, "
+                              f"with custom_reward_function.path); found {rm.rollout.name!r}")
         if rm.enable_resource_pool:
             per_node = res.ranks_per_node(self.trainer.cpus_per_worker)
             if not rm.enable:

@@ -266,6 +266,8 @@ TABLE: dict[str, Rule] = {
     # reward_model.* keys of the same name are ours (enable, model.path, micro_batch_size_per_gpu, max_length,
     # truncation, use_dynamic_bsz, forward_max_token_len_per_gpu, reward_manager, reward_kwargs.overlong_buffer_cfg.*,
     # reward_kwargs.max_resp_len, enable_resource_pool, n_gpus_per_node, nnodes, use_reward_loop, rollout.name,
+    # rollout.prompt_length, rollout.response_length (a served judge's; no effect on a classifier), max_concurrent,
+    # timeout,
     # rollout.gpu_memory_utilization, rollout.tensor_model_parallel_size, model.use_remove_padding,
     # model.fsdp_config.param_offload); the rest:
     # verl's DAPO recipe (recipe.dapo.main_dapo) names the overlong buffer without reward_kwargs
@@ -279,11 +281,8 @@ TABLE: dict[str, Rule] = {
     "reward_model.strategy": Rule(note="the reward model is sharded as actor.strategy says (verl's fsdp and fsdp2 "
                                        "are both FSDP2 there)", refuse="only FSDP here",
                                   accepts=lambda raw: raw in ("fsdp", "fsdp2")),
-    "reward_model.rollout.prompt_length": _note("no effect: reward_model.max_length bounds the reward model's inputs "
-                                                "(its engine's too)"),
-    "reward_model.rollout.response_length": _note("no effect: reward_model.max_length bounds the reward model's "
-                                                  "inputs (its engine's too)"),
-    "reward_model.num_workers": _note("no effect: the reward model runs on every rank of its pool"),
+    "reward_model.num_workers": _note("no effect: the reward worker runs on every rank of the training pool; a "
+                                      "served judge's responses are scored reward_model.max_concurrent at a time"),
     "reward_model.model.input_tokenizer": _note("the policy's tokenizer is model.path's here; responses are "
                                                 "re-templated when the reward model's tokenizer or chat template "
                                                 "differs from it"),

@@ -212,8 +212,11 @@ def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> st
     for (path, digest), iterations in teachers.items():
         lines.append(f"distilled from teacher {path} (sha256 {digest[:16]}...): iterations "
                      f"{','.join(map(str, sorted(iterations)))}")
+    judges = {(r["reward_model"]["path"], r["reward_model"]["sha256"]) for r in rows
+              if r.get("reward_model") and r["reward_model"].get("served") == "judge"}
     for (path, digest), iterations in scorers.items():
-        lines.append(f"scored by reward model {path} (sha256 {digest[:16]}...): iterations "
+        kind = "judged by judge" if (path, digest) in judges else "scored by reward model"
+        lines.append(f"{kind} {path} (sha256 {digest[:16]}...): iterations "
                      f"{','.join(map(str, sorted(iterations)))}")
         origin = origins[path, digest]
         if origin:

@@ -68,6 +68,8 @@ _TYPES = {
     "teacher": (lambda v: isinstance(v, dict), "an object"),
     # asynchronous training: the weight versions (trainer steps) that generated the iteration's rows
     "weight_versions": (_whole_list, "a list of whole numbers >= 0"),
+    # a generative reward model served behind reward_router_address (verl's GenRM)
+    "reward_model.served": (lambda v: v == "judge", "\"judge\""),
     "reward_model.trained_from": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
                                   "an object of strings"),
 }

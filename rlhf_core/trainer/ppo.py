@@ -32,6 +32,7 @@ from rlhf_core.runtime import probes
 from rlhf_core.trainer import stages as stage_table
 from rlhf_core.trainer.metrics import compute_data_metrics, reduce_metrics, validation_metrics
 from rlhf_core.workers import modeling
+from rlhf_core.workers.reward_loop import CALLS_COLUMN as JUDGE_CALLS
 
 #: What a model forward needs; stages send workers only the columns they read.
 SEQUENCE_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -89,6 +90,8 @@ class PPOTrainer:
         self.config = config
         self.actor, self.reward = workers["actor"], workers["reward"]
         self.critic, self.reward_model = workers.get("critic"), workers.get("reward_model")
+        if config.judge_served:  # the reward workers ask the judge's replicas (verl's reward_router_address)
+            self.reward.set_judges(self.reward_model.judge_address())
         self.loader = loader
         self.state = state or TrainerState(kl_coef=config.algorithm.kl_ctrl.kl_coef)
         kl = config.algorithm.kl_ctrl
@@ -549,7 +552,7 @@ class PPOTrainer:
                              "sampling": {"temperature": val.temperature, "top_p": val.top_p,
                                           "top_k": val.top_k}}
         batch = batch.union(self.generate_sequences(prompts, step))
-        if self.reward_model is not None:  # validation is scored as training is (verl's rule)
+        if self.reward_model is not None and not self.config.judge_served:  # scored as training is (verl's rule)
             batch = self.compute_rm_score(batch)
         batch = self.compute_reward(batch)
         nt = batch.non_tensor_batch
@@ -586,8 +589,12 @@ class PPOTrainer:
 
     def compute_reward(self, batch: DataProto) -> DataProto:
         scored = ["rm_scores"] if "rm_scores" in batch.batch.keys() else []
+        # a replay's recorded judge answers go with their rows (and come back as they were)
+        recorded = [JUDGE_CALLS] if JUDGE_CALLS in batch.non_tensor_batch else []
         needed = batch.select(["responses", "response_mask", "attention_mask"] + scored,
-                              ["uid", "data_source", "ground_truth", "extra_info"])
+                              ["uid", "data_source", "ground_truth", "extra_info"] + recorded)
+        if recorded:
+            batch.non_tensor_batch.pop(JUDGE_CALLS)
         return batch.union(self._take(self.reward.compute_reward(needed)))
 
     def compute_old_log_prob(self, batch: DataProto) -> DataProto:

@@ -328,7 +328,14 @@ def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataPr
         batch = trainer.loader.next_batch()
         batch.meta_info.update(global_step=n, temperature=trainer.config.rollout.temperature)
     else:
-        return istore.load(n, plan[plan.index(stage) - 1])
+        batch = istore.load(n, plan[plan.index(stage) - 1])
+        if stage == stage_table.SCORED and trainer.config.judge_served:  # the judge's answers as recorded
+            from rlhf_core.workers.reward_loop import CALLS_COLUMN
+
+            recorded = istore.load(n, stage).non_tensor_batch
+            if CALLS_COLUMN in recorded:
+                batch.non_tensor_batch[CALLS_COLUMN] = recorded[CALLS_COLUMN]
+        return batch
     if trainer.config.rollout.multi_turn.enable:  # the tools' answers as recorded: no tool is called again
         nt = istore.load(n, stage, standalone=side).non_tensor_batch
         if "agent/seed" in nt:

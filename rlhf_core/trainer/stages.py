@@ -52,7 +52,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("rollout", "rollout", ("actor",)),
     Stage("reward_baseline", "compute_reward_baseline", ("actor", "reward"),
           enabled=lambda cfg: cfg.estimator.needs_reward_baseline),
-    Stage("rm_score", "compute_rm_score", ("reward_model",), enabled=lambda cfg: cfg.reward_model.enable),
+    Stage("rm_score", "compute_rm_score", ("reward_model",), enabled=lambda cfg: cfg.reward_model.enable and not cfg.judge_served),
     Stage("reward", "compute_reward", ("reward",)),
     Stage("filter_groups", "filter_groups", ("actor", "reward"), enabled=lambda cfg: cfg.algorithm.filter_groups.enable,
           draws_prompts=True),

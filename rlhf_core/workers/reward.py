@@ -21,7 +21,8 @@ from rlhf_core.controller import Dispatch, Worker, register
 from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
 from rlhf_core.workers.reward_functions import load_reward_file, load_reward_fn, routed_to_sandbox
-from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, naive
+from rlhf_core.workers.reward_loop import CALLS_COLUMN
+from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, dapo_after, naive
 
 
 #: Entry-point group under which an installed package registers its reward functions
@@ -62,7 +63,23 @@ class RewardWorker(Worker):
         path = modeling.resolve_model_path(self.config.model.path, self.config.trainer.seed, weights=False)
         self.tokenizer = modeling.load_tokenizer(path)
         self.fn, self.fn_name = configured_reward_fn(self.config)
+        self.judges, self.judge_tokenizer = [], None
+        if self.config.judge_served:
+            from rlhf_core.workers.reward_loop import takes_router
+
+            if not takes_router(self.fn):
+                raise ValueError(f"custom_reward_function.name: expected {self.fn_name} to take verl's "
+                                 f"reward_router_address and reward_model_tokenizer (a served judge: use_reward_loop "
+                                 f"with reward_model.enable); found neither among its parameters")
+            judge_path = modeling.resolve_model_path(self.config.reward_model.model.path, self.config.trainer.seed,
+                                                     weights=False)
+            self.judge_tokenizer = modeling.load_tokenizer(judge_path)
         return {"rank": self.rank, "reward_function": self.fn_name}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_judges(self, addresses: list[str]) -> None:
+        """The served judge's replicas (``host:port`` each) this worker's router balances over."""
+        self.judges = list(addresses)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_reward(self, data: DataProto) -> DataProto:
@@ -95,11 +112,33 @@ class RewardWorker(Worker):
                 return DataProto.from_dict({"token_level_scores": rm_scores.clone()}, columns)
             extra_infos = [{**(extra or {}), "rm_score": score}
                            for extra, score in zip(extra_infos, rm_scores.sum(dim=-1).tolist())]
-        manager = MANAGERS[self.config.reward_model.reward_manager]
-        scores, extras = manager(self.fn, self.fn_name, rows(extra_infos), self.config)
+        if self.config.judge_served:
+            scores, extras, columns[CALLS_COLUMN] = self._judged(rows(extra_infos), nt.get(CALLS_COLUMN))
+        else:
+            manager = MANAGERS[self.config.reward_model.reward_manager]
+            scores, extras = manager(self.fn, self.fn_name, rows(extra_infos), self.config)
         token_level_scores = torch.zeros(responses.shape, dtype=torch.float32)
         last = last_token_index(mask)  # an outcome reward: on the last token the policy generated
         token_level_scores[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
         for key, values in extras.items():
             columns[f"reward_extra/{key}"] = object_column(values)
         return DataProto.from_dict({"token_level_scores": token_level_scores}, columns)
+
+    def _judged(self, rows: ScoringRows, recorded) -> tuple[list[float], dict[str, list], np.ndarray]:
+        """The rows scored through the judge (``workers/reward_loop.py``); with a recorded
+        ``judge/calls`` column (a replay) its answers are given again and no judge is asked."""
+        from rlhf_core.workers import reward_loop
+
+        if recorded is None and not self.judges:
+            raise RuntimeError("RewardWorker: a served judge's replicas were never set (set_judges)")
+        rm = self.config.reward_model
+        router = reward_loop.JudgeRouter(self.judges, rm.timeout,
+                                         None if recorded is None else reward_loop.recorded_calls(recorded))
+        try:
+            scores, extras = reward_loop.score_with_judge(self.fn, self.fn_name, rows, router, self.judge_tokenizer,
+                                                          self.config)
+        finally:
+            router.close()
+        if rm.reward_manager == "dapo":
+            scores, extras = dapo_after(scores, extras, rows, self.config)
+        return scores, extras, object_column(reward_loop.calls_column(router, len(rows.uids)))

@@ -82,7 +82,12 @@ def overlong_penalty(length: int, max_resp_len: int, buffer_len: int, penalty_fa
 def dapo(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
     """verl's dapo manager: naive's scores, ``acc`` logged for the rows whose function
     returned a number, then the overlong punishment when ``overlong_buffer_cfg.enable``."""
-    scores, extras = naive(fn, name, rows, config)
+    return dapo_after(*naive(fn, name, rows, config), rows, config)
+
+
+def dapo_after(scores: list[float], extras: dict[str, list], rows: ScoringRows, config
+               ) -> tuple[list[float], dict[str, list]]:
+    """What verl's dapo manager adds to per-response scores (``dapo``'s doc)."""
     returned_dicts = set()
     for column in extras.values():
         returned_dicts.update(i for i, value in enumerate(column) if value is not None)

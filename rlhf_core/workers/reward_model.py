@@ -75,6 +75,21 @@ def check_reward_model_config(path: str):
     return config
 
 
+def check_judge_config(path: str):
+    """The folder's config, refused in one line unless it is a causal language model (a
+    judge generates its verdict; no weights are read)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForCausalLM") for a in architectures):
+        raise RewardModelError(f"{FIELD}: expected a causal language model (architectures *ForCausalLM) to serve as "
+                               f"a judge behind reward_router_address (use_reward_loop with "
+                               f"custom_reward_function.path); found {architectures or 'none'} in {path} (for a "
+                               f"classifier's score in extra_info['rm_score'], set reward_model.use_reward_loop=false)")
+    return config
+
+
 def trained_from(folder: str) -> dict | None:
     """Where a reward model trained here came from (its ``PROVENANCE`` record): the
     preference data's URI and sha256, the base model and the training run; None for a folder without one,
@@ -283,6 +298,8 @@ class RewardModelWorker(Worker):
 
         cfg, rm = self.config, self.config.reward_model
         self.model_path = modeling.resolve_model_path(rm.model.path, cfg.trainer.seed, field=FIELD)
+        if cfg.judge_served:
+            return self._serve_judge()
         self.tokenizer = modeling.load_tokenizer(self.model_path)
         policy_path = modeling.resolve_model_path(cfg.model.path, cfg.trainer.seed, weights=False)
         self.policy_tokenizer = modeling.load_tokenizer(policy_path)
@@ -319,12 +336,46 @@ class RewardModelWorker(Worker):
         del source
         return {"rank": self.rank, "reward_model": self.model_path, "retemplates": self.retemplates}
 
+    def _serve_judge(self) -> dict:
+        """A generative reward model served on this rank (verl's GenRM): transformers'
+        generate behind an OpenAI-compatible chat-completions endpoint on this node's
+        address, which the custom reward function reaches as ``reward_router_address``."""
+        import ray
+
+        from rlhf_core.distributed import sharding
+        from rlhf_core.rollout.engines.hf import HFEngine
+        from rlhf_core.rollout.openai_server import ChatCompletionServer
+
+        cfg, rm = self.config, self.config.reward_model
+        self.retemplates = False  # the judge is asked in its own chat template by the reward function
+        check_judge_config(self.model_path)
+        self.tokenizer = modeling.load_tokenizer(self.model_path)
+        if not self.tokenizer.chat_template:
+            raise RewardModelError(f"{FIELD}: expected a chat template in the judge's tokenizer (requests are chat "
+                                   f"messages); found none in {self.model_path}")
+        self.content_sha256 = content_sha256(self.model_path) if self.rank == 0 else None
+        model = modeling.load_causal_lm(self.model_path, cfg.model.dtype).to(sharding.device())
+        engine = HFEngine(model, self.tokenizer, None, cfg.trainer.seed)
+        # the node's address: the reward workers that call it may be on other nodes
+        host = "127.0.0.1" if not ray.is_initialized() else ray.util.get_node_ip_address()
+        self.judge = ChatCompletionServer(engine, self.tokenizer, rm.model.path, rm.rollout.prompt_length,
+                                          rm.rollout.response_length, host=host)
+        address = self.judge.start()
+        return {"rank": self.rank, "reward_model": self.model_path, "judge_address": address}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def judge_address(self) -> str:
+        """This rank's judge endpoint (``host:port``)."""
+        return self.judge.address
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def identity(self) -> dict:
         """What scored this run's responses: ``reward_model.model.path`` as configured, the
         content hash of rank 0's folder (``content_sha256``; None on the other ranks) and, for
         a model trained here, the preferences it was trained on (``trained_from``)."""
         identity = {"path": self.config.reward_model.model.path, "sha256": self.content_sha256}
+        if self.config.judge_served:
+            identity["served"] = "judge"
         origin = trained_from(self.model_path)
         return identity if origin is None else {**identity, "trained_from": origin}
 

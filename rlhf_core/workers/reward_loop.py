@@ -1,0 +1,241 @@
+"""verl's reward loop with a served judge: each response is scored by its own coroutine of
+the custom reward function, which reaches the judge (a generative reward model) through
+``reward_router_address`` (verl's GenRM reward functions run unchanged).
+
+The address a row's function is given is a recording router in the reward worker's own
+process, ``127.0.0.1:{port}/row/{i}``: a call to ``http://{address}/v1/chat/completions``
+is forwarded to the judge replica with the least calls in flight, retried on a failed
+connection, a timeout or a server error within ``reward_model.timeout``, and kept, request
+and answer, for that row (the ``judge/calls`` column of the reward snapshot). A replay
+gives the recorded answers again (a judge samples, and may be an outside service) and
+calls no judge; a function that asks something the record does not hold fails the replay
+in one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from rlhf_core.workers.reward_managers import RewardFunctionError, ScoringRows, checked_score
+
+#: the column of the reward snapshot holding each row's judge calls (a JSON list)
+CALLS_COLUMN = "judge/calls"
+#: how much of one judge answer is kept (and forwarded)
+MAX_ANSWER_BYTES = 4 << 20
+#: pause between tries of a failed judge call (doubling, within the row's deadline)
+RETRY_BACKOFF_S = 0.5
+
+
+class JudgeError(RuntimeError):
+    """The judge could not be reached within the deadline, or a replay's function asked
+    the judge something its record does not hold."""
+
+
+class JudgeRouter:
+    """The recording router (see the module doc). ``replicas``: the judge replicas'
+    ``host:port``; ``recorded``: per row, the calls to give again (a replay) instead."""
+
+    def __init__(self, replicas: list[str], timeout_s: float, recorded: list[list[dict]] | None = None) -> None:
+        self.replicas, self.timeout_s = list(replicas), float(timeout_s)
+        self.recorded = recorded
+        self.calls: dict[int, list[dict]] = {}
+        self.failures = 0  # tries that failed and were retried
+        self._in_flight = {replica: 0 for replica in self.replicas}
+        self._lock = threading.Lock()
+        router = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _handle(self, method: str) -> None:
+                parts = self.path.split("/", 3)  # "", "row", "<i>", "<rest>"
+                if len(parts) < 4 or parts[1] != "row" or not parts[2].isdigit():
+                    self._answer(404, _error(f"no endpoint {self.path} (expected /row/<i>/...)"))
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                status, answer = router.call(int(parts[2]), method, "/" + parts[3], body)
+                self._answer(status, answer)
+
+            def do_POST(self) -> None:
+                self._handle("POST")
+
+            def do_GET(self) -> None:
+                self._handle("GET")
+
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True, name="judge-router")
+        self._thread.start()
+
+    def address(self, row: int) -> str:
+        """What row ``row``'s function is given as ``reward_router_address``."""
+        host, port = self._http.server_address[:2]
+        return f"{host}:{port}/row/{row}"
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+        self._thread.join(timeout=30)
+
+    def call(self, row: int, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        request = body.decode("utf-8", errors="replace")
+        with self._lock:
+            index = len(self.calls.setdefault(row, []))
+            self.calls[row].append({})  # its place, in the order the function asked
+        if self.recorded is not None:
+            kept = self.recorded[row] if row < len(self.recorded) else []
+            call = kept[index] if index < len(kept) else None
+            if call is None or call.get("path") != path or call.get("request") != request:
+                message = (f"row {row}: the reward function's judge call {index} ({method} {path}) is not the one "
+                           f"recorded ({'none' if call is None else call.get('path')}): the function changed since "
+                           f"the iteration ran, so its recorded judge answers do not apply")
+                with self._lock:
+                    self.calls[row][index] = {"path": path, "request": request, "status": 409,
+                                              "answer": message, "replay_mismatch": True}
+                return 409, _error(message)
+            status, answer = int(call["status"]), call["answer"]
+        else:
+            status, answer = self._forward(method, path, body)
+        with self._lock:
+            self.calls[row][index] = {"path": path, "request": request, "status": status, "answer": answer}
+        return status, answer.encode()
+
+    def _forward(self, method: str, path: str, body: bytes) -> tuple[int, str]:
+        deadline, wait, last = time.monotonic() + self.timeout_s, RETRY_BACKOFF_S, "no try"
+        while True:
+            with self._lock:  # the replica with the least calls in flight
+                replica = min(self.replicas, key=lambda r: self._in_flight[r])
+                self._in_flight[replica] += 1
+            left = deadline - time.monotonic()
+            try:
+                req = urllib.request.Request(f"http://{replica}{path}", data=body if method == "POST" else None,
+                                             method=method, headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=max(left, 0.01)) as resp:
+                    return resp.status, resp.read(MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
+            except urllib.error.HTTPError as exc:
+                answer = exc.read(MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
+                if exc.code < 500:  # the request itself was refused: trying again changes nothing
+                    return exc.code, answer
+                last = f"HTTP {exc.code} from {replica}: {answer[:200]}"
+            except (OSError, TimeoutError) as exc:  # refused, reset, timed out
+                last = f"{type(exc).__name__} at {replica}: {exc}"
+            finally:
+                with self._lock:
+                    self._in_flight[replica] -= 1
+            self.failures += 1
+            if time.monotonic() + wait >= deadline:
+                return 504, _error(f"the judge did not answer within reward_model.timeout={self.timeout_s:g}s "
+                                   f"({self.failures} failed tries; last: {last})").decode()
+            time.sleep(wait)
+            wait *= 2
+
+
+def _error(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "judge_error"}}).encode()
+
+
+def takes_router(fn) -> bool:
+    """Whether ``fn`` can be given verl's ``reward_router_address`` and
+    ``reward_model_tokenizer`` (named, or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    names = {p.name for p in params}
+    return {"reward_router_address", "reward_model_tokenizer"} <= names or \
+        any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def score_with_judge(fn, name: str, rows: ScoringRows, router: JudgeRouter, judge_tokenizer, config
+                     ) -> tuple[list[float], dict[str, list]]:
+    """Every row scored by its own call of ``fn`` at once (verl's reward loop: a coroutine
+    function is awaited, a plain one runs in a thread), at most ``reward_model.max_concurrent``
+    at a time, each within ``reward_model.timeout`` seconds. Any row failing fails the
+    batch in one line: nothing is committed half-scored."""
+    rm = config.reward_model
+    n = len(rows.uids)
+    results: list = [None] * n
+
+    async def one(i: int, gate: asyncio.Semaphore, pool: ThreadPoolExecutor) -> None:
+        kwargs = dict(data_source=rows.data_sources[i], solution_str=rows.solutions[i],
+                      ground_truth=rows.ground_truths[i], extra_info=copy.deepcopy(rows.extra_infos[i]),
+                      reward_router_address=router.address(i), reward_model_tokenizer=judge_tokenizer)
+        async with gate:
+            try:
+                if inspect.iscoroutinefunction(fn):
+                    call = fn(**kwargs)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(pool, lambda: fn(**kwargs))
+                results[i] = await asyncio.wait_for(call, timeout=rm.timeout)
+            except asyncio.TimeoutError:
+                raise RewardFunctionError(f"reward function {name} did not score uid {rows.uids[i]!r} (row {i}) "
+                                          f"within reward_model.timeout={rm.timeout:g}s ({router.failures} judge "
+                                          f"tries failed)") from None
+            except RewardFunctionError:
+                raise
+            except Exception as exc:
+                raise RewardFunctionError(f"reward function {name} raised on uid {rows.uids[i]!r} (row {i}): "
+                                          f"{type(exc).__name__}: {exc}") from exc
+
+    async def every() -> None:
+        gate = asyncio.Semaphore(rm.max_concurrent)
+        with ThreadPoolExecutor(max_workers=min(rm.max_concurrent, 64)) as pool:
+            tasks = [asyncio.ensure_future(one(i, gate, pool)) for i in range(n)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:  # the first failure cancels the rest: none runs on after the stage failed
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(every())
+    finally:  # a function that met a refused replay call may have raised for it, or scored on
+        mismatched = sorted(i for i, calls in router.calls.items() if any(c.get("replay_mismatch") for c in calls))
+        if mismatched:
+            raise JudgeError(f"replay: the reward function asked the judge what the record does not hold (rows "
+                             f"{mismatched[:8]}): the function changed since the iteration ran, so its recorded "
+                             f"judge answers do not apply")
+    extras: dict[str, list] = {}
+    scores = [checked_score(result, name, uid, i, extras, n) for i, (result, uid) in enumerate(zip(results, rows.uids))]
+    return scores, extras
+
+
+def calls_column(router: JudgeRouter, rows: int) -> list[str]:
+    """Each row's judge calls, in the order its function made them, as JSON text."""
+    return [json.dumps(router.calls.get(i, []), ensure_ascii=False) for i in range(rows)]
+
+
+def recorded_calls(column) -> list[list[dict]]:
+    """The ``judge/calls`` column read back (data from the store: parsed, nothing run)."""
+    out = []
+    for i, text in enumerate(column):
+        try:
+            calls = json.loads(text) if isinstance(text, str) else None
+        except ValueError:
+            calls = None
+        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("answer"), str)
+                                                   for c in calls):
+            raise JudgeError(f"{CALLS_COLUMN}[{i}]: expected a JSON list of recorded judge calls; found {text!r:.80}")
+        out.append(calls)
+    return out

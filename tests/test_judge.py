@@ -1,0 +1,306 @@
+"""A generative reward model (verl's GenRM) served behind ``reward_router_address``: the
+OpenAI-compatible endpoint over a judge model, the recording router of the reward worker
+(each row's judge calls kept; a replay answers from them and asks no judge), retries and
+the deadline, the refusals, and a run scored by a served judge end to end.
+
+The judge of the unit tests is a stand-in HTTP server answering scripted verdicts (named
+so: no model behind it); the end-to-end test serves a real tiny causal LM."""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, RunConfig, apply_overrides
+from rlhf_core.protocol import DataProto, object_column
+from rlhf_core.testing.model_folders import build_model_folder, build_reward_model_folder
+
+GENRM = Path(__file__).parent / "data" / "genrm_reward.py"
+JUDGED = ["reward_model.enable=true", "reward_model.use_reward_loop=true", "reward_model.rollout.name=hf",
+          f"custom_reward_function.path={GENRM}"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("judge")
+    policy = build_model_folder(root / "policy")
+    return {"policy": policy, "judge": build_model_folder(root / "judge", seed=3),
+            "classifier": build_reward_model_folder(root / "classifier", policy)}
+
+
+class ScriptedJudge:
+    """A stand-in judge: an HTTP server answering ``/v1/chat/completions`` in OpenAI's
+    format with ``verdict(request) -> content`` (or ``(status, content)``); ``hold``: a
+    request whose prompt holds this text gets no answer until the test ends."""
+
+    def __init__(self, verdict, hold: str | None = None) -> None:
+        self.requests: list[dict] = []
+        self.release = threading.Event()
+        judge = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests.append(request)
+                prompt = request["messages"][-1]["content"]
+                if hold is not None and hold in prompt:
+                    judge.release.wait()
+                    return
+                answer = verdict(request)
+                status, content = answer if isinstance(answer, tuple) else (200, answer)
+                body = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "stand-in",
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": content}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.address = "127.0.0.1:%d" % self.http.server_address[1]
+
+    def close(self):
+        self.release.set()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def reward_worker(folders, extra=(), judges=()):
+    from rlhf_core.workers.reward import RewardWorker
+
+    worker = RewardWorker(apply_overrides(RunConfig(), [f"model.path={folders['policy']}",
+                                                        f"reward_model.model.path={folders['judge']}", *JUDGED,
+                                                        *extra]))
+    worker.init_model()
+    worker.set_judges(list(judges))
+    return worker
+
+
+SOLUTIONS = ["He has 14 apples. #### 14", "#### 5", "15 apples"]
+
+
+def scored_rows(folders) -> DataProto:
+    """Three responses as the reward stage gets them (the policy's tokens, right-padded)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folders["policy"])
+    rows = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for text in SOLUTIONS]
+    width = max(map(len, rows))
+    responses = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return DataProto.from_dict(
+        {"responses": responses, "response_mask": mask},
+        {"uid": object_column(["a", "b", "c"]), "data_source": object_column(["t"] * 3),
+         "ground_truth": object_column(["14", "5", "15"]),
+         "extra_info": object_column([{"question": f"question {i}"} for i in range(3)])})
+
+
+def by_solution(request) -> str:
+    prompt = request["messages"][-1]["content"]
+    return "9" if "14" in prompt else ("I think it is fine" if "#### 5" in prompt else "Score:\n3")
+
+
+def test_a_genrm_function_scores_by_the_judges_answers_and_a_replay_asks_no_judge(folders):
+    """verl's GenRM form (tests/data/genrm_reward.py, aiohttp to reward_router_address):
+    each row's score is its judge answer parsed; an answer that does not parse scores 0
+    and is counted; every call is kept with its row, and the rows given those calls back
+    score the same with the judge gone."""
+    from rlhf_core.workers.reward_loop import CALLS_COLUMN, JudgeError
+
+    judge = ScriptedJudge(by_solution)
+    try:
+        worker = reward_worker(folders, judges=[judge.address])
+        data = scored_rows(folders)
+        out = worker.compute_reward(data)
+    finally:
+        judge.close()
+    assert out.batch["token_level_scores"].sum(dim=-1).tolist() == pytest.approx([0.9, 0.0, 0.3])
+    nt = out.non_tensor_batch
+    assert nt["reward_extra/judge_parsed"].tolist() == [1.0, 0.0, 1.0]
+    assert len(judge.requests) == 3
+    calls = [json.loads(text) for text in nt[CALLS_COLUMN]]
+    for row, (solution, kept) in enumerate(zip(SOLUTIONS, calls)):
+        assert [c["path"] for c in kept] == ["/v1/chat/completions"] and kept[0]["status"] == 200
+        assert solution in json.loads(kept[0]["request"])["messages"][0]["content"]
+        assert json.loads(kept[0]["answer"])["choices"][0]["message"]["content"] == by_solution(
+            json.loads(kept[0]["request"]))
+
+    # the replay: the recorded calls ride with their rows; the judge is closed
+    data.non_tensor_batch[CALLS_COLUMN] = nt[CALLS_COLUMN]
+    again = worker.compute_reward(data)
+    assert torch.equal(again.batch["token_level_scores"], out.batch["token_level_scores"])
+    assert again.non_tensor_batch[CALLS_COLUMN].tolist() == nt[CALLS_COLUMN].tolist()
+    assert len(judge.requests) == 3
+    # a function that asks something else than it asked when the iteration ran is refused
+    changed = GENRM.read_text().replace("Grade the solution", "Rate the solution")
+    other = Path(worker.config.trainer.output_dir) / "changed_genrm.py"
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_text(changed)
+    worker = reward_worker(folders, [f"custom_reward_function.path={other}"])
+    with pytest.raises(JudgeError, match=r"^replay: the reward function asked the judge what the record does not "
+                                         r"hold \(rows \[0, 1, 2\]\)"):
+        worker.compute_reward(data)
+
+
+def test_a_failed_judge_call_is_retried_and_a_judge_that_never_answers_fails_the_stage_in_one_line(folders):
+    from rlhf_core.workers.reward_managers import RewardFunctionError
+
+    answers = iter([(503, "overloaded")])
+    judge = ScriptedJudge(lambda request: next(answers, (200, "8")))
+    try:
+        out = reward_worker(folders, judges=[judge.address]).compute_reward(scored_rows(folders))
+    finally:
+        judge.close()
+    assert out.batch["token_level_scores"].sum(dim=-1).tolist() == pytest.approx([0.8] * 3)
+    assert len(judge.requests) == 4  # one call retried
+    assert all(json.loads(c)[0]["status"] == 200 for c in out.non_tensor_batch["judge/calls"])
+
+    judge = ScriptedJudge(by_solution, hold="#### 5")
+    try:
+        worker = reward_worker(folders, ["reward_model.timeout=1"], judges=[judge.address])
+        with pytest.raises(RewardFunctionError, match=r"^reward function .*genrm_reward.py:compute_score did not "
+                                                      r"score uid 'b' \(row 1\) within reward_model.timeout=1s"):
+            worker.compute_reward(scored_rows(folders))
+    finally:
+        judge.close()
+
+
+def test_the_judge_endpoint_answers_in_openais_format_with_the_models_own_answer(folders):
+    """The served judge: a request alone gets the model's greedy answer (as transformers'
+    generate gives it on the templated chat), in a form openai's client parses; bad
+    requests get one line naming the field."""
+    from openai.types.chat import ChatCompletion
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_core.rollout.engines.hf import HFEngine
+    from rlhf_core.rollout.openai_server import ChatCompletionServer
+
+    tok = AutoTokenizer.from_pretrained(folders["judge"])
+    model = AutoModelForCausalLM.from_pretrained(folders["judge"]).eval()
+    server = ChatCompletionServer(HFEngine(model, tok, None, 0), tok, "judge", max_prompt_tokens=256,
+                                  max_new_tokens=6)
+    address = server.start()
+
+    def post(body) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://{address}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        chat = [{"role": "user", "content": "Tom has 3 apples and buys 11 more. Score it."}]
+        status, answer = post({"messages": chat, "temperature": 0, "max_tokens": 50})
+        assert status == 200
+        completion = ChatCompletion(**answer)
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                                  pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+        assert completion.choices[0].message.content == tok.decode(want, skip_special_tokens=True)
+        assert completion.usage.completion_tokens == len(want) and completion.usage.prompt_tokens == ids.shape[1]
+        for body, message in [({"temperature": 0}, r"^messages: expected a non-empty list"),
+                              ({"messages": chat, "n": 2}, r"^n: expected 1"),
+                              ({"messages": chat, "temperature": -1}, r"^temperature: expected a number in \[0"),
+                              ({"messages": [{"role": "robot", "content": "x"}]}, r"^messages\[0\]: expected"),
+                              ({"messages": [{"role": "user", "content": "x " * 400}]},
+                               r"^messages: expected at most 256 prompt tokens")]:
+            status, answer = post(body)
+            assert status == 400 and __import__("re").match(message, answer["error"]["message"]), answer
+        assert server.requests_served == 1
+    finally:
+        server.stop()
+
+
+def test_the_served_judge_settings_are_checked(folders):
+    from rlhf_core.trainer.stages import plan
+    from rlhf_core.workers import reward_model as rm
+
+    base = [f"reward_model.model.path={folders['judge']}"]
+    cfg = apply_overrides(RunConfig(), base + JUDGED).validate()
+    assert cfg.judge_served and "rm_score" not in [s.name for s in plan(cfg)]
+    for overrides, message in [
+        (["reward_model.rollout.name=vllm"], r"^reward_model.rollout.name: expected hf for a judge served"),
+        (["reward_model.reward_manager=batch"], r"^reward_model.reward_manager: expected naive or dapo"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(RunConfig(), base + JUDGED + overrides).validate()
+    with pytest.raises(ConfigError, match=r"^reward_model.rollout.name: expected vllm to serve a classifier"):
+        apply_overrides(RunConfig(), base + JUDGED[:3]).validate()
+    # a judge's settings score nothing without one: a classifier run's hash keeps them out
+    classifier = apply_overrides(RunConfig(), base + ["reward_model.enable=true"])
+    assert classifier.config_hash() == apply_overrides(
+        RunConfig(), base + ["reward_model.enable=true", "reward_model.rollout.response_length=7"]).config_hash()
+    assert cfg.config_hash() != apply_overrides(RunConfig(), base + JUDGED + [
+        "reward_model.rollout.response_length=7"]).config_hash()
+    # a classifier cannot be a judge; a function that cannot be given the address is refused
+    with pytest.raises(rm.RewardModelError, match=r"^reward_model.model.path: expected a causal language model"):
+        rm.check_judge_config(str(folders["classifier"]))
+    plain = Path(folders["judge"]).parent / "plain_reward.py"
+    plain.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(ValueError, match=r"^custom_reward_function.name: expected .*plain_reward.py:compute_score to "
+                                         r"take verl's reward_router_address"):
+        reward_worker(folders, [f"custom_reward_function.path={plain}"])
+
+
+@pytest.mark.slow  # a run and a replay: ~45 s
+def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(folders, tmp_path, ray_local):
+    """One iteration, the judge (a tiny causal LM) served on the training pool's rank:
+    every response was scored from the judge's own answer, which the reward snapshot
+    keeps; the manifest and the lineage name the judge; the reward stage replays exactly."""
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.lineage import chain, format_lineage
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.testing.model_folders import write_verl_parquet
+    from rlhf_core.trainer.replay import replay
+    from rlhf_core.workers.modeling import content_sha256
+
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["run", "--direct", "--iterations", "1", "--run-id", "judged", "--store", store,
+                 f"model.path={folders['policy']}", f"reward_model.model.path={folders['judge']}", *JUDGED,
+                 f"data.train_files={write_verl_parquet(tmp_path / 'train.parquet', count=4)}",
+                 "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.max_prompt_length=64",
+                 "rollout.response_length=6", "trainer.progress=false", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    istore = IterationStore(RunRef(store, "judged"))
+    scored = istore.load(0, "reward")
+    nt = scored.non_tensor_batch
+    rewards = scored.batch["token_level_scores"].sum(dim=-1).tolist()
+    for text, calls, reward, answer in zip(nt["response_text"], nt["judge/calls"], rewards,
+                                           nt["reward_extra/judge_answer"]):
+        [call] = json.loads(calls)
+        completion = json.loads(call["answer"])
+        assert call["status"] == 200 and completion["model"] == str(folders["judge"])
+        assert text in json.loads(call["request"])["messages"][0]["content"]
+        content = completion["choices"][0]["message"]["content"]
+        assert content == answer
+        try:
+            want = int(content.strip().splitlines()[-1].strip()) / 10
+        except (ValueError, IndexError):
+            want = 0.0
+        assert reward == pytest.approx(want)
+    digest = content_sha256(str(folders["judge"]))
+    assert istore.read_manifest(0)["reward_model"] == {"path": str(folders["judge"]), "sha256": digest,
+                                                       "served": "judge"}
+    assert f"judged by judge {folders['judge']} (sha256 {digest[:16]}...): iterations 0" in \
+        format_lineage(chain(istore.run_uri))
+    [result] = replay(f"{store}/judged", stages=["reward"], iteration=0, log=lambda *a: None,
+                      trust_reward_function=True)
+    assert result.ok and all(d.equal for d in result.diffs), [d for d in result.diffs if not d.equal]
