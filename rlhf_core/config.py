@@ -532,8 +532,9 @@ class RewardModelRolloutConfig:
     ``reward_model.rollout``)."""
 
     name: str = _f("vllm", "the serving engine: vllm (a classifier: its pooling runner, the score head's raw "
-                   "output at the last token) or hf (a judge: transformers' generate behind the judge's "
-                   "chat-completions endpoint; a judge on vLLM is not built yet)", choices=("vllm", "hf"))
+                   "output at the last token; a judge: its generate, per-request seeds) or hf (a judge only: "
+                   "transformers' generate); a judge is served behind a chat-completions endpoint",
+                   choices=("vllm", "hf"))
     gpu_memory_utilization: float = _f(0.5, "share of a GPU the reward model's engine may take (GPU nodes)", gt=0,
                                        le=1, hashed=False)
     tensor_model_parallel_size: int = _f(1, "GPUs per reward-model engine: 1 here (one engine per rank of the "
@@ -1136,10 +1137,10 @@ class RunConfig:
             raise ConfigError(f"reward_model.rollout.tensor_model_parallel_size: expected 1 (one engine per rank of the "
                               f"reward model's pool here); found {rm.rollout.tensor_model_parallel_size}")
         if self.judge_served:
-            if rm.rollout.name != "hf":
-                raise ConfigError(f"reward_model.rollout.name: expected hf for a judge served behind "
-                                  f"reward_router_address (use_reward_loop with custom_reward_function.path; a judge "
-                                  f"on vLLM is not built yet); found {rm.rollout.name!r}")
+            if rm.rollout.name == "vllm" and self.rollout.name == "vllm" and not rm.enable_resource_pool:
+                raise ConfigError("reward_model.rollout.name: expected hf, or reward_model.enable_resource_pool=true, "
+                                  "for a vLLM judge beside a vLLM rollout (two vLLM engines never share a process); "
+                                  "found vllm colocated with rollout.name=vllm")
             if rm.reward_manager not in ("naive", "dapo"):
                 raise ConfigError(f"reward_model.reward_manager: expected naive or dapo with a served judge (each "
                                   f"response's call a coroutine of its own); found {rm.reward_manager!r}")

@@ -152,7 +152,7 @@ def test_a_genrm_function_scores_by_the_judges_answers_and_a_replay_asks_no_judg
     other.write_text(changed)
     worker = reward_worker(folders, [f"custom_reward_function.path={other}"])
     with pytest.raises(JudgeError, match=r"^replay: the reward function asked the judge what the record does not "
-                                         r"hold \(rows \[0, 1, 2\]\)"):
+                                         r"hold \(rows \[[012]"):  # the rows that asked before the first failure stopped the rest
         worker.compute_reward(data)
 
 
@@ -237,11 +237,17 @@ def test_the_served_judge_settings_are_checked(folders):
     cfg = apply_overrides(RunConfig(), base + JUDGED).validate()
     assert cfg.judge_served and "rm_score" not in [s.name for s in plan(cfg)]
     for overrides, message in [
-        (["reward_model.rollout.name=vllm"], r"^reward_model.rollout.name: expected hf for a judge served"),
+        (["reward_model.rollout.name=vllm", "rollout.name=vllm"],
+         r"^reward_model.rollout.name: expected hf, or reward_model.enable_resource_pool=true, for a vLLM judge "
+         r"beside a vLLM rollout \(two vLLM engines never share a process\)"),
         (["reward_model.reward_manager=batch"], r"^reward_model.reward_manager: expected naive or dapo"),
     ]:
         with pytest.raises(ConfigError, match=message):
             apply_overrides(RunConfig(), base + JUDGED + overrides).validate()
+    # a vLLM judge on a pool of its own, or beside an HF rollout: each engine in a process of its own
+    for layout in (["rollout.name=vllm", "reward_model.enable_resource_pool=true", "reward_model.n_gpus_per_node=1",
+                    "reward_model.nnodes=1"], ["rollout.name=hf"]):
+        apply_overrides(RunConfig(), base + JUDGED + ["reward_model.rollout.name=vllm", *layout]).validate()
     with pytest.raises(ConfigError, match=r"^reward_model.rollout.name: expected vllm to serve a classifier"):
         apply_overrides(RunConfig(), base + JUDGED[:3]).validate()
     # a judge's settings score nothing without one: a classifier run's hash keeps them out
@@ -304,3 +310,45 @@ def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(fol
     [result] = replay(f"{store}/judged", stages=["reward"], iteration=0, log=lambda *a: None,
                       trust_reward_function=True)
     assert result.ok and all(d.equal for d in result.diffs), [d for d in result.diffs if not d.equal]
+
+
+@pytest.mark.slow  # a vLLM engine: ~30 s
+def test_a_vllm_judge_answers_each_request_by_its_own_seed_whatever_it_is_batched_with(folders):
+    """The judge on vLLM behind the same endpoint: a sampled answer depends on the request
+    (its seed) alone, not on the requests the server batched it with."""
+    import concurrent.futures
+
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rollout.openai_server import ChatCompletionServer
+    from rlhf_core.workers.judge import VLLMJudge
+
+    cfg = apply_overrides(RunConfig(), [f"reward_model.model.path={folders['judge']}", *JUDGED,
+                                        "reward_model.rollout.name=vllm", "reward_model.rollout.prompt_length=128",
+                                        "reward_model.rollout.response_length=8"])
+    tok = AutoTokenizer.from_pretrained(folders["judge"])
+    server = ChatCompletionServer(VLLMJudge(str(folders["judge"]), cfg.reward_model.rollout, "float32", 0), tok,
+                                  "judge", max_prompt_tokens=128, max_new_tokens=8)
+    address = server.start()
+
+    def ask(i: int) -> str:
+        body = {"messages": [{"role": "user", "content": f"Grade answer {i}."}], "temperature": 1.0, "seed": 100 + i}
+        req = urllib.request.Request(f"http://{address}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())["choices"][0]["message"]["content"]
+
+    try:
+        alone = ask(0)
+        assert server.engine_calls == 1
+        server.hold()  # the eight queue up and go to the engine in one call
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            asked = [pool.submit(ask, i) for i in range(8)]
+            while server.pending < 8 and not any(f.done() for f in asked):  # a probe: all eight are held
+                threading.Event().wait(0.01)
+            server.release()
+            together = [f.result() for f in asked]
+        assert server.engine_calls == 2 and server.requests_served == 9
+        assert together[0] == alone and len(set(together)) > 1, together
+    finally:
+        server.stop()

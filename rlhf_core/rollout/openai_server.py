@@ -105,8 +105,11 @@ class ChatCompletionServer:
                  host: str = "127.0.0.1", port: int = 0) -> None:
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_prompt_tokens, self.max_new_tokens = max_prompt_tokens, max_new_tokens
-        self.requests_served = 0
+        self.requests_served = self.engine_calls = 0
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._open = threading.Event()  # cleared by ``hold``: requests queue up, none is generated
+        self._open.set()
+        self._at_gate = False  # a request taken from the queue, held by ``hold``
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -117,11 +120,14 @@ class ChatCompletionServer:
 
             def _send(self, status: int, payload: dict) -> None:
                 data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the caller gave up (its deadline passed)
 
             def do_GET(self) -> None:
                 if self.path in ("/health", "/v1/health"):
@@ -197,11 +203,26 @@ class ChatCompletionServer:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
                           "total_tokens": len(ids) + len(tokens)}}
 
+    def hold(self) -> None:
+        """Generate nothing until ``release``: what arrives meanwhile goes in one call."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for the engine."""
+        return self._queue.qsize() + int(self._at_gate)
+
     def _generate_loop(self) -> None:
         while True:
             first = self._queue.get()
             if first is None:
                 return
+            self._at_gate = True
+            self._open.wait()
+            self._at_gate = False
             held = [first]
             while True:  # everything that arrived while the engine was busy goes in this call
                 try:
@@ -217,6 +238,7 @@ class ChatCompletionServer:
                 groups.setdefault(item.request.sampling, []).append(item)
             for sampling, items in groups.items():
                 try:
+                    self.engine_calls += 1
                     done = self.engine.generate([GenerationRequest(str(i), item.ids, item.request.seed)
                                                  for i, item in enumerate(items)], sampling)
                     for item, completion in zip(items, done):

@@ -595,7 +595,13 @@ class PPOTrainer:
                               ["uid", "data_source", "ground_truth", "extra_info"] + recorded)
         if recorded:
             batch.non_tensor_batch.pop(JUDGE_CALLS)
-        return batch.union(self._take(self.reward.compute_reward(needed)))
+        if not self.config.judge_served:
+            return batch.union(self._take(self.reward.compute_reward(needed)))
+        self.reward_model.judge_wake()  # its memory is the actor's while the actor trains
+        try:
+            return batch.union(self._take(self.reward.compute_reward(needed)))
+        finally:
+            self.reward_model.judge_sleep()
 
     def compute_old_log_prob(self, batch: DataProto) -> DataProto:
         out = self.actor.compute_log_prob(batch.select(SEQUENCE_KEYS, []))

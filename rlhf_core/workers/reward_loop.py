@@ -60,11 +60,14 @@ class JudgeRouter:
                 pass
 
             def _answer(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the function's call was cancelled (its row timed out, or another row failed the stage)
 
             def _handle(self, method: str) -> None:
                 parts = self.path.split("/", 3)  # "", "row", "<i>", "<rest>"

@@ -342,9 +342,9 @@ class RewardModelWorker(Worker):
         address, which the custom reward function reaches as ``reward_router_address``."""
         import ray
 
-        from rlhf_core.distributed import sharding
-        from rlhf_core.rollout.engines.hf import HFEngine
+        from rlhf_core.controller.worker import node_ip
         from rlhf_core.rollout.openai_server import ChatCompletionServer
+        from rlhf_core.workers.judge import build_judge
 
         cfg, rm = self.config, self.config.reward_model
         self.retemplates = False  # the judge is asked in its own chat template by the reward function
@@ -354,11 +354,11 @@ class RewardModelWorker(Worker):
             raise RewardModelError(f"{FIELD}: expected a chat template in the judge's tokenizer (requests are chat "
                                    f"messages); found none in {self.model_path}")
         self.content_sha256 = content_sha256(self.model_path) if self.rank == 0 else None
-        model = modeling.load_causal_lm(self.model_path, cfg.model.dtype).to(sharding.device())
-        engine = HFEngine(model, self.tokenizer, None, cfg.trainer.seed)
+        self.judge_engine = build_judge(rm, self.model_path, self.tokenizer, cfg.model.dtype, cfg.trainer.seed)
+        self.judge_engine.sleep()  # until the first reward stage
         # the node's address: the reward workers that call it may be on other nodes
-        host = "127.0.0.1" if not ray.is_initialized() else ray.util.get_node_ip_address()
-        self.judge = ChatCompletionServer(engine, self.tokenizer, rm.model.path, rm.rollout.prompt_length,
+        host = node_ip() if ray.is_initialized() else "127.0.0.1"
+        self.judge = ChatCompletionServer(self.judge_engine, self.tokenizer, rm.model.path, rm.rollout.prompt_length,
                                           rm.rollout.response_length, host=host)
         address = self.judge.start()
         return {"rank": self.rank, "reward_model": self.model_path, "judge_address": address}
@@ -367,6 +367,16 @@ class RewardModelWorker(Worker):
     def judge_address(self) -> str:
         """This rank's judge endpoint (``host:port``)."""
         return self.judge.address
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def judge_wake(self) -> None:
+        """Take the judge's memory back for a scoring (no-op on CPU)."""
+        self.judge_engine.wake_up()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def judge_sleep(self) -> None:
+        """Free the judge's device memory while the actor trains (no-op on CPU)."""
+        self.judge_engine.sleep()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def identity(self) -> dict:
