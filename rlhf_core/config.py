@@ -620,16 +620,26 @@ class RewardModelConfig:
                              "dapo = naive's, then the overlong punishment of reward_kwargs.overlong_buffer_cfg; "
                              "batch = the function once per batch, with lists; prime = naive's calls side by side, each "
                              "in a process of its own, one that raises or outlasts 300 s scores 0 and its process "
-                             "is killed (for sandboxed code). With a "
+                             "is killed (for sandboxed code); rate_limited = naive's calls side by side within "
+                             "max_concurrent, max_rpm and max_tpm, one that raises or outlasts timeout scores 0 "
+                             "(for functions calling outside APIs). With a "
                              "reward model its scores are the rewards under each",
-                             choices=("naive", "dapo", "batch", "prime"))
+                             choices=("naive", "dapo", "batch", "prime", "rate_limited"))
     sandbox_fusion: SandboxFusionConfig = field(default_factory=SandboxFusionConfig)
     reward_kwargs: RewardKwargsConfig = field(default_factory=RewardKwargsConfig)
-    max_concurrent: int = _f(64, "responses a served judge scores at once (verl's reward-loop key: each "
-                             "response's reward-function call is a coroutine of its own)", hashed=False, **POSITIVE)
-    timeout: float = _f(300.0, "seconds one response's reward-function call may take with a served judge, its "
-                        "retries of failed judge calls included (verl's key); then the stage fails in one line",
-                        hashed=False, **POSITIVE)
+    max_concurrent: int = _f(0, "reward-function calls at once with a served judge or reward_manager="
+                             "rate_limited, each response's call of its own (verl's key; 0: 64 with a judge, "
+                             "verl's 1 for rate_limited)", hashed=False, **NON_NEGATIVE)
+    timeout: float = _f(300.0, "seconds one response's reward-function call may take with a served judge (its "
+                        "retries of failed judge calls included; then the stage fails in one line) or "
+                        "rate_limited (then it scores 0), verl's key", hashed=False, **POSITIVE)
+    max_rpm: int = _f(0, "rate_limited: calls started a minute at most, a second's worth in a burst (verl's key; "
+                      "0: no limit); per reward worker here (verl's is per process too)", hashed=False,
+                      **NON_NEGATIVE)
+    max_tpm: int = _f(0, "rate_limited: estimated tokens a minute at most, each call counting "
+                      "estimated_tokens_per_request (verl's key; 0: no limit)", hashed=False, **NON_NEGATIVE)
+    estimated_tokens_per_request: int = _f(2000, "rate_limited: the tokens one call counts against max_tpm (verl's "
+                                           "key)", hashed=False, **POSITIVE)
     log_function_score: bool = _f(False, "also score every response with reward.function and log it "
                                   "(critic/reward_extra/function_score/mean; its other keys too): the task's own check "
                                   "beside the learned reward, which stays the reward (over-optimization shows as the "
@@ -1141,8 +1151,9 @@ class RunConfig:
                 raise ConfigError("reward_model.rollout.name: expected hf, or reward_model.enable_resource_pool=true, "
                                   "for a vLLM judge beside a vLLM rollout (two vLLM engines never share a process); "
                                   "found vllm colocated with rollout.name=vllm")
-            if rm.reward_manager not in ("naive", "dapo"):
-                raise ConfigError(f"reward_model.reward_manager: expected naive or dapo with a served judge (each "
+            if rm.reward_manager not in ("naive", "dapo", "rate_limited"):
+                raise ConfigError(f"reward_model.reward_manager: expected naive, dapo or rate_limited with a served "
+                                  f"judge (each "
                                   f"response's call a coroutine of its own); found {rm.reward_manager!r}")
         elif rm.enable and rm.use_reward_loop and rm.rollout.name != "vllm":
             raise ConfigError(f"reward_model.rollout.name: expected vllm to serve a classifier (hf serves a judge, "

@@ -240,7 +240,7 @@ def test_the_served_judge_settings_are_checked(folders):
         (["reward_model.rollout.name=vllm", "rollout.name=vllm"],
          r"^reward_model.rollout.name: expected hf, or reward_model.enable_resource_pool=true, for a vLLM judge "
          r"beside a vLLM rollout \(two vLLM engines never share a process\)"),
-        (["reward_model.reward_manager=batch"], r"^reward_model.reward_manager: expected naive or dapo"),
+        (["reward_model.reward_manager=batch"], r"^reward_model.reward_manager: expected naive, dapo or rate_limited"),
     ]:
         with pytest.raises(ConfigError, match=message):
             apply_overrides(RunConfig(), base + JUDGED + overrides).validate()
@@ -352,3 +352,58 @@ def test_a_vllm_judge_answers_each_request_by_its_own_seed_whatever_it_is_batche
         assert together[0] == alone and len(set(together)) > 1, together
     finally:
         server.stop()
+
+
+def test_the_token_bucket_lets_a_seconds_worth_through_then_paces_at_the_rate():
+    import asyncio
+
+    from rlhf_core.workers.reward_managers import TokenBucket
+
+    now, slept = [0.0], []
+
+    async def sleep(seconds):  # the clock moves only when someone waits
+        slept.append(seconds)
+        now[0] += seconds
+
+    async def takes():
+        bucket = TokenBucket(120, clock=lambda: now[0], sleep=sleep)  # 2 a second, a burst of 2
+        for _ in range(4):
+            await bucket.take()
+        big = TokenBucket(60, clock=lambda: now[0], sleep=sleep)  # 1 a second: a take of 3 waits for 1
+        await big.take(3)
+        return bucket.tokens, big.tokens
+
+    assert asyncio.run(takes()) == (0.0, -2.0)
+    assert slept == [0.5, 0.5]  # the third and fourth wait half a second each; the take of 3 found the bucket full
+
+
+def test_verls_rate_limited_manager_scores_a_call_that_raises_or_times_out_zero(folders, tmp_path):
+    """reward_manager=rate_limited (verl's): calls side by side; one that raises scores 0
+    with its error, one that outlasts reward_model.timeout scores 0 with timeout=True;
+    a number is logged as acc too."""
+    from rlhf_core.workers.reward import RewardWorker
+
+    fn_file = tmp_path / "limited.py"
+    fn_file.write_text(
+        "import threading\n"
+        "HOLD = threading.Event()\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if '#### 5' in solution_str:\n"
+        "        raise RuntimeError('the API said no')\n"
+        "    if '15' in solution_str and '14' not in solution_str:\n"
+        "        HOLD.wait()\n"
+        "    return 1.0\n")
+    worker = RewardWorker(apply_overrides(RunConfig(), [
+        f"model.path={folders['policy']}", f"custom_reward_function.path={fn_file}",
+        "reward_model.reward_manager=rate_limited", "reward_model.max_concurrent=3", "reward_model.timeout=1",
+        "reward_model.max_rpm=6000"]))
+    worker.init_model()
+    try:
+        out = worker.compute_reward(scored_rows(folders))
+    finally:
+        worker.fn.__globals__["HOLD"].set()  # the held call's thread ends
+    nt = out.non_tensor_batch
+    assert out.batch["token_level_scores"].sum(dim=-1).tolist() == [1.0, 0.0, 0.0]
+    assert nt["reward_extra/error"].tolist() == [None, "RuntimeError: the API said no", None]
+    assert nt["reward_extra/timeout"].tolist() == [None, None, True]
+    assert nt["reward_extra/acc"].tolist() == [1.0, 0.0, 0.0]

@@ -22,7 +22,7 @@ from rlhf_core.protocol import DataProto, object_column
 from rlhf_core.workers import modeling
 from rlhf_core.workers.reward_functions import load_reward_file, load_reward_fn, routed_to_sandbox
 from rlhf_core.workers.reward_loop import CALLS_COLUMN
-from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, dapo_after, naive
+from rlhf_core.workers.reward_managers import MANAGERS, ScoringRows, dapo_after, naive, score_each
 
 
 #: Entry-point group under which an installed package registers its reward functions
@@ -135,10 +135,10 @@ class RewardWorker(Worker):
         router = reward_loop.JudgeRouter(self.judges, rm.timeout,
                                          None if recorded is None else reward_loop.recorded_calls(recorded))
         try:
-            scores, extras = reward_loop.score_with_judge(self.fn, self.fn_name, rows, router, self.judge_tokenizer,
-                                                          self.config)
+            scores, extras = score_each(self.fn, self.fn_name, rows, self.config, router, self.judge_tokenizer)
         finally:
             router.close()
+            reward_loop.check_replayed(router)
         if rm.reward_manager == "dapo":
             scores, extras = dapo_after(scores, extras, rows, self.config)
         return scores, extras, object_column(reward_loop.calls_column(router, len(rows.uids)))

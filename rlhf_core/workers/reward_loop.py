@@ -1,6 +1,7 @@
-"""verl's reward loop with a served judge: each response is scored by its own coroutine of
-the custom reward function, which reaches the judge (a generative reward model) through
-``reward_router_address`` (verl's GenRM reward functions run unchanged).
+"""A served judge in verl's reward loop: each response is scored by a call of the reward
+function of its own (``reward_managers.score_each``), which reaches the judge (a generative
+reward model) through ``reward_router_address`` (verl's GenRM reward functions run
+unchanged).
 
 The address a row's function is given is a recording router in the reward worker's own
 process, ``127.0.0.1:{port}/row/{i}``: a call to ``http://{address}/v1/chat/completions``
@@ -14,18 +15,14 @@ in one line.
 
 from __future__ import annotations
 
-import asyncio
-import copy
 import inspect
 import json
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rlhf_core.workers.reward_managers import RewardFunctionError, ScoringRows, checked_score
 
 #: the column of the reward snapshot holding each row's judge calls (a JSON list)
 CALLS_COLUMN = "judge/calls"
@@ -169,59 +166,14 @@ def takes_router(fn) -> bool:
         any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
-def score_with_judge(fn, name: str, rows: ScoringRows, router: JudgeRouter, judge_tokenizer, config
-                     ) -> tuple[list[float], dict[str, list]]:
-    """Every row scored by its own call of ``fn`` at once (verl's reward loop: a coroutine
-    function is awaited, a plain one runs in a thread), at most ``reward_model.max_concurrent``
-    at a time, each within ``reward_model.timeout`` seconds. Any row failing fails the
-    batch in one line: nothing is committed half-scored."""
-    rm = config.reward_model
-    n = len(rows.uids)
-    results: list = [None] * n
-
-    async def one(i: int, gate: asyncio.Semaphore, pool: ThreadPoolExecutor) -> None:
-        kwargs = dict(data_source=rows.data_sources[i], solution_str=rows.solutions[i],
-                      ground_truth=rows.ground_truths[i], extra_info=copy.deepcopy(rows.extra_infos[i]),
-                      reward_router_address=router.address(i), reward_model_tokenizer=judge_tokenizer)
-        async with gate:
-            try:
-                if inspect.iscoroutinefunction(fn):
-                    call = fn(**kwargs)
-                else:
-                    call = asyncio.get_running_loop().run_in_executor(pool, lambda: fn(**kwargs))
-                results[i] = await asyncio.wait_for(call, timeout=rm.timeout)
-            except asyncio.TimeoutError:
-                raise RewardFunctionError(f"reward function {name} did not score uid {rows.uids[i]!r} (row {i}) "
-                                          f"within reward_model.timeout={rm.timeout:g}s ({router.failures} judge "
-                                          f"tries failed)") from None
-            except RewardFunctionError:
-                raise
-            except Exception as exc:
-                raise RewardFunctionError(f"reward function {name} raised on uid {rows.uids[i]!r} (row {i}): "
-                                          f"{type(exc).__name__}: {exc}") from exc
-
-    async def every() -> None:
-        gate = asyncio.Semaphore(rm.max_concurrent)
-        with ThreadPoolExecutor(max_workers=min(rm.max_concurrent, 64)) as pool:
-            tasks = [asyncio.ensure_future(one(i, gate, pool)) for i in range(n)]
-            try:
-                await asyncio.gather(*tasks)
-            finally:  # the first failure cancels the rest: none runs on after the stage failed
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-    try:
-        asyncio.run(every())
-    finally:  # a function that met a refused replay call may have raised for it, or scored on
-        mismatched = sorted(i for i, calls in router.calls.items() if any(c.get("replay_mismatch") for c in calls))
-        if mismatched:
-            raise JudgeError(f"replay: the reward function asked the judge what the record does not hold (rows "
-                             f"{mismatched[:8]}): the function changed since the iteration ran, so its recorded "
-                             f"judge answers do not apply")
-    extras: dict[str, list] = {}
-    scores = [checked_score(result, name, uid, i, extras, n) for i, (result, uid) in enumerate(zip(results, rows.uids))]
-    return scores, extras
+def check_replayed(router: JudgeRouter) -> None:
+    """Refuse a replay whose function asked the judge what the record does not hold (it
+    may have raised for the refused call, or scored on)."""
+    mismatched = sorted(i for i, calls in router.calls.items() if any(c.get("replay_mismatch") for c in calls))
+    if mismatched:
+        raise JudgeError(f"replay: the reward function asked the judge what the record does not hold (rows "
+                         f"{mismatched[:8]}): the function changed since the iteration ran, so its recorded "
+                         f"judge answers do not apply")
 
 
 def calls_column(router: JudgeRouter, rows: int) -> list[str]:

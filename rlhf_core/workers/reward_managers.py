@@ -10,7 +10,13 @@ an entry in ``MANAGERS``; ``config`` is the run's ``RunConfig``.
   number has it logged as ``acc`` too, as verl's manager does;
 - ``batch``: the function once per batch, with lists (``data_sources``, ``solution_strs``,
   ``ground_truths``, ``extra_infos``), returning one result per response;
-- ``prime``: naive's calls side by side, one that raises or hangs scoring 0.
+- ``prime``: naive's calls side by side, one that raises or hangs scoring 0;
+- ``rate_limited``: naive's calls side by side within request and token rates a minute,
+  one that raises or times out scoring 0 (for reward functions that call outside APIs).
+
+``score_each`` is verl's reward loop (a call per response, side by side): the
+``rate_limited`` manager's, and how a served judge's rows are scored
+(``workers/reward_loop.py``).
 
 With a reward model in the run, its scores are the rewards under every manager (verl's
 rule), unless a custom reward function is set (``workers/reward.py``).
@@ -18,9 +24,13 @@ rule), unless a custom reward function is set (``workers/reward.py``).
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import inspect
 import math
 import numbers
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -166,5 +176,125 @@ def prime(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[s
     return scores, extras
 
 
+def rate_limited(fn, name: str, rows: ScoringRows, config) -> tuple[list[float], dict[str, list]]:
+    """verl's rate_limited manager: naive's calls side by side, ``max_concurrent`` at once,
+    started within ``max_rpm`` / ``max_tpm`` a minute; a call that times out or raises
+    scores 0 (``score_each``)."""
+    return score_each(fn, name, rows, config)
+
+
+# ------------------------------------------------------------------ verl's reward loop
+
+class TokenBucket:
+    """verl's rate limiter for the reward loop: ``per_minute`` units a minute, a second's
+    worth at most in a burst; a take larger than that waits for the units it lacks and
+    leaves the bucket below zero. Takers queue in order. ``clock`` and ``sleep`` are
+    injectable (the tests' clock advances only when someone sleeps)."""
+
+    def __init__(self, per_minute: float, clock=time.monotonic, sleep=asyncio.sleep) -> None:
+        self.rate = per_minute / 60.0
+        self.capacity = self.tokens = self.rate
+        self.clock, self.sleep = clock, sleep
+        self.last = clock()
+        self._lock: asyncio.Lock | None = None
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.capacity, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+
+    async def take(self, units: float = 1.0) -> None:
+        self._lock = self._lock or asyncio.Lock()
+        async with self._lock:
+            need = min(units, self.capacity)
+            self._refill()
+            while self.tokens < need:
+                await self.sleep((need - self.tokens) / self.rate)
+                self._refill()
+            self.tokens -= units
+
+
+def concurrency(config) -> int:
+    """Rows scored at once: ``reward_model.max_concurrent``, or its default (0): verl's 1
+    for rate_limited, 64 with a judge."""
+    rm = config.reward_model
+    return rm.max_concurrent or (1 if rm.reward_manager == "rate_limited" else 64)
+
+
+def score_each(fn, name: str, rows: ScoringRows, config, router=None, judge_tokenizer=None
+               ) -> tuple[list[float], dict[str, list]]:
+    """Every row scored by a call of ``fn`` of its own (verl's reward loop: a coroutine
+    function is awaited, a plain one runs in a thread), ``concurrency(config)`` at a time,
+    each within ``reward_model.timeout`` seconds; with a ``router`` (a served judge) the
+    function is given verl's ``reward_router_address`` and ``reward_model_tokenizer``.
+
+    ``rate_limited`` (verl's manager): calls start within ``max_rpm`` a minute and
+    ``max_tpm`` estimated tokens a minute; a call that times out or raises scores 0
+    (columns ``timeout`` / ``error``; ``acc`` 0). Otherwise any row failing fails the
+    batch in one line: nothing is committed half-scored."""
+    rm = config.reward_model
+    limited = rm.reward_manager == "rate_limited"
+    n = len(rows.uids)
+    results: list = [None] * n
+    extras: dict[str, list] = {}
+
+    def failed(i: int, column: str, value) -> None:
+        results[i] = 0.0
+        extras.setdefault(column, [None] * n)[i] = value
+        extras.setdefault("acc", [None] * n)[i] = 0.0
+
+    async def one(i: int, gate: asyncio.Semaphore, pool: ThreadPoolExecutor, buckets) -> None:
+        kwargs = dict(data_source=rows.data_sources[i], solution_str=rows.solutions[i],
+                      ground_truth=rows.ground_truths[i], extra_info=copy.deepcopy(rows.extra_infos[i]))
+        if router is not None:
+            kwargs.update(reward_router_address=router.address(i), reward_model_tokenizer=judge_tokenizer)
+        for bucket, units in buckets:
+            await bucket.take(units)
+        async with gate:
+            try:
+                if inspect.iscoroutinefunction(fn):
+                    call = fn(**kwargs)
+                else:
+                    call = asyncio.get_running_loop().run_in_executor(pool, lambda: fn(**kwargs))
+                results[i] = await asyncio.wait_for(call, timeout=rm.timeout)
+            except asyncio.TimeoutError:
+                if limited:
+                    return failed(i, "timeout", True)
+                raise RewardFunctionError(f"reward function {name} did not score uid {rows.uids[i]!r} (row {i}) "
+                                          f"within reward_model.timeout={rm.timeout:g}s"
+                                          + (f" ({router.failures} judge tries failed)" if router else "")) from None
+            except Exception as exc:
+                if limited:
+                    return failed(i, "error", f"{type(exc).__name__}: {exc}")
+                raise RewardFunctionError(f"reward function {name} raised on uid {rows.uids[i]!r} (row {i}): "
+                                          f"{type(exc).__name__}: {exc}") from exc
+
+    async def every() -> None:
+        buckets = [(TokenBucket(rm.max_rpm), 1.0)] if limited and rm.max_rpm else []
+        if limited and rm.max_tpm:
+            buckets.append((TokenBucket(rm.max_tpm), float(rm.estimated_tokens_per_request)))
+        at_once = concurrency(config)
+        gate = asyncio.Semaphore(at_once)
+        pool = ThreadPoolExecutor(max_workers=min(at_once, 64), thread_name_prefix="reward-call")
+        tasks = [asyncio.ensure_future(one(i, gate, pool, buckets)) for i in range(n)]
+        try:
+            await asyncio.gather(*tasks)
+        finally:  # the first failure cancels the rest: none runs on after the stage failed
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            # a plain function past its deadline cannot be stopped: the stage does not wait for it
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    asyncio.run(every())
+    scores = []
+    for i, (result, uid) in enumerate(zip(results, rows.uids)):
+        scores.append(checked_score(result, name, uid, i, extras, n))
+        if limited and not isinstance(result, dict):  # verl's: a plain number is logged as acc too
+            extras.setdefault("acc", [None] * n)[i] = scores[-1]
+    return scores, extras
+
+
 #: reward_model.reward_manager -> manager.
-MANAGERS: dict[str, Callable] = {"naive": naive, "dapo": dapo, "batch": batch, "prime": prime}
+MANAGERS: dict[str, Callable] = {"naive": naive, "dapo": dapo, "batch": batch, "prime": prime,
+                                 "rate_limited": rate_limited}
