@@ -17,6 +17,11 @@ from rlhf_core.data.fetch import node_cache
 MODEL_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
                "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64}
 WARM_START = {"target_reward": 0.2, "max_steps": 400, "batch_size": 64, "lr": 3e-4, "eval_every": 5}
+#: The built-in teacher (``builtin:teacher``, for on-policy distillation): a larger model of
+#: the same vocabulary, trained by the same supervised phase until it solves the task.
+TEACHER_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                 "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}
+TEACHER_TRAINING = {"target_reward": 0.97, "max_steps": 4000, "batch_size": 64, "lr": 1e-3, "eval_every": 25}
 BUILTIN_VERSION = 1  # bump when anything above changes the cached model
 
 
@@ -33,11 +38,13 @@ def build_tokenizer(path: Path):
     return fast
 
 
-def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
-    """Directory of the warm-started built-in model (built and cached on first use)."""
-    key = hashlib.sha256(json.dumps([BUILTIN_VERSION, VOCAB, MODEL_SHAPE, WARM_START, seed],
+def builtin_model_path(seed: int = 0, progress: bool = True, teacher: bool = False) -> str:
+    """Directory of the warm-started built-in model (built and cached on first use);
+    ``teacher``: the built-in teacher's (``TEACHER_SHAPE`` trained to solve the task)."""
+    shape, recipe = (TEACHER_SHAPE, TEACHER_TRAINING) if teacher else (MODEL_SHAPE, WARM_START)
+    key = hashlib.sha256(json.dumps([BUILTIN_VERSION, VOCAB, shape, recipe, seed],
                                     sort_keys=True).encode()).hexdigest()[:16]
-    path = node_cache() / f"builtin-digits-{key}"
+    path = node_cache() / f"builtin-digits-{'teacher-' if teacher else ''}{key}"
     if (path / "WARM_START.json").exists():
         return str(path)
     import fcntl
@@ -51,7 +58,7 @@ def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
             return str(path)
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        _build_and_warm_start(tmp, seed, progress)
+        _build_and_warm_start(tmp, seed, progress, shape, recipe)
         try:
             os.rename(tmp, path)  # atomic publish (a builder without the lock, an older version, may have won)
         except OSError:
@@ -60,7 +67,8 @@ def builtin_model_path(seed: int = 0, progress: bool = True) -> str:
     return str(path)
 
 
-def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
+def _build_and_warm_start(path: Path, seed: int, progress: bool, shape: dict = MODEL_SHAPE,
+                          recipe: dict = WARM_START) -> None:
     import torch
 
     from rlhf_core.models.qwen2 import qwen2_from_config
@@ -68,8 +76,8 @@ def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
     torch.manual_seed(seed)
     build_tokenizer(path)  # saved next to the model
     model = qwen2_from_config(use_cache=True, vocab_size=len(VOCAB), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                              tie_word_embeddings=False, torch_dtype="float32", **MODEL_SHAPE)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_START["lr"])
+                              tie_word_embeddings=False, torch_dtype="float32", **shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"])
     rows = make_rows(4096, seed=seed + 99)  # SFT prompts differ from the RL prompts
     eval_rows = make_rows(128, seed=seed + 7)
     prompt_len = NUM_DIGITS + 2  # <bos> digits =
@@ -99,10 +107,10 @@ def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
 
     from tqdm import tqdm
 
-    bar = tqdm(range(WARM_START["max_steps"]), desc="warm-start SFT", disable=not progress, leave=False)
+    bar = tqdm(range(recipe["max_steps"]), desc="warm-start SFT", disable=not progress, leave=False)
     reward = sampled_reward()
     for step in bar:
-        batch = [rows[(step * WARM_START["batch_size"] + i) % len(rows)] for i in range(WARM_START["batch_size"])]
+        batch = [rows[(step * recipe["batch_size"] + i) % len(rows)] for i in range(recipe["batch_size"])]
         ids = encode(batch)
         logits = model(ids).logits[:, prompt_len - 1:-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -110,11 +118,11 @@ def _build_and_warm_start(path: Path, seed: int, progress: bool) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        if (step + 1) % WARM_START["eval_every"] == 0:
+        if (step + 1) % recipe["eval_every"] == 0:
             reward = sampled_reward()
             history.append({"step": step + 1, "loss": loss.item(), "reward": reward})
             bar.set_postfix(loss=f"{loss.item():.3f}", reward=f"{reward:.2f}")
-            if reward >= WARM_START["target_reward"]:
+            if reward >= recipe["target_reward"]:
                 break
     from transformers.utils import logging as hf_logging
 

@@ -26,7 +26,7 @@ def resolve_model_path(path: str, seed: int, progress: bool = False, weights: bo
             return calculator_model_path(seed=seed, progress=progress)
         from rlhf_core.models.builtin import builtin_model_path
 
-        return builtin_model_path(seed=seed, progress=progress)
+        return builtin_model_path(seed=seed, progress=progress, teacher=path == "builtin:teacher")
     import os
 
     from rlhf_core.data import fetch
