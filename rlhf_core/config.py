@@ -1153,9 +1153,23 @@ class RunConfig:
                                   "found vllm colocated with rollout.name=vllm")
             if rm.reward_manager not in ("naive", "dapo", "rate_limited"):
                 raise ConfigError(f"reward_model.reward_manager: expected naive, dapo or rate_limited with a served "
-                                  f"judge (each "
-                                  f"response's call a coroutine of its own); found {rm.reward_manager!r}")
-        elif rm.enable and rm.use_reward_loop and rm.rollout.name != "vllm":
+                                  f"judge (each response's call a coroutine of its own); found {rm.reward_manager!r}")
+        limited = rm.reward_manager == "rate_limited"
+        defaults = RewardModelConfig()
+        for key in ("max_rpm", "max_tpm", "estimated_tokens_per_request"):
+            if not limited and getattr(rm, key) != getattr(defaults, key):
+                raise ConfigError(f"reward_model.{key}: expected the default ({getattr(defaults, key)}) unless "
+                                  f"reward_model.reward_manager=rate_limited (it bounds that manager's calls); found "
+                                  f"{getattr(rm, key)} with reward_manager={rm.reward_manager}")
+        for key in ("max_concurrent", "timeout"):
+            if not (limited or self.judge_served) and getattr(rm, key) != getattr(defaults, key):
+                raise ConfigError(f"reward_model.{key}: expected the default ({getattr(defaults, key)}) unless "
+                                  f"reward_model.reward_manager=rate_limited or a judge is served (it bounds their "
+                                  f"calls); found {getattr(rm, key)}")
+        if self.judge_served and rm.log_function_score:
+            raise ConfigError("reward_model.log_function_score: expected false with a served judge (the custom "
+                              "function is the score; there is no second one to log); found true")
+        if rm.enable and rm.use_reward_loop and not self.judge_served and rm.rollout.name != "vllm":
             raise ConfigError(f"reward_model.rollout.name: expected vllm to serve a classifier (hf serves a judge, "
                               f"with custom_reward_function.path); found {rm.rollout.name!r}")
         if rm.enable_resource_pool:

@@ -132,8 +132,9 @@ def test_a_genrm_function_scores_by_the_judges_answers_and_a_replay_asks_no_judg
     nt = out.non_tensor_batch
     assert nt["reward_extra/judge_parsed"].tolist() == [1.0, 0.0, 1.0]
     assert len(judge.requests) == 3
-    calls = [json.loads(text) for text in nt[CALLS_COLUMN]]
-    for row, (solution, kept) in enumerate(zip(SOLUTIONS, calls)):
+    records = [json.loads(text) for text in nt[CALLS_COLUMN]]
+    assert [r["failed"] for r in records] == [None] * 3
+    for row, (solution, kept) in enumerate(zip(SOLUTIONS, (r["calls"] for r in records))):
         assert [c["path"] for c in kept] == ["/v1/chat/completions"] and kept[0]["status"] == 200
         assert solution in json.loads(kept[0]["request"])["messages"][0]["content"]
         assert json.loads(kept[0]["answer"])["choices"][0]["message"]["content"] == by_solution(
@@ -167,7 +168,7 @@ def test_a_failed_judge_call_is_retried_and_a_judge_that_never_answers_fails_the
         judge.close()
     assert out.batch["token_level_scores"].sum(dim=-1).tolist() == pytest.approx([0.8] * 3)
     assert len(judge.requests) == 4  # one call retried
-    assert all(json.loads(c)[0]["status"] == 200 for c in out.non_tensor_batch["judge/calls"])
+    assert all(json.loads(c)["calls"][0]["status"] == 200 for c in out.non_tensor_batch["judge/calls"])
 
     judge = ScriptedJudge(by_solution, hold="#### 5")
     try:
@@ -291,7 +292,7 @@ def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(fol
     rewards = scored.batch["token_level_scores"].sum(dim=-1).tolist()
     for text, calls, reward, answer in zip(nt["response_text"], nt["judge/calls"], rewards,
                                            nt["reward_extra/judge_answer"]):
-        [call] = json.loads(calls)
+        [call] = json.loads(calls)["calls"]
         completion = json.loads(call["answer"])
         assert call["status"] == 200 and completion["model"] == str(folders["judge"])
         assert text in json.loads(call["request"])["messages"][0]["content"]
@@ -307,8 +308,9 @@ def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(fol
                                                        "served": "judge"}
     assert f"judged by judge {folders['judge']} (sha256 {digest[:16]}...): iterations 0" in \
         format_lineage(chain(istore.run_uri))
+    # the replay's judge would answer one token at most: the same answers show none was asked
     [result] = replay(f"{store}/judged", stages=["reward"], iteration=0, log=lambda *a: None,
-                      trust_reward_function=True)
+                      trust_reward_function=True, overrides=["reward_model.rollout.response_length=1"])
     assert result.ok and all(d.equal for d in result.diffs), [d for d in result.diffs if not d.equal]
 
 
@@ -369,12 +371,14 @@ def test_the_token_bucket_lets_a_seconds_worth_through_then_paces_at_the_rate():
         bucket = TokenBucket(120, clock=lambda: now[0], sleep=sleep)  # 2 a second, a burst of 2
         for _ in range(4):
             await bucket.take()
-        big = TokenBucket(60, clock=lambda: now[0], sleep=sleep)  # 1 a second: a take of 3 waits for 1
+        big = TokenBucket(60, clock=lambda: now[0], sleep=sleep)  # 1 a second: a take of 3 leaves a debt of 2
         await big.take(3)
-        return bucket.tokens, big.tokens
+        debt = big.tokens
+        await big.take(1)  # waits the debt off, and for its own unit
+        return bucket.tokens, debt, big.tokens
 
-    assert asyncio.run(takes()) == (0.0, -2.0)
-    assert slept == [0.5, 0.5]  # the third and fourth wait half a second each; the take of 3 found the bucket full
+    assert asyncio.run(takes()) == (0.0, -2.0, 0.0)
+    assert slept == [0.5, 0.5, 3.0]  # the third and fourth wait half a second each; the take after the debt 3 s
 
 
 def test_verls_rate_limited_manager_scores_a_call_that_raises_or_times_out_zero(folders, tmp_path):
@@ -407,3 +411,105 @@ def test_verls_rate_limited_manager_scores_a_call_that_raises_or_times_out_zero(
     assert nt["reward_extra/error"].tolist() == [None, "RuntimeError: the API said no", None]
     assert nt["reward_extra/timeout"].tolist() == [None, None, True]
     assert nt["reward_extra/acc"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_under_rate_limited_a_timed_out_judged_row_replays_as_it_scored_and_calls_in_flight_match_by_content(
+        folders, tmp_path):
+    """A rate_limited row whose judge never answered scored 0 (timeout) and is recorded so:
+    its replay scores 0 again without calling; a function asking two things at once
+    replays whatever order the answers come in; a result without a score scores 0 (verl's)."""
+    from rlhf_core.workers.reward_loop import CALLS_COLUMN
+
+    two = tmp_path / "two_calls.py"
+    two.write_text(GENRM.read_text() + """
+
+import asyncio
+
+
+async def twice(data_source, solution_str, ground_truth, extra_info, reward_router_address, reward_model_tokenizer):
+    asks = [{"messages": [{"role": "user", "content": f"{what}: {solution_str}"}], "max_tokens": 4}
+            for what in ("Grade", "Check")]
+    first, second = await asyncio.gather(*(ask_judge(reward_router_address, a) for a in asks))
+    if "#### 5" in solution_str:
+        return {"no_score": 1}
+    return int(first["choices"][0]["message"]["content"]) / 10 + int(second["choices"][0]["message"]["content"]) / 100
+""")
+    judge = ScriptedJudge(lambda r: "2" if r["messages"][0]["content"].startswith("Grade") else "7", hold="15 apples")
+    extra = [f"custom_reward_function.path={two}", "custom_reward_function.name=twice",
+             "reward_model.reward_manager=rate_limited", "reward_model.max_concurrent=3", "reward_model.timeout=1"]
+    try:
+        worker = reward_worker(folders, extra, judges=[judge.address])
+        data = scored_rows(folders)
+        out = worker.compute_reward(data)
+    finally:
+        judge.close()
+    nt = out.non_tensor_batch
+    assert out.batch["token_level_scores"].sum(dim=-1).tolist() == pytest.approx([0.27, 0.0, 0.0])
+    assert nt["reward_extra/timeout"].tolist() == [None, None, True]
+    assert nt["reward_extra/error"][1].startswith("RewardFunctionError: reward function")
+    assert [json.loads(r)["failed"] for r in nt[CALLS_COLUMN]][2] == {"timeout": True}
+    # the replay: the judge is closed, the recorded answers come back in another order
+    records = [json.loads(r) for r in nt[CALLS_COLUMN]]
+    for r in records:
+        r["calls"].reverse()
+    data.non_tensor_batch[CALLS_COLUMN] = object_column([json.dumps(r) for r in records])
+    again = worker.compute_reward(data)
+    assert torch.equal(again.batch["token_level_scores"], out.batch["token_level_scores"])
+    assert again.non_tensor_batch["reward_extra/timeout"].tolist() == [None, None, True]
+    # a record read back is data: a malformed one is refused in one line
+    from rlhf_core.workers.reward_loop import JudgeError, recorded_calls
+
+    records[0]["calls"][0]["status"] = "200"
+    with pytest.raises(JudgeError, match=r"^judge/calls\[0\]: expected \{calls: \[\{path, request, status 100-599"):
+        recorded_calls([json.dumps(r) for r in records])
+
+
+def test_the_reward_loops_limits_are_refused_where_nothing_would_apply_them(folders):
+    for overrides, message in [
+        (["reward_model.max_rpm=60"], r"^reward_model.max_rpm: expected the default \(0\) unless "
+                                      r"reward_model.reward_manager=rate_limited"),
+        (["reward_model.timeout=5"], r"^reward_model.timeout: expected the default \(300.0\) unless"),
+        ([f"reward_model.model.path={folders['judge']}", *JUDGED, "reward_model.log_function_score=true"],
+         r"^reward_model.log_function_score: expected false with a served judge"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(RunConfig(), overrides).validate()
+    apply_overrides(RunConfig(), ["reward_model.reward_manager=rate_limited", "reward_model.max_rpm=60",
+                                  "reward_model.timeout=5"]).validate()
+
+
+def test_an_asleep_judge_answers_503_and_a_template_that_refuses_answers_400(folders):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rollout.engine import Completion, RolloutEngine
+    from rlhf_core.rollout.openai_server import ChatCompletionServer
+
+    class Echo(RolloutEngine):  # a stand-in engine: answers the prompt's last token
+        eos_id = None
+
+        def generate(self, requests, sampling):
+            return [Completion(r.request_id, [r.prompt_ids[-1]], [0.0]) for r in requests]
+
+    tok = AutoTokenizer.from_pretrained(folders["judge"])
+    tok.chat_template = "{{ raise_exception('no system turns') if messages[0]['role'] == 'system' else 'x' }}"
+    server = ChatCompletionServer(Echo(), tok, "echo", max_prompt_tokens=64, max_new_tokens=4)
+    address = server.start()
+
+    def post(messages) -> int:
+        req = urllib.request.Request(f"http://{address}/v1/chat/completions",
+                                     data=json.dumps({"messages": messages}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        assert post([{"role": "user", "content": "a"}]) == 200
+        assert post([{"role": "system", "content": "a"}]) == 400
+        server.sleep()
+        assert post([{"role": "user", "content": "a"}]) == 503
+        server.wake()
+        assert post([{"role": "user", "content": "a"}]) == 200 and server.engine_calls == 2
+    finally:
+        server.stop()

@@ -32,6 +32,11 @@ class ChatRequestError(ValueError):
     """A request the endpoint refuses (HTTP 400, one line naming the field)."""
 
 
+class JudgeAsleep(RuntimeError):
+    """A request that reached the engine while it sleeps (HTTP 503): a call left over from a
+    reward stage that ended (its row timed out, or another row failed the stage)."""
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     messages: tuple
@@ -52,7 +57,8 @@ def _number(body: dict, key: str, default: float, low: float, high: float, low_o
 def parse_chat_request(body: bytes, max_new_tokens: int) -> ChatRequest:
     """A request body as the engine's settings. ``max_tokens`` above the server's
     ``max_new_tokens`` is cut to it (as a served model's context bounds a request); no
-    ``seed`` seeds by the body's hash, so the same request samples the same answer."""
+    ``seed`` seeds by the body's hash (the same request alone samples the same answer; an HF
+    engine seeds a batch by its first request, so a batched answer depends on its batch)."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -110,6 +116,8 @@ class ChatCompletionServer:
         self._open = threading.Event()  # cleared by ``hold``: requests queue up, none is generated
         self._open.set()
         self._at_gate = False  # a request taken from the queue, held by ``hold``
+        self._engine_lock = threading.Lock()  # an engine call, or a sleep / wake, at a time
+        self.asleep = False
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -142,7 +150,14 @@ class ChatCompletionServer:
                 if self.path != "/v1/chat/completions":
                     self._send(404, _error(f"no endpoint {self.path} (this server answers /v1/chat/completions)"))
                     return
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if length < 0:
+                    self._send(400, _error(f"Content-Length: expected a whole number of bytes; found "
+                                           f"{self.headers.get('Content-Length')!r}"))
+                    return
                 if length > MAX_BODY_BYTES:
                     self._send(413, _error(f"body: expected at most {MAX_BODY_BYTES} bytes; found {length}"))
                     return
@@ -150,6 +165,8 @@ class ChatCompletionServer:
                     self._send(200, server.complete(self.rfile.read(length)))
                 except ChatRequestError as exc:
                     self._send(400, _error(str(exc)))
+                except JudgeAsleep as exc:
+                    self._send(503, _error(str(exc), "server_error"))
                 except Exception as exc:  # the engine failed: the caller retries or fails its stage
                     self._send(500, _error(f"{type(exc).__name__}: {exc}", "server_error"))
 
@@ -171,6 +188,7 @@ class ChatCompletionServer:
         return self.address
 
     def stop(self) -> None:
+        self.release()
         self._http.shutdown()
         self._http.server_close()
         self._queue.put(None)
@@ -180,8 +198,12 @@ class ChatCompletionServer:
     def complete(self, body: bytes) -> dict:
         """One request's answer as an OpenAI ``chat.completion`` object."""
         request = parse_chat_request(body, self.max_new_tokens)
-        ids = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in request.messages],
-                                                 add_generation_prompt=True, tokenize=True)
+        try:
+            ids = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in request.messages],
+                                                     add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # the template refused these messages: asking again changes nothing
+            raise ChatRequestError(f"messages: expected messages the judge's chat template renders; it raised "
+                                   f"{type(exc).__name__}: {exc}") from None
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         if len(ids) > self.max_prompt_tokens:
@@ -202,6 +224,18 @@ class ChatCompletionServer:
                                          "content": self.tokenizer.decode(tokens, skip_special_tokens=True)}}],
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
                           "total_tokens": len(ids) + len(tokens)}}
+
+    def sleep(self) -> None:
+        """Free the engine's memory (after any call in progress); calls that arrive before
+        ``wake`` are answered 503."""
+        with self._engine_lock:
+            self.engine.sleep()
+            self.asleep = True
+
+    def wake(self) -> None:
+        with self._engine_lock:
+            self.engine.wake_up()
+            self.asleep = False
 
     def hold(self) -> None:
         """Generate nothing until ``release``: what arrives meanwhile goes in one call."""
@@ -238,9 +272,12 @@ class ChatCompletionServer:
                 groups.setdefault(item.request.sampling, []).append(item)
             for sampling, items in groups.items():
                 try:
-                    self.engine_calls += 1
-                    done = self.engine.generate([GenerationRequest(str(i), item.ids, item.request.seed)
-                                                 for i, item in enumerate(items)], sampling)
+                    with self._engine_lock:
+                        if self.asleep:
+                            raise JudgeAsleep("the judge is asleep: no reward stage is running")
+                        self.engine_calls += 1
+                        done = self.engine.generate([GenerationRequest(str(i), item.ids, item.request.seed)
+                                                     for i, item in enumerate(items)], sampling)
                     for item, completion in zip(items, done):
                         item.tokens = list(completion.token_ids)
                     self.requests_served += len(items)

@@ -531,9 +531,8 @@ class PPOTrainer:
         for key in ("uid", "data_source", "ground_truth", "extra_info"):
             if key in batch.non_tensor_batch:
                 greedy.non_tensor_batch[key] = batch.non_tensor_batch[key][rows]
-        scored = self._take(self.reward.compute_reward(
-            greedy.select(["responses", "response_mask", "attention_mask"],
-                          ["uid", "data_source", "ground_truth", "extra_info"])))
+        scored = self._scored(greedy.select(["responses", "response_mask", "attention_mask"],
+                                            ["uid", "data_source", "ground_truth", "extra_info"]))
         by_uid = dict(zip(uids[rows].tolist(), scored.batch["token_level_scores"].sum(dim=-1).tolist()))
         batch.batch["reward_baselines"] = torch.tensor([by_uid[u] for u in uids.tolist()], dtype=torch.float32)
         return batch
@@ -595,11 +594,16 @@ class PPOTrainer:
                               ["uid", "data_source", "ground_truth", "extra_info"] + recorded)
         if recorded:
             batch.non_tensor_batch.pop(JUDGE_CALLS)
+        return batch.union(self._scored(needed))
+
+    def _scored(self, rows: DataProto) -> DataProto:
+        """The reward worker's scores of ``rows``; a served judge is awake meanwhile (its
+        memory is the actor's while the actor trains)."""
         if not self.config.judge_served:
-            return batch.union(self._take(self.reward.compute_reward(needed)))
-        self.reward_model.judge_wake()  # its memory is the actor's while the actor trains
+            return self._take(self.reward.compute_reward(rows))
+        self.reward_model.judge_wake()
         try:
-            return batch.union(self._take(self.reward.compute_reward(needed)))
+            return self._take(self.reward.compute_reward(rows))
         finally:
             self.reward_model.judge_sleep()
 

@@ -141,4 +141,4 @@ class RewardWorker(Worker):
             reward_loop.check_replayed(router)
         if rm.reward_manager == "dapo":
             scores, extras = dapo_after(scores, extras, rows, self.config)
-        return scores, extras, object_column(reward_loop.calls_column(router, len(rows.uids)))
+        return scores, extras, object_column(reward_loop.calls_column(router, len(rows.uids), extras))

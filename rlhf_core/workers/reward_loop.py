@@ -30,6 +30,10 @@ CALLS_COLUMN = "judge/calls"
 MAX_ANSWER_BYTES = 4 << 20
 #: pause between tries of a failed judge call (doubling, within the row's deadline)
 RETRY_BACKOFF_S = 0.5
+#: how much longer than a row's deadline the router keeps trying its call
+ROUTER_MARGIN_S = 1.0
+#: the judge is on the cluster's network: no proxy the environment names is asked
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class JudgeError(RuntimeError):
@@ -44,7 +48,9 @@ class JudgeRouter:
     def __init__(self, replicas: list[str], timeout_s: float, recorded: list[list[dict]] | None = None) -> None:
         self.replicas, self.timeout_s = list(replicas), float(timeout_s)
         self.recorded = recorded
-        self.calls: dict[int, list[dict]] = {}
+        self.calls: dict[int, list[dict]] = {}  # row -> its calls, each once answered
+        self.mismatched: set[int] = set()  # a replay: rows whose function asked what the record does not hold
+        self._used: dict[int, set[int]] = {}
         self.failures = 0  # tries that failed and were retried
         self._in_flight = {replica: 0 for replica in self.replicas}
         self._lock = threading.Lock()
@@ -99,29 +105,37 @@ class JudgeRouter:
 
     def call(self, row: int, method: str, path: str, body: bytes) -> tuple[int, bytes]:
         request = body.decode("utf-8", errors="replace")
-        with self._lock:
-            index = len(self.calls.setdefault(row, []))
-            self.calls[row].append({})  # its place, in the order the function asked
         if self.recorded is not None:
-            kept = self.recorded[row] if row < len(self.recorded) else []
-            call = kept[index] if index < len(kept) else None
-            if call is None or call.get("path") != path or call.get("request") != request:
-                message = (f"row {row}: the reward function's judge call {index} ({method} {path}) is not the one "
-                           f"recorded ({'none' if call is None else call.get('path')}): the function changed since "
-                           f"the iteration ran, so its recorded judge answers do not apply")
+            kept = self.recorded[row]["calls"] if row < len(self.recorded) else []
+            with self._lock:  # the first unused recorded call asking the same (calls in flight at once may land
+                used = self._used.setdefault(row, set())  # in another order than they were recorded)
+                index = next((k for k, c in enumerate(kept) if k not in used and c["path"] == path
+                              and c["request"] == request), None)
+                if index is not None:
+                    used.add(index)
+            if index is None:
+                message = (f"row {row}: the reward function's judge call ({method} {path}) is not one the record "
+                           f"holds: the function changed since the iteration ran, so its recorded judge answers do "
+                           f"not apply")
                 with self._lock:
-                    self.calls[row][index] = {"path": path, "request": request, "status": 409,
-                                              "answer": message, "replay_mismatch": True}
+                    self.mismatched.add(row)
                 return 409, _error(message)
-            status, answer = int(call["status"]), call["answer"]
+            status, answer = kept[index]["status"], kept[index]["answer"]
         else:
             status, answer = self._forward(method, path, body)
         with self._lock:
-            self.calls[row][index] = {"path": path, "request": request, "status": status, "answer": answer}
+            self.calls.setdefault(row, []).append({"path": path, "request": request, "status": status,
+                                                   "answer": answer})
         return status, answer.encode()
 
+    def recorded_failure(self, row: int) -> dict | None:
+        """A replay: how row ``row``'s call failed when the iteration ran (rate_limited: it
+        scored 0), or None."""
+        return None if self.recorded is None else self.recorded[row]["failed"]
+
     def _forward(self, method: str, path: str, body: bytes) -> tuple[int, str]:
-        deadline, wait, last = time.monotonic() + self.timeout_s, RETRY_BACKOFF_S, "no try"
+        # a little past the row's own deadline: the row's timeout is what a caller sees
+        deadline, wait, last = time.monotonic() + self.timeout_s + ROUTER_MARGIN_S, RETRY_BACKOFF_S, "no try"
         while True:
             with self._lock:  # the replica with the least calls in flight
                 replica = min(self.replicas, key=lambda r: self._in_flight[r])
@@ -130,7 +144,7 @@ class JudgeRouter:
             try:
                 req = urllib.request.Request(f"http://{replica}{path}", data=body if method == "POST" else None,
                                              method=method, headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=max(left, 0.01)) as resp:
+                with _DIRECT.open(req, timeout=max(left, 0.01)) as resp:
                     return resp.status, resp.read(MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
             except urllib.error.HTTPError as exc:
                 answer = exc.read(MAX_ANSWER_BYTES).decode("utf-8", errors="replace")
@@ -169,28 +183,49 @@ def takes_router(fn) -> bool:
 def check_replayed(router: JudgeRouter) -> None:
     """Refuse a replay whose function asked the judge what the record does not hold (it
     may have raised for the refused call, or scored on)."""
-    mismatched = sorted(i for i, calls in router.calls.items() if any(c.get("replay_mismatch") for c in calls))
-    if mismatched:
+    if router.mismatched:
         raise JudgeError(f"replay: the reward function asked the judge what the record does not hold (rows "
-                         f"{mismatched[:8]}): the function changed since the iteration ran, so its recorded "
-                         f"judge answers do not apply")
+                         f"{sorted(router.mismatched)[:8]}): the function changed since the iteration ran, so its "
+                         f"recorded judge answers do not apply")
 
 
-def calls_column(router: JudgeRouter, rows: int) -> list[str]:
-    """Each row's judge calls, in the order its function made them, as JSON text."""
-    return [json.dumps(router.calls.get(i, []), ensure_ascii=False) for i in range(rows)]
+def calls_column(router: JudgeRouter, rows: int, extras: dict[str, list]) -> list[str]:
+    """Each row's judge calls (in the order they were answered) and, under rate_limited,
+    how its call failed (it scored 0), as JSON text."""
+    out = []
+    for i in range(rows):
+        failed = None
+        if (extras.get("timeout") or [None] * rows)[i]:
+            failed = {"timeout": True}
+        elif (extras.get("error") or [None] * rows)[i] is not None:
+            failed = {"error": str(extras["error"][i])}
+        out.append(json.dumps({"calls": router.calls.get(i, []), "failed": failed}, ensure_ascii=False))
+    return out
 
 
-def recorded_calls(column) -> list[list[dict]]:
-    """The ``judge/calls`` column read back (data from the store: parsed, nothing run)."""
+def _valid_call(call) -> bool:
+    return (isinstance(call, dict) and isinstance(call.get("path"), str) and isinstance(call.get("request"), str)
+            and isinstance(call.get("answer"), str) and isinstance(call.get("status"), int)
+            and not isinstance(call.get("status"), bool) and 100 <= call["status"] <= 599)
+
+
+def _valid_failure(failed) -> bool:
+    return failed is None or failed == {"timeout": True} or (
+        isinstance(failed, dict) and set(failed) == {"error"} and isinstance(failed["error"], str))
+
+
+def recorded_calls(column) -> list[dict]:
+    """The ``judge/calls`` column read back (data from the store: parsed and checked,
+    nothing in it run)."""
     out = []
     for i, text in enumerate(column):
         try:
-            calls = json.loads(text) if isinstance(text, str) else None
+            row = json.loads(text) if isinstance(text, str) else None
         except ValueError:
-            calls = None
-        if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("answer"), str)
-                                                   for c in calls):
-            raise JudgeError(f"{CALLS_COLUMN}[{i}]: expected a JSON list of recorded judge calls; found {text!r:.80}")
-        out.append(calls)
+            row = None
+        if not (isinstance(row, dict) and isinstance(row.get("calls"), list)
+                and all(_valid_call(c) for c in row["calls"]) and _valid_failure(row.get("failed"))):
+            raise JudgeError(f"{CALLS_COLUMN}[{i}]: expected {{calls: [{{path, request, status 100-599, answer}}], "
+                             f"failed: null | {{timeout: true}} | {{error: text}}}}; found {text!r:.80}")
+        out.append({"calls": row["calls"], "failed": row.get("failed")})
     return out

@@ -187,9 +187,11 @@ def rate_limited(fn, name: str, rows: ScoringRows, config) -> tuple[list[float],
 
 class TokenBucket:
     """verl's rate limiter for the reward loop: ``per_minute`` units a minute, a second's
-    worth at most in a burst; a take larger than that waits for the units it lacks and
-    leaves the bucket below zero. Takers queue in order. ``clock`` and ``sleep`` are
-    injectable (the tests' clock advances only when someone sleeps)."""
+    worth at most in a burst. A take larger than a second's worth waits until the bucket is
+    full and leaves it below zero, so the takers after it wait that debt off (verl's waits
+    before taking instead; the rate over a minute is the same). Takers queue in order.
+    ``clock`` and ``sleep`` are injectable (the tests' clock advances only when someone
+    sleeps)."""
 
     def __init__(self, per_minute: float, clock=time.monotonic, sleep=asyncio.sleep) -> None:
         self.rate = per_minute / 60.0
@@ -248,6 +250,9 @@ def score_each(fn, name: str, rows: ScoringRows, config, router=None, judge_toke
                       ground_truth=rows.ground_truths[i], extra_info=copy.deepcopy(rows.extra_infos[i]))
         if router is not None:
             kwargs.update(reward_router_address=router.address(i), reward_model_tokenizer=judge_tokenizer)
+            failure = router.recorded_failure(i)
+            if failure is not None:  # a replay: the call failed when the iteration ran, and scored 0
+                return failed(i, *next(iter(failure.items())))
         for bucket, units in buckets:
             await bucket.take(units)
         async with gate:
@@ -257,6 +262,8 @@ def score_each(fn, name: str, rows: ScoringRows, config, router=None, judge_toke
                 else:
                     call = asyncio.get_running_loop().run_in_executor(pool, lambda: fn(**kwargs))
                 results[i] = await asyncio.wait_for(call, timeout=rm.timeout)
+                if limited:  # verl's manager scores 0 for a result that is not a score, too
+                    checked_score(results[i], name, rows.uids[i], i, {}, n)
             except asyncio.TimeoutError:
                 if limited:
                     return failed(i, "timeout", True)
@@ -275,7 +282,7 @@ def score_each(fn, name: str, rows: ScoringRows, config, router=None, judge_toke
             buckets.append((TokenBucket(rm.max_tpm), float(rm.estimated_tokens_per_request)))
         at_once = concurrency(config)
         gate = asyncio.Semaphore(at_once)
-        pool = ThreadPoolExecutor(max_workers=min(at_once, 64), thread_name_prefix="reward-call")
+        pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="reward-call")
         tasks = [asyncio.ensure_future(one(i, gate, pool, buckets)) for i in range(n)]
         try:
             await asyncio.gather(*tasks)

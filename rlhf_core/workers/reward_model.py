@@ -355,11 +355,11 @@ class RewardModelWorker(Worker):
                                    f"messages); found none in {self.model_path}")
         self.content_sha256 = content_sha256(self.model_path) if self.rank == 0 else None
         self.judge_engine = build_judge(rm, self.model_path, self.tokenizer, cfg.model.dtype, cfg.trainer.seed)
-        self.judge_engine.sleep()  # until the first reward stage
         # the node's address: the reward workers that call it may be on other nodes
         host = node_ip() if ray.is_initialized() else "127.0.0.1"
         self.judge = ChatCompletionServer(self.judge_engine, self.tokenizer, rm.model.path, rm.rollout.prompt_length,
                                           rm.rollout.response_length, host=host)
+        self.judge.sleep()  # until the first reward stage
         address = self.judge.start()
         return {"rank": self.rank, "reward_model": self.model_path, "judge_address": address}
 
@@ -371,12 +371,13 @@ class RewardModelWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def judge_wake(self) -> None:
         """Take the judge's memory back for a scoring (no-op on CPU)."""
-        self.judge_engine.wake_up()
+        self.judge.wake()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def judge_sleep(self) -> None:
-        """Free the judge's device memory while the actor trains (no-op on CPU)."""
-        self.judge_engine.sleep()
+        """Free the judge's device memory while the actor trains (no-op on CPU); a call left
+        over from the stage waits for none and is answered 503."""
+        self.judge.sleep()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def identity(self) -> dict:
