@@ -43,9 +43,10 @@ class JudgeError(RuntimeError):
 
 class JudgeRouter:
     """The recording router (see the module doc). ``replicas``: the judge replicas'
-    ``host:port``; ``recorded``: per row, the calls to give again (a replay) instead."""
+    ``host:port``; ``recorded``: per row, the record to answer from instead (a replay:
+    ``recorded_calls``'s rows)."""
 
-    def __init__(self, replicas: list[str], timeout_s: float, recorded: list[list[dict]] | None = None) -> None:
+    def __init__(self, replicas: list[str], timeout_s: float, recorded: list[dict] | None = None) -> None:
         self.replicas, self.timeout_s = list(replicas), float(timeout_s)
         self.recorded = recorded
         self.calls: dict[int, list[dict]] = {}  # row -> its calls, each once answered
@@ -77,7 +78,14 @@ class JudgeRouter:
                 if len(parts) < 4 or parts[1] != "row" or not parts[2].isdigit():
                     self._answer(404, _error(f"no endpoint {self.path} (expected /row/<i>/...)"))
                     return
-                length = int(self.headers.get("Content-Length") or 0)
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if not 0 <= length <= MAX_ANSWER_BYTES:
+                    self._answer(400, _error(f"Content-Length: expected 0 to {MAX_ANSWER_BYTES} bytes; found "
+                                             f"{self.headers.get('Content-Length')!r}"))
+                    return
                 body = self.rfile.read(length) if length else b""
                 status, answer = router.call(int(parts[2]), method, "/" + parts[3], body)
                 self._answer(status, answer)
@@ -131,7 +139,7 @@ class JudgeRouter:
     def recorded_failure(self, row: int) -> dict | None:
         """A replay: how row ``row``'s call failed when the iteration ran (rate_limited: it
         scored 0), or None."""
-        return None if self.recorded is None else self.recorded[row]["failed"]
+        return None if self.recorded is None or row >= len(self.recorded) else self.recorded[row]["failed"]
 
     def _forward(self, method: str, path: str, body: bytes) -> tuple[int, str]:
         # a little past the row's own deadline: the row's timeout is what a caller sees
