@@ -95,6 +95,19 @@ def parse_chat_request(body: bytes, max_new_tokens: int) -> ChatRequest:
     return ChatRequest(tuple((m["role"], m["content"]) for m in messages), sampling, int(seed) % (1 << 63))
 
 
+def send_json(handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None:
+    """Answer a request with a JSON ``body``; a caller that already hung up (its deadline
+    passed, or its call was cancelled) is no error."""
+    try:
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+
+
 class _Pending:
     def __init__(self, ids: tuple[int, ...], request: ChatRequest) -> None:
         self.ids, self.request = ids, request
@@ -127,15 +140,7 @@ class ChatCompletionServer:
                 pass
 
             def _send(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the caller gave up (its deadline passed)
+                send_json(self, status, json.dumps(payload).encode())
 
             def do_GET(self) -> None:
                 if self.path in ("/health", "/v1/health"):

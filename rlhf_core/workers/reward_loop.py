@@ -23,6 +23,8 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from rlhf_core.rollout.openai_server import send_json
+
 
 #: the column of the reward snapshot holding each row's judge calls (a JSON list)
 CALLS_COLUMN = "judge/calls"
@@ -64,14 +66,7 @@ class JudgeRouter:
                 pass
 
             def _answer(self, status: int, body: bytes) -> None:
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the function's call was cancelled (its row timed out, or another row failed the stage)
+                send_json(self, status, body)
 
             def _handle(self, method: str) -> None:
                 parts = self.path.split("/", 3)  # "", "row", "<i>", "<rest>"
