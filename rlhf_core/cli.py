@@ -485,7 +485,8 @@ def _cmd_gc(args: argparse.Namespace) -> int:
         committed = istore.committed_iterations()
         if not committed:
             raise SystemExit(f"rlhf: {uri}: no committed iteration; expected a run URI ({{store}}/{{run_id}})")
-        cfg = config_from_dict(istore.read_manifest(committed[-1]).get("config") or {})
+        # a reward model's training records no run config: its policy is the overrides' alone
+        cfg = config_from_dict(istore.read_manifest(committed[-1], format=None).get("config") or {})
         policy = retention.RetentionPolicy.from_config(apply_overrides(cfg, args.overrides).validate())
         plan = retention.collect(uri, policy, grace_s=args.grace_s, dry_run=args.dry_run)
     except (ConfigError, SnapshotError, ValueError) as exc:

@@ -32,13 +32,15 @@ class ExportError(ValueError):
     """The checkpoint cannot be exported; the message says what is missing."""
 
 
-def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[str, str]:
-    """{file: sha256} of the checkpoint at ``uri`` as the record that commits it lists
-    them: for step S > 0 the manifest of iteration S - 1, which names the checkpoint it
-    wrote (``step-S-<attempt>``; ``step-S`` in runs from before attempt ids), for step 0
-    the run's ``checkpoints/INITIAL.json``. A folder no committed record names (a lost or
-    unfinished write, a copy, anything outside a run) is refused, and so is one whose
-    record has no checksums."""
+def committed_record(uri: str, storage_options: dict | None = None) -> tuple[dict[str, str], dict | None]:
+    """({file: sha256} of the checkpoint at ``uri`` as the record that commits it lists
+    them, that record). For a PPO run's step S > 0 the record is the manifest of iteration
+    S - 1, which names the checkpoint it wrote (``step-S-<attempt>``; ``step-S`` in runs
+    from before attempt ids), for step 0 the run's ``checkpoints/INITIAL.json`` (None is
+    returned for it); for a reward model's training, epoch S's manifest. A folder no
+    committed record names (a lost or unfinished write, a copy, anything outside a run) is
+    refused, and so is one whose record has no checksums."""
+    from rlhf_core.record.checkpoints import writer_iteration
     from rlhf_core.record.iteration_store import IterationStore
 
     loc = run_layout.parse(uri.rstrip("/"))
@@ -47,15 +49,18 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
                           f"(the one an iteration manifest's weights.checkpoint or the run's "
                           f"checkpoints/{run_layout.INITIAL_CHECKPOINT} names)")
     istore = IterationStore(loc.run, storage_options)
-    if loc.step == 0:
+    run_format = istore.run_format()
+    manifest = None
+    if loc.step == 0 and writer_iteration(0, run_format) < 0:
         record = f"{istore.run_uri}/{run_layout.CHECKPOINTS}/{run_layout.INITIAL_CHECKPOINT}"
         named, checksums = istore.initial_checkpoint() or (None, None)
     else:
-        if loc.step - 1 not in istore.committed_iterations():
-            raise ExportError(f"{uri}: iteration {loc.step - 1}, which writes step {loc.step}'s checkpoint, is not "
+        writer = writer_iteration(loc.step, run_format)
+        if writer not in istore.committed_iterations():
+            raise ExportError(f"{uri}: iteration {writer}, which writes step {loc.step}'s checkpoint, is not "
                               f"committed; only a checkpoint a committed record names is exported")
-        record = f"{istore.iteration_uri(loc.step - 1)}/{run_layout.MANIFEST}"
-        manifest = istore.read_manifest(loc.step - 1)
+        record = f"{istore.iteration_uri(writer)}/{run_layout.MANIFEST}"
+        manifest = istore.read_manifest(writer, format=run_format)
         named, checksums = manifest.get("checkpoint"), manifest.get("checkpoint_sha256")
         named = checked_checkpoint_uri(istore, named, loc.step, record) if named else None
     if named is None or sfs.resolve(named, storage_options).uri != sfs.resolve(uri, storage_options).uri:
@@ -64,7 +69,7 @@ def committed_checksums(uri: str, storage_options: dict | None = None) -> dict[s
     if not checksums:
         raise ExportError(f"{uri}: no committed checksums in {record}; a "
                           f"checkpoint is read only from files whose sha256 its record lists")
-    return checksums
+    return checksums, manifest
 
 
 def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
@@ -78,11 +83,16 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     EXPORT.json records."""
     from safetensors.torch import save as save_safetensors
 
+    from rlhf_core.record.run_layout import REWARD_MODEL_TRAINING_FORMAT
     from rlhf_core.workers import modeling
     from rlhf_core.checkpoint.reader import METADATA, CheckedFiles
 
-    files = CheckedFiles(sfs.resolve(uri.rstrip("/"), storage_options),
-                         expected if expected is not None else committed_checksums(uri, storage_options))
+    manifest = None
+    if expected is None:
+        expected, manifest = committed_record(uri, storage_options)
+    files = CheckedFiles(sfs.resolve(uri.rstrip("/"), storage_options), expected)
+    if manifest is not None and manifest["format"] == REWARD_MODEL_TRAINING_FORMAT:
+        return export_reward_model(files, manifest, uri, out)
     state = json.loads(files.get(TRAINER_STATE_FILE))
     metadata = files.get(f"{POLICY}/{METADATA}")
     config = state.get("config") or {}
@@ -114,6 +124,52 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     (target / "model.safetensors").write_bytes(raw)
     return _write_record(target, uri, metadata, state, model_path, raw,
                          **({"lora": "merged"} if lora_cfg is not None else {}))
+
+
+def export_reward_model(files, manifest: dict, uri: str, out: str) -> dict:
+    """A reward model's training checkpoint (epoch E of ``rlhf reward-model train``) as the
+    folder that training writes after its last epoch: the base's classifier with the
+    checkpoint's weights, its tokenizer, and the provenance record (the preferences, the
+    base, the run) that PPO's manifests and ``rlhf lineage`` read; EXPORT.json beside it.
+    A training killed after its last commit, or any earlier epoch, is exported this way."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save as save_safetensors
+
+    from rlhf_core.checkpoint.reader import METADATA, CheckedReader, WeightsOnlyPlanner
+    from rlhf_core.trainer.preference import ROLE, load_base
+    from rlhf_core.workers import modeling
+    from rlhf_core.workers.reward_model import PROVENANCE
+
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
+    settings, where = manifest.get("settings"), f"{uri}: its epoch's manifest"
+    if not isinstance(settings, dict) or not isinstance(manifest.get("base"), str) \
+            or not isinstance(settings.get("seed"), int):
+        raise ExportError(f"{where}: expected the training's base and settings.seed; found base "
+                          f"{str(manifest.get('base'))[:60]!r}, settings {str(settings)[:60]!r}")
+    base = modeling.resolve_model_path(manifest["base"], settings["seed"], field="base")
+    model = load_base(base)
+    state = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    wrapped = {"model": state}
+    dcp.load(wrapped, storage_reader=CheckedReader(files, ROLE, files.metadata(ROLE)),
+             planner=WeightsOnlyPlanner(), no_dist=True)
+    model.load_state_dict(wrapped["model"])
+    tokenizer = modeling.load_tokenizer(base)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    target.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+    # what training writes beside its folder (the pair counts aside), as this epoch recorded it
+    provenance = {"format": 1, **{key: manifest.get(key) for key in ("data", "base", "settings", "curve",
+                                                                      "cut_sides", "code_version")},
+                  "run": uri.rstrip("/").split(f"/{run_layout.CHECKPOINTS}/")[0], "epoch": manifest["iteration"]}
+    (target / PROVENANCE).write_text(json.dumps(provenance, indent=1, sort_keys=True))
+    metadata = files.get(f"{ROLE}/{METADATA}")
+    return _write_record(target, uri, metadata, {"global_step": manifest["iteration"]}, manifest["base"],
+                         (target / "model.safetensors").read_bytes(), reward_model=True)
 
 
 def _write_record(target: Path, uri: str, metadata: bytes, state: dict, model_path: str, weights: bytes,

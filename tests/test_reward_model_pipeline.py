@@ -84,13 +84,13 @@ def test_a_reward_model_trained_by_its_component_scores_the_fine_tune_that_names
     assert metadata["metadata"]["held_out_accuracy"] == record["curve"][-1]["accuracy"]
     # each epoch recorded on the store: manifest, scored pairs, checkpoint; the folder names its run
     from rlhf_core.record.iteration_store import IterationStore
-    from rlhf_core.record.run_layout import RunRef
-    from rlhf_core.trainer.preference import TRAINING_FORMAT
+    from rlhf_core.record.run_layout import REWARD_MODEL_TRAINING_FORMAT, RunRef
 
     epochs = IterationStore(RunRef(store, "rm-component"), storage_options=None)
     assert record["run"] == metadata["metadata"]["run"] == f"{store}/rm-component"
     assert epochs.committed_iterations() == [0, 1, 2]
-    assert epochs.read_manifest(2, format=TRAINING_FORMAT)["metrics"]["accuracy"] == record["curve"][-1]["accuracy"]
+    assert epochs.read_manifest(2, format=REWARD_MODEL_TRAINING_FORMAT)["metrics"]["accuracy"] == \
+        record["curve"][-1]["accuracy"]
     # a second training into the same prefix is refused: nothing published is overwritten
     from rlhf_core.trainer.preference import RewardModelTrainingError, publish
 

@@ -169,9 +169,8 @@ def _weights(folder) -> dict:
 
 def test_each_epoch_is_recorded_and_a_run_killed_mid_epoch_continues_to_the_same_model(base, tmp_path, monkeypatch):
     from rlhf_core.record.iteration_store import IterationStore
-    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.record.run_layout import REWARD_MODEL_TRAINING_FORMAT, RunRef
     from rlhf_core.snapshot import load_snapshot
-    from rlhf_core.trainer.preference import TRAINING_FORMAT
 
     data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(40))  # 32 to train on: 4 steps an epoch
     whole = _train(base, data, tmp_path, "rm-whole", 3)
@@ -204,7 +203,7 @@ def test_each_epoch_is_recorded_and_a_run_killed_mid_epoch_continues_to_the_same
     assert run.committed_iterations() == [0, 1, 2, 3]
     train_rows = None
     for epoch in range(4):
-        manifest = run.read_manifest(epoch, format=TRAINING_FORMAT)
+        manifest = run.read_manifest(epoch, format=REWARD_MODEL_TRAINING_FORMAT)
         assert manifest["metrics"] == {k: v for k, v in whole["curve"][epoch].items() if k != "epoch"}
         held = load_snapshot(manifest["snapshots"]["held_out"])
         accuracy = (held.batch["chosen_score"] > held.batch["rejected_score"]).float().mean().item()
@@ -225,6 +224,80 @@ def test_each_epoch_is_recorded_and_a_run_killed_mid_epoch_continues_to_the_same
     assert whole["run"] == run.run_uri
 
 
+def test_a_training_run_is_known_to_gc_lineage_and_export(base, tmp_path, capsys):
+    """A training killed after its checkpoint was written and before its epoch committed
+    leaves a folder no record names: ``rlhf gc`` collects it once past the grace period
+    and keeps what the record names (the policy's overrides decide among those, the
+    newest stays). ``rlhf lineage`` shows the epochs over their preferences, and ``rlhf
+    export`` writes any epoch's checkpoint as the folder training writes."""
+    import os
+    import time
+
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.workers import reward_model as rm
+
+    data = write_jsonl(tmp_path / "pairs.jsonl", apple_pairs(40))
+    whole = _train(base, data, tmp_path, "rm-g", 2)
+
+    class Killed(Exception):
+        pass
+
+    commit = IterationStore.commit_iteration
+
+    def killed_before_epoch_3_commits(self, iteration, *args, **kwargs):
+        if iteration == 3:
+            raise Killed
+        return commit(self, iteration, *args, **kwargs)
+
+    IterationStore.commit_iteration = killed_before_epoch_3_commits
+    try:
+        with pytest.raises(Killed):
+            _train(base, data, tmp_path, "rm-g", 3)
+    finally:
+        IterationStore.commit_iteration = commit
+    run_dir = tmp_path / "store" / "rm-g"
+    checkpoints = lambda: sorted(p.name.rsplit("-", 1)[0] for p in (run_dir / "checkpoints").iterdir())  # noqa: E731
+    assert checkpoints() == ["step-000001", "step-000002", "step-000003"]
+    run_uri = f"file://{run_dir}"
+
+    assert main(["gc", run_uri, "--grace-s", "600"]) == 0
+    assert checkpoints() == ["step-000001", "step-000002", "step-000003"], "the orphan is young: a writer may be live"
+    old = time.time() - 7200
+    for folder, _, files in os.walk(run_dir / "checkpoints"):
+        for name in files:
+            os.utime(os.path.join(folder, name), (old, old))
+    assert main(["gc", run_uri, "--grace-s", "600"]) == 0
+    assert checkpoints() == ["step-000001", "step-000002"], "the kill's orphan is collected, the committed stay"
+    assert main(["gc", run_uri, "trainer.keep_checkpoints=1", "--grace-s", "600"]) == 0
+    assert checkpoints() == ["step-000002"], "the policy keeps the newest, which a continued training loads"
+    capsys.readouterr()
+
+    store = IterationStore(RunRef(str(tmp_path / "store"), "rm-g"))
+    newest = store.read_manifest(2, format=None)["checkpoint"]
+    assert main(["lineage", run_uri]) == 0
+    table = capsys.readouterr().out
+    assert f"reward model training on preferences {data} (sha256 {whole['data']['sha256'][:16]}...)" in table
+    assert [line.split()[0] for line in table.splitlines()[2:]] == ["2", "1", "0"] and newest in table
+    assert main(["lineage", newest, "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["kind"], r["iteration"], r["wrote_checkpoint"]) for r in rows] == [
+        ("reward_model_training", 2, newest), ("reward_model_training", 1, rows[1]["wrote_checkpoint"]),
+        ("reward_model_training", 0, None)]
+    assert rows[0]["metrics"]["accuracy"] == whole["curve"][2]["accuracy"]
+
+    assert main(["export", newest, "--out", str(tmp_path / "exported")]) == 0
+    ours, theirs = _weights(tmp_path / "exported"), _weights(tmp_path / "rm-g-out")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert rm.trained_from(str(tmp_path / "exported")) == rm.trained_from(str(tmp_path / "rm-g-out"))
+    record = json.loads((tmp_path / "exported" / "EXPORT.json").read_text())
+    assert record["checkpoint_uri"] == newest and record["global_step"] == 2 and record["reward_model"]
+    assert rm.load_reward_model(str(tmp_path / "exported")).config.num_labels == 1
+    with pytest.raises(SystemExit, match="iteration 3, which writes step 3's checkpoint, is not committed"):
+        main(["export", newest.replace("step-000002", "step-000003"), "--out", str(tmp_path / "orphan")])
+
+
 def test_continuing_a_run_with_other_settings_or_preferences_is_refused_in_one_line(base, tmp_path):
     from rlhf_core.cli import main
     from rlhf_core.trainer.preference import RewardModelTrainingError
@@ -241,8 +314,11 @@ def test_continuing_a_run_with_other_settings_or_preferences_is_refused_in_one_l
         _train(base, other, tmp_path, "rm-a", 2)
     # a PPO command given the reward model's run refuses it, naming the format it found
     with pytest.raises(SystemExit) as refused:
-        main(["lineage", run])
+        main(["replay", f"{run}/iter-000001"])
     assert "not an iteration manifest this build reads (format 'rlhf.reward_model_training'" in str(refused.value)
+    with pytest.raises(SystemExit, match=r"^rlhf: file://.*/rm-a: expected a PPO run \(manifests of format "
+                                         r"'rlhf.iteration'\) to continue; found 'rlhf.reward_model_training' "):
+        main(["run", "--direct", "--iterations", "2", "--store", str(tmp_path / "store"), "--run-id", "rm-a"])
 
 
 def test_a_line_separator_inside_a_json_string_is_text_and_rows_are_bounded(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from rlhf_core.checkpoint.reader import CheckpointRefusedError
 from rlhf_core.config import RunConfig
+from rlhf_core.record.run_layout import ITERATION_FORMAT, REWARD_MODEL_TRAINING_FORMAT
 
 
 def iterations_to_run(istore, total: int | None = None, more: int | None = None) -> tuple[int, int]:
@@ -18,6 +19,12 @@ def iterations_to_run(istore, total: int | None = None, more: int | None = None)
     for name, value in (("iterations", total), ("more", more)):
         if value is not None and (not isinstance(value, int) or value < 0):
             raise ValueError(f"{name}: expected a whole number >= 0; found {value!r}")
+    run_format = istore.run_format()
+    if run_format not in (None, ITERATION_FORMAT):
+        raise ValueError(f"{istore.run_uri}: expected a PPO run (manifests of format {ITERATION_FORMAT!r}) to "
+                         f"continue; found {run_format!r}" + (" (a reward model's training: `rlhf reward-model "
+                                                              "train --run-id` continues it)"
+                                                              if run_format == REWARD_MODEL_TRAINING_FORMAT else ""))
     committed = len(istore.committed_iterations())
     return committed, (more if more is not None else max(0, total - committed))
 
@@ -121,3 +128,45 @@ def announced_weights_checkpoint(istore, iteration: int, ttl_s: float) -> str | 
     if announced:
         return checked_checkpoint_uri(istore, announced, iteration + 1, f"the lease of iteration {iteration}")
     return weights_checkpoint(istore, iteration) or ""
+
+
+def writer_iteration(step: int, run_format: str | None) -> int:
+    """The iteration whose manifest commits step S's checkpoint: in a PPO run iteration
+    S - 1 (the weights after S iterations), in a reward model's training epoch S (its
+    weights after that epoch; epoch 0, the evaluation before training, writes none)."""
+    return step if run_format == REWARD_MODEL_TRAINING_FORMAT else step - 1
+
+
+def named_checkpoints(istore, committed: list[int]) -> dict[str, int]:
+    """{folder name: step} of every checkpoint a committed record of ``committed`` names:
+    a PPO run's initial one and each iteration's weights (``weights_checkpoint``); each
+    epoch's checkpoint of a reward model's training."""
+    from rlhf_core.record.run_layout import step_of_checkpoint_dir
+
+    if committed and istore.run_format() == REWARD_MODEL_TRAINING_FORMAT:
+        uris = []
+        for epoch in committed:
+            uri = istore.read_manifest(epoch, format=REWARD_MODEL_TRAINING_FORMAT).get("checkpoint")
+            if uri:
+                uris.append(checked_checkpoint_uri(istore, uri, epoch, f"{istore.iteration_uri(epoch)}/MANIFEST.json"))
+    else:
+        uris = [weights_checkpoint(istore, step) for step in [0, *(n + 1 for n in committed)]]
+    named = {}
+    for uri in uris:
+        if uri:
+            name = uri.rstrip("/").rsplit("/", 1)[-1]
+            named[name] = step_of_checkpoint_dir(name)
+    return named
+
+
+def newest_weights(istore, committed: list[int]) -> tuple[str | None, list[int]]:
+    """(the checkpoint the run's newest weights are loaded from, the committed iterations
+    redone after it): what a resume needs. A reward model's training resumes from its last
+    epoch's checkpoint alone."""
+    if not committed:
+        return None, []
+    if istore.run_format() == REWARD_MODEL_TRAINING_FORMAT:
+        named = named_checkpoints(istore, committed)
+        newest = max(named, key=named.get, default=None)
+        return (f"{istore.run_uri.rstrip('/')}/checkpoints/{newest}" if newest else None), []
+    return weights_checkpoint(istore, committed[-1] + 1), weights_plan(istore, committed[-1] + 1)[1]

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_core.record import run_layout
-from rlhf_core.record.run_layout import MANIFEST, RunRef, checkpoint_dir, iteration_dir, iteration_of_dir
+from rlhf_core.record.run_layout import (ITERATION_FORMAT, MANIFEST, RUN_FORMATS, RunRef, checkpoint_dir,
+                                        iteration_dir, iteration_of_dir)
 from rlhf_core.snapshot import fs as sfs
 from rlhf_core.snapshot.errors import SnapshotExistsError
 
 if TYPE_CHECKING:
     from rlhf_core.protocol import DataProto
 
-ITERATION_FORMAT = "rlhf.iteration"
 ITERATION_SCHEMA_VERSION = 1
 
 
@@ -279,10 +279,11 @@ class IterationStore:
                 return [i for i, _ in found if i <= n]
         return []
 
-    def read_manifest(self, iteration: int, format: str = ITERATION_FORMAT) -> dict:
+    def read_manifest(self, iteration: int, format: str | None = ITERATION_FORMAT) -> dict:
         """The committed manifest of ``iteration``, checked (``manifest_schema``): a damaged
         or foreign one raises ``ManifestError``, one line naming the manifest and the key.
-        ``format``: what the run records (a PPO iteration; a reward model's training epoch)."""
+        ``format``: what the run records (a PPO iteration; a reward model's training epoch;
+        None: either, as ``RUN_FORMATS``)."""
         from rlhf_core.record.manifest_schema import ManifestError, parse_manifest
 
         where = f"{self.iteration_uri(iteration)}/{MANIFEST}"
@@ -292,15 +293,22 @@ class IterationStore:
                                     f"({where} missing)")
         manifest = parse_manifest(raw, where)
         version = manifest.get("schema_version", 0)
-        if manifest.get("format") != format or not isinstance(version, int) \
+        formats = RUN_FORMATS if format is None else (format,)
+        if manifest.get("format") not in formats or not isinstance(version, int) \
                 or version > ITERATION_SCHEMA_VERSION:
             raise ManifestError(f"{where}: not an iteration manifest this build reads (format "
                                 f"{manifest.get('format')!r}, schema {manifest.get('schema_version')!r}; expected "
-                                f"{format!r}, schema <= {ITERATION_SCHEMA_VERSION})")
+                                f"{' or '.join(map(repr, formats))}, schema <= {ITERATION_SCHEMA_VERSION})")
         if manifest.get("iteration", iteration) != iteration:
             raise ManifestError(f"{where}: iteration: expected {iteration} (the folder it is in); found "
                                 f"{manifest['iteration']!r}")
         return manifest
+
+    def run_format(self) -> str | None:
+        """What the run records, as its newest committed manifest says: PPO's iterations
+        (``ITERATION_FORMAT``) or a reward model's training epochs; None before a commit."""
+        committed = self.committed_iterations()
+        return self.read_manifest(committed[-1], format=None)["format"] if committed else None
 
     def commit_iteration(self, iteration: int, manifest: dict, format: str = ITERATION_FORMAT) -> str:
         """Write the iteration manifest, create-only: the iteration now exists. Its stage

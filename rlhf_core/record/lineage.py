@@ -33,14 +33,21 @@ def locate(uri: str) -> tuple[RunRef, int | None]:
 
 
 def chain(uri: str) -> list[dict]:
-    """The iterations from the one ``uri`` names back to the first, newest first."""
+    """The iterations from the one ``uri`` names back to the first, newest first; of a
+    reward model's training run, its epochs (``epoch_row``)."""
+    from rlhf_core.record.checkpoints import writer_iteration
     from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import REWARD_MODEL_TRAINING_FORMAT
 
     run, n = locate(uri)
     istore, run_id, store = IterationStore(run), run.run_id, run.store
     committed = istore.committed_iterations()
     if not committed:
         raise LineageError(f"no committed iteration of run {run_id!r} under {store}")
+    run_format = istore.run_format()
+    named = run_layout.parse(uri.rstrip("/"))
+    if named is not None and named.step is not None:  # a checkpoint: the iteration (epoch) whose record commits it
+        n = writer_iteration(named.step, run_format)
     if n is None:
         n = committed[-1]
     if n not in committed:
@@ -51,6 +58,11 @@ def chain(uri: str) -> list[dict]:
             raise LineageError(f"run {run_id}: the parent chain loops or is malformed at iteration {n!r} "
                                f"(walked {sorted(seen)}); a manifest names itself or a later iteration as parent")
         seen.add(n)
+        if run_format == REWARD_MODEL_TRAINING_FORMAT:
+            m = istore.read_manifest(n, format=run_format)
+            out.append(epoch_row(m, run_id, n, istore.iteration_uri(n)))
+            n = _parent(m, n, run_id)
+            continue
         m = istore.read_manifest(n)
         out.append({"run_id": run_id, "iteration": n, "parent_iteration": m["parent_iteration"],
                     "config_hash": m["config_hash"], "code_version": m["code_version"],
@@ -64,12 +76,44 @@ def chain(uri: str) -> list[dict]:
                     "model": dict(m["model"]) if m.get("model") is not None else None,
                     "weight_versions": list(m["weight_versions"]) if m.get("weight_versions") is not None else None,
                     "teacher": dict(m["teacher"]) if m.get("teacher") is not None else None})
-        parent = m["parent_iteration"]
-        if parent is not None and (not isinstance(parent, int) or parent >= n):
-            raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
-                               f"earlier iteration")
-        n = parent
+        n = _parent(m, n, run_id)
     return out
+
+
+def _parent(manifest: dict, n: int, run_id: str) -> int | None:
+    parent = manifest["parent_iteration"]
+    if parent is not None and (not isinstance(parent, int) or isinstance(parent, bool) or parent >= n):
+        raise LineageError(f"run {run_id}: iteration {n} names {parent!r} as its parent; a parent is an "
+                           f"earlier iteration")
+    return parent
+
+
+#: ``chain``'s rows of a reward model's training run say so (a PPO iteration's have no kind).
+EPOCH = "reward_model_training"
+
+
+def epoch_row(m: dict, run_id: str, epoch: int, manifest_uri: str) -> dict:
+    """One epoch of a reward model's training (``rlhf reward-model train``), as ``chain``
+    gives it: the preferences (URI and sha256), the base, the settings' hash, the code,
+    the held-out metrics and the checkpoint it wrote (none for epoch 0, the evaluation
+    before training). Read as data: each field checked before it is shown."""
+    data, settings = m.get("data"), m.get("settings")
+    if not isinstance(data, dict) or not isinstance(data.get("uri"), str) or not isinstance(data.get("sha256"), str):
+        raise LineageError(f"{manifest_uri}/MANIFEST.json: data: expected {{uri, sha256}} strings; found "
+                           f"{str(data)[:80]!r}")
+    for key, kind in (("base", str), ("settings_hash", str), ("metrics", dict), ("code_version", dict)):
+        if not isinstance(m.get(key), kind):
+            raise LineageError(f"{manifest_uri}/MANIFEST.json: {key}: expected a {kind.__name__}; found "
+                               f"{str(m.get(key))[:80]!r}")
+    checkpoint = m.get("checkpoint")
+    if checkpoint is not None and not isinstance(checkpoint, str):
+        raise LineageError(f"{manifest_uri}/MANIFEST.json: checkpoint: expected a URI or null; found "
+                           f"{str(checkpoint)[:80]!r}")
+    return {"kind": EPOCH, "run_id": run_id, "iteration": epoch, "parent_iteration": m["parent_iteration"],
+            "data": {"uri": data["uri"], "sha256": data["sha256"]}, "base": m["base"],
+            "settings_hash": m["settings_hash"], "settings": settings if isinstance(settings, dict) else {},
+            "code_version": m["code_version"], "metrics": m["metrics"], "wrote_checkpoint": checkpoint,
+            "snapshots": m.get("snapshots") or {}, "manifest": manifest_uri}
 
 
 #: A longer chain of runs started from runs' exports is refused as malformed.
@@ -161,6 +205,8 @@ def format_runs(segments: list[list[dict]], fmt: str = "table") -> str:
 def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> str:
     if fmt == "json":
         return json.dumps(rows, indent=1, sort_keys=True)
+    if rows and rows[0].get("kind") == EPOCH:
+        return _format_epochs(rows, fmt, prefix)
     if fmt == "dot":
         lines = ["digraph lineage {", "  rankdir=BT;", "  node [shape=box, fontname=monospace];"]
         for r in rows:
@@ -222,4 +268,39 @@ def format_lineage(rows: list[dict], fmt: str = "table", prefix: str = "") -> st
         if origin:
             lines.append(f"  trained from preferences {origin['data']} (sha256 {origin['data_sha256'][:16]}...) "
                          f"on {origin['base']}" + (f" in run {origin['run']}" if origin.get("run") else ""))
+    return "\n".join(lines)
+
+
+def _format_epochs(rows: list[dict], fmt: str, prefix: str = "") -> str:
+    """A reward model's training epochs (``epoch_row``), newest first, over their preferences."""
+    data, base = rows[-1]["data"], rows[-1]["base"]
+    if fmt == "dot":
+        prefs = f"{prefix}prefs" + data["sha256"][:12]
+        lines = ["digraph lineage {", "  rankdir=BT;", "  node [shape=box, fontname=monospace];",
+                 f'  {prefs} [label="preferences\\n{data["uri"]}\\nsha256 {data["sha256"][:12]}", shape=note];']
+        for r in rows:
+            it = f"{prefix}it{r['iteration']}"
+            accuracy = r["metrics"].get("accuracy")
+            lines.append(f'  {it} [label="epoch {r["iteration"]}\\nsettings {r["settings_hash"][:12]}\\n'
+                         f'code {r["code_version"].get("source_sha256", "")[:12]}'
+                         + (f'\\nheld-out accuracy {accuracy:.3f}' if isinstance(accuracy, float) else "") + '"];')
+            if r["wrote_checkpoint"]:
+                name = r["wrote_checkpoint"].rstrip("/").rsplit("/", 1)[-1]
+                lines.append(f'  {prefix}ck{name.replace("-", "_")} [label="{name}", shape=cylinder];')
+                lines.append(f"  {it} -> {prefix}ck{name.replace('-', '_')} [label=wrote];")
+            lines.append(f"  {it} -> {prefs} [label=\"trained on\"];")
+            if r["parent_iteration"] is not None:
+                lines.append(f"  {it} -> {prefix}it{r['parent_iteration']} [label=parent];")
+        lines.append("}")
+        return "\n".join(lines)
+    lines = [f"reward model training on preferences {data['uri']} (sha256 {data['sha256'][:16]}...) from {base}",
+             f"{'epoch':>5} {'parent':>6} {'settings':<13} {'code':<13} {'loss':>7} {'accuracy':>8}  checkpoint"]
+    for r in rows:
+        metrics, git = r["metrics"], r["code_version"].get("git_commit") or ""
+        number = [metrics.get(k) if isinstance(metrics.get(k), (int, float)) else float("nan")
+                  for k in ("train_loss", "accuracy")]
+        parent = "-" if r["parent_iteration"] is None else str(r["parent_iteration"])
+        lines.append(f"{r['iteration']:>5} {parent:>6} {r['settings_hash'][:12]:<13} "
+                     f"{r['code_version'].get('source_sha256', '')[:12]:<13} {number[0]:>7.4f} {number[1]:>8.3f}  "
+                     f"{r['wrote_checkpoint'] or '(evaluation before training)'}" + (f"  (git {git[:10]})" if git else ""))
     return "\n".join(lines)

@@ -130,20 +130,6 @@ def check_grace(grace_s: float) -> float:
     return grace_s
 
 
-def _committed_checkpoints(istore, committed: list[int]) -> dict[str, int]:
-    """{folder name: step} of every checkpoint a committed record names: the run's
-    initial one and each iteration's weights (``restore.weights_checkpoint``)."""
-    from rlhf_core.record.checkpoints import weights_checkpoint
-
-    named = {}
-    for step in [0, *(n + 1 for n in committed)]:
-        uri = weights_checkpoint(istore, step)
-        if uri is not None:
-            name = uri.rstrip("/").rsplit("/", 1)[-1]
-            named[name] = run_layout.step_of_checkpoint_dir(name)
-    return named
-
-
 def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
             storage_options: dict | None = None, now: float | None = None,
             lease_ttl_s: float = CONTROLLER_TTL_S) -> GcPlan:
@@ -153,7 +139,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
     time (default: asked of the store, ``store_now``); ``grace_s`` >= ``MIN_GRACE_S``."""
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.record.lease import LeaseLog
-    from rlhf_core.record.checkpoints import weights_checkpoint, weights_plan
+    from rlhf_core.record.checkpoints import named_checkpoints, newest_weights, writer_iteration
 
     check_grace(grace_s)
     run = sfs.resolve(run_uri, storage_options)
@@ -182,9 +168,9 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         return latest is None or log.is_free(latest[1], holder="rlhf-gc")
 
     # what the newest weights are made of: a checkpoint and the iterations redone after it
-    redo = weights_plan(istore, newest + 1)[1] if committed else []
-    needed = weights_checkpoint(istore, newest + 1)
-    named = _committed_checkpoints(istore, committed)
+    needed, redo = newest_weights(istore, committed)
+    named = named_checkpoints(istore, committed)
+    run_format = istore.run_format()
     kept = policy.kept_checkpoints(sorted(set(named.values())))
     for name in _children(run.child(run_layout.CHECKPOINTS)):
         step = run_layout.step_of_checkpoint_dir(name)
@@ -198,8 +184,8 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         # that writes it (step S: iteration S - 1; the initial one: iteration 0) is live,
         # or committed it since ``named`` was read: a writer commits before it releases
         # its lease, so a record read after the lease read shows such a commit
-        elif not writing(max(step - 1, 0)) and _age_s(loc, now) >= grace_s \
-                and name not in _committed_checkpoints(istore, istore.committed_iterations()):
+        elif not writing(max(writer_iteration(step, run_format), 0)) and _age_s(loc, now) >= grace_s \
+                and name not in named_checkpoints(istore, istore.committed_iterations()):
             plan.orphans.append(loc.uri)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)

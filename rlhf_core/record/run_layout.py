@@ -29,6 +29,9 @@ from rlhf_core.snapshot.layout import MANIFEST_NAME
 SNAPSHOT_MARKER = MANIFEST_NAME  # a stage's commit marker (the snapshot format's manifest)
 
 MANIFEST = "MANIFEST.json"
+ITERATION_FORMAT = "rlhf.iteration"                               # a PPO iteration's manifest
+REWARD_MODEL_TRAINING_FORMAT = "rlhf.reward_model_training"      # a reward model's training epoch's
+RUN_FORMATS = (ITERATION_FORMAT, REWARD_MODEL_TRAINING_FORMAT)   # what a run in a store records
 CHECKPOINTS, LEASES, REPLAYS = "checkpoints", "leases", "replays"
 INITIAL_CHECKPOINT = "INITIAL.json"
 _ITERATION_DIR = re.compile(r"^iter-(\d{6})$")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_core.record.run_layout import REWARD_MODEL_TRAINING_FORMAT
 from rlhf_core.workers.reward_model import PROVENANCE
 
 
@@ -120,7 +121,6 @@ def evaluate(model, tokenizer, pairs, max_length: int, batch_size: int, packed: 
              "loss": float(bradley_terry_loss(c, r)), "pairs": len(pairs)}, c, r)
 
 
-TRAINING_FORMAT = "rlhf.reward_model_training"  # an epoch's manifest (the store's iteration folder)
 ROLE = "reward_model"                            # the checkpoint's folder inside checkpoints/step-E-A/
 # settings a resumed run may change: where it writes the folder, how many epochs in all, and
 # where the preferences are read from (their content is checked by its sha256)
@@ -176,7 +176,7 @@ class _Record:
         if not committed:
             return None
         where = f"{self.uri} (--store {self.spec.store} --run-id {self.spec.run_id})"
-        manifest = self.store.read_manifest(committed[-1], format=TRAINING_FORMAT)
+        manifest = self.store.read_manifest(committed[-1], format=REWARD_MODEL_TRAINING_FORMAT)
         if manifest["settings_hash"] != self.hash:
             changed = sorted(k for k, v in manifest["settings"].items()
                              if k not in _RESUMABLE and asdict(self.spec).get(k) != v)
@@ -203,7 +203,7 @@ class _Record:
             "settings": asdict(self.spec), "settings_hash": self.hash, "data": self.data, "base": self.spec.base,
             "code_version": code_version(), "checkpoint": checkpoint, "checkpoint_sha256": sums, "metrics": metrics,
             "snapshots": {stage: self.store.stage_uri(epoch, stage) for stage in snapshots}, **(extra or {})},
-            format=TRAINING_FORMAT)
+            format=REWARD_MODEL_TRAINING_FORMAT)
 
 
 def _epoch_order(train: list, seed: int, epoch: int) -> list:
