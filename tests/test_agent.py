@@ -284,7 +284,7 @@ def test_the_sandbox_runs_code_and_answers_its_output():
     ("fork bomb", "import os\nwhile True:\n    os.fork()", "Resource temporarily unavailable"),
     ("memory hog", "x = bytearray(1 << 31)", "MemoryError"),
     ("network", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)", "unreachable"),
-    ("write outside", "open('/etc/rlhf-sandbox-test', 'w')", "ermission denied"),
+    ("write outside", "open('/etc/rlhf-sandbox-test', 'w')", "Read-only file system"),
 ])
 def test_the_sandbox_stops_what_model_written_code_must_not_do(case, code, expect):
     result = _run(code)
@@ -305,6 +305,126 @@ def test_the_sandbox_sees_no_credentials_and_no_host_temp_files(tmp_path, monkey
     environment, temp = result.stdout.splitlines()[:2]
     assert "AWS_SECRET_ACCESS_KEY" not in environment and temp == "['work']"
     assert result.status == "error" and ("ermission denied" in result.stderr or "No such file" in result.stderr)
+
+
+def test_the_code_sees_a_root_of_its_own_without_capabilities(tmp_path):
+    """The host's root is gone: no checkout, store, home or /run to read or write (what
+    its user may read included), the system's folders read-only, no capability left."""
+    here = os.path.realpath(os.getcwd())
+    code = (f"import os\nprint(sorted(os.listdir('/')))\nprint(os.path.exists({here!r}), os.path.exists('/run'), "
+            f"os.path.exists('/home'))\nprint([l.split()[1] for l in open('/proc/self/status') "
+            f"if l.startswith(('CapEff', 'CapBnd', 'NoNewPrivs'))])\nopen('/tmp/work/kept', 'w').write('x')\n"
+            f"open('/usr/rlhf-sandbox-test', 'w')")
+    result = _run(code)
+    listing, seen, status = result.stdout.splitlines()[:3]
+    assert set(eval(listing)) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp",
+                                  "usr", "var"}, listing
+    assert seen == "False False False" and status == "['0000000000000000', '0000000000000000', '1']"
+    assert result.status == "error" and "Read-only file system" in result.stderr
+
+
+def test_run_by_a_user_who_is_not_root_the_code_reads_none_of_that_users_files(tmp_path):
+    """The image runs as uid 1000: the code stays that user (a user namespace), and sees
+    none of its files, its 0600 credentials included."""
+    import shutil
+    import subprocess
+    import uuid
+    from pathlib import Path
+
+    home = Path(__file__).parent / f".sandbox-home-{uuid.uuid4().hex[:8]}"  # outside every tmpfs of the sandbox
+    home.mkdir()
+    try:
+        (home / "credentials").write_text("AKIA-secret")
+        (home / "credentials").chmod(0o600)
+        probe = ("import json, os\nprint(json.dumps([os.path.exists(os.environ['SECRET']), "
+                 "[l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]]))")
+        runner = (f"import importlib.util, json, sys\n"
+                  f"spec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
+                  f"sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+                  f"r = sbx.run_python({probe!r}.replace(\"os.environ['SECRET']\", repr(sys.argv[1])), '', "
+                  f"sbx.Limits(wall_s=20))\nprint(json.dumps([r.status, r.stdout, r.stderr]))")
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
+        command = [python, "-I", "-c", runner, str(home / "credentials")]
+        if os.getuid() == 0:
+            os.chown(home, 1000, 1000)
+            os.chown(home / "credentials", 1000, 1000)
+            command = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", *command]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/",
+                              env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        status, stdout, stderr = json.loads(done.stdout)
+        if status == "unavailable":
+            pytest.fail(f"the sandbox should run as a user who is not root here: {stderr}")
+        assert (status, json.loads(stdout)) == ("ok", [False, ["0000000000000000"]]), (stdout, stderr)
+    finally:
+        shutil.rmtree(home)
+
+
+def _alive(marker: str) -> list:
+    import psutil
+
+    return [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+
+
+def test_the_wall_clock_stops_code_that_left_its_process_group():
+    """setsid() takes the code out of the group the sandbox was started in: the wall
+    clock kills the pid namespace's first process, and with it every process inside."""
+    import threading
+    import uuid
+
+    marker = f"rlhf-sandbox-{uuid.uuid4().hex}"
+    code = f"# {marker}\nimport os, time\nos.setsid()\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(600)"
+    answer = {}
+    runner = threading.Thread(target=lambda: answer.update(
+        result=sandbox.run_python(code, "", sandbox.Limits(wall_s=2, cpu_s=2, memory_mb=256, processes=8))))
+    runner.start()
+    runner.join(timeout=120)  # a guard: without the fix the call waits on the code's 600 s sleep
+    assert not runner.is_alive(), "the sandbox did not return at its wall clock"
+    assert answer["result"].status == "timeout"
+    assert _alive(marker) == [], "a process of the code outlived its sandbox"
+
+
+def test_output_past_the_limit_stops_the_code_and_is_cut():
+    result = sandbox.run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", "",
+                                sandbox.Limits(wall_s=60, cpu_s=30, output_bytes=4096))
+    assert result.status == "killed" and result.truncated and result.stdout == "x" * 4096
+    assert "sandbox: stopped past 4096 bytes of output" in result.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a user id of its own per run is given only by root")
+def test_runs_side_by_side_do_not_share_their_process_allowance():
+    """Root gives each run a user id of its own: one run holding its whole allowance of
+    processes leaves the other run's allowance whole (they would share nobody's)."""
+    import threading
+    import time
+    import uuid
+
+    marker = f"rlhf-sandbox-{uuid.uuid4().hex}"
+    limits = sandbox.Limits(wall_s=30, cpu_s=5, memory_mb=256, processes=8)
+    holder = (f"# {marker}\nimport os, time\nfor _ in range(7):\n    if os.fork() == 0:\n        time.sleep(600)\n"
+              f"time.sleep(600)")
+    held = threading.Thread(target=sandbox.run_python, args=(holder, "", limits))
+    held.start()
+    try:
+        def holders():  # the holder's code and its children, as its user id (not unshare, not the launcher)
+            return [p for p in _alive(marker) if p.uids().real in sandbox.SANDBOX_UIDS]
+
+        deadline = time.monotonic() + 60
+        while len(holders()) < 8 and time.monotonic() < deadline:  # a probe: the holder's processes
+            time.sleep(0.05)
+        assert len(holders()) == 8, "the holder did not take its processes"
+        other = sandbox.run_python("import threading\nt = threading.Thread(target=print, args=('ok',))\n"
+                                   "t.start()\nt.join()", "", limits)
+        assert (other.status, other.stdout) == ("ok", "ok\n"), other
+    finally:
+        import psutil
+
+        for process in _alive(marker):  # ends the holder early: its namespace dies with its first process
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        held.join()
 
 
 def test_the_code_interpreter_tool_answers_from_the_sandbox():
@@ -463,6 +583,32 @@ def test_a_replay_imports_no_agent_loop_the_stored_config_chose(tmp_path):
     check_reward_function(cfg, [f"rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"], trusted=False)
 
 
+def test_replaying_filter_groups_builds_no_tool_or_interaction_the_stored_config_chose(tmp_path):
+    """filter_groups may generate batches the record does not hold: for an agent run,
+    with tools and interactions built from the stored config; a user's config (classes to
+    import, addresses to call) is refused for it before any worker is placed, and a tool
+    config without its recorded hash is refused for any stage."""
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.trainer.replay import ReplayError, _check_live_agent, _check_tools
+
+    tools, users = str(tmp_path / "tools.yaml"), str(tmp_path / "interactions.yaml")
+    for key, path in (("tool_config_path", tools), ("interaction_config_path", users)):
+        cfg = apply_overrides(RunConfig(), ["rollout.multi_turn.enable=true", f"rollout.multi_turn.{key}={path}"])
+        with pytest.raises(ReplayError, match=rf"^rollout.multi_turn.{key} '{path}' \(from the iteration's manifest\): "
+                                              r"expected a builtin: config or one named by --override; .* only with "
+                                              r"--trust-reward-function$"):
+            _check_live_agent(cfg, ["filter_groups"], [], trusted=False)
+        _check_live_agent(cfg, ["rollout", "reward"], [], trusted=False)  # recorded answers: nothing is built
+        _check_live_agent(cfg, ["filter_groups"], [], trusted=True)
+        _check_live_agent(cfg, ["filter_groups"], [f"rollout.multi_turn.{key}={path}"], trusted=False)
+    builtin = apply_overrides(RunConfig(), ["rollout.multi_turn.enable=true",
+                                            "rollout.multi_turn.tool_config_path=builtin:calculator"])
+    _check_live_agent(builtin, ["filter_groups"], [], trusted=False)
+    with pytest.raises(ReplayError, match=r"^rollout.multi_turn.tool_config_path: expected the iteration's record "
+                                          r"of its tool config \(the manifest's tools: its sha256\); found 'None'$"):
+        _check_tools({}, builtin, [])
+
+
 # ---------------------------------------------------------------- the built-in tool task
 
 def test_the_calculator_task_scores_the_answer_after_the_tools(tmp_path):
@@ -496,9 +642,12 @@ def test_the_built_in_tool_config_loads_and_its_calculator_answers():
     tool = build_tools([spec])["calculator"]
     response, _, _ = asyncio.run(tool.execute("i", {"expression": "123*456"}))
     assert response.text == "56088"
-    for bad in ("__import__('os')", "2**1000", "1/0", "x" * 300):
+    # nested powers within every exponent bound grow without one: refused before they are computed
+    for bad in ("__import__('os')", "2**1000", "1/0", "x" * 300, "(((9**64)**64)**64)**64",
+                "((9**64)**64)*((9**64)**64)*((9**64)**64)"):
         response, _, metrics = asyncio.run(tool.execute("i", {"expression": bad}))
-        assert response.text.startswith("Error") and metrics["status"] == "error"
+        assert response.text.startswith("Error") and metrics["status"] == "error", bad
+    assert evaluate("(9**64)**4") == 9 ** 256 and evaluate("-(2**63) * 2**63") == -(2 ** 126)
     with pytest.raises(ToolConfigError, match="builtin:calculator"):
         load_tool_config("builtin:nothing")
     assert evaluate("(2+3)*4 - 6/3") == 18.0

@@ -4,15 +4,20 @@ SandboxFusion server).
 Each run is a new process tree, isolated by the kernel, not by Python:
 - a network namespace of its own (``unshare --net``): no interface but a loopback of its
   own, so nothing on the host or beyond is reachable;
-- a mount namespace of its own with fresh, empty, size-bounded tmpfs on ``/tmp``,
-  ``/var/tmp`` and ``/dev/shm``: the run's folder is ``/tmp/work`` there; what it writes
-  vanishes with it, and the host's temporary folders (a run's store or cache on this
-  machine) are out of sight;
-- run by root, it drops to ``nobody`` before the code starts: it can read only what the
-  world may read (not the run's credentials, caches or store) and write nowhere outside
-  its tmpfs; run by another user, it keeps that user's id inside a user namespace;
+- a root of its own (a mount namespace, ``pivot_root`` onto a fresh tmpfs, the old root
+  detached): the system's ``/usr`` (and ``/bin``, ``/lib``... as the host lays them out),
+  the interpreter's installation and ``/dev/null``-like devices, all read-only, a ``/proc``
+  of its own pid namespace and size-bounded tmpfs on ``/tmp`` (the run's folder is
+  ``/tmp/work``), ``/var/tmp`` and ``/dev/shm``. Nothing else of the host is there to
+  read or write: no home, no store, no cache, no ``/run``, whoever runs the trainer;
+- no capabilities (the bounding set is emptied) and no new privileges (``no_new_privs``):
+  run by root, the code runs as a user id of its own (``SANDBOX_UIDS``: one per run, so
+  runs side by side do not share their process allowance); run by another user, it stays
+  that user, in a user namespace, without the powers of that namespace's root;
 - resource limits: CPU seconds, address space, processes (a fork bomb meets it), file
-  size, open files, no core files; a wall-clock limit kills the whole process group;
+  size, open files, no core files; a wall-clock limit and an output limit kill the pid
+  namespace's first process, and the kernel then kills everything in it (a process that
+  left the process group included);
 - an environment of its own (no credentials, no proxy settings) and Python's isolated mode.
 
 Where the kernel refuses namespaces (a container without them), nothing runs: the tool
@@ -32,8 +37,13 @@ import sys
 import time
 from dataclasses import dataclass
 
-#: who runs the code when we are root
-NOBODY = 65534
+#: The user ids code runs as when we are root: one per run, drawn at random, owning no file.
+SANDBOX_UIDS = range(1_900_000_000, 2_000_000_000)
+#: What the code's root holds of the host, read-only (where the host has it).
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+#: pivot_root(2) by machine (glibc has no wrapper)
+_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 
 
 @dataclass(frozen=True)
@@ -74,33 +84,83 @@ def _world_executable(path: str) -> bool:
 
 def interpreter() -> str:
     """The Python the code runs under: this one, or (when we are root and it sits where
-    ``nobody`` cannot reach it) the system's."""
+    a user with no rights of its own cannot reach it) the system's."""
     if os.getuid() != 0 or _world_executable(sys.executable):
         return os.path.realpath(sys.executable)
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(candidate) and _world_executable(candidate):
             return os.path.realpath(candidate)
-    raise SandboxUnavailable("no Python interpreter that the sandbox user (nobody) may run")
+    raise SandboxUnavailable("no Python interpreter that the sandbox's user (no rights of its own) may run")
 
 
-#: Runs inside the new namespaces, as the namespaces' root, before the code: mounts the
-#: tmpfs, sets the limits, drops the user, then replaces itself with the code's interpreter.
+#: Runs inside the new namespaces, as the namespaces' root, before the code: builds the
+#: code's root, sets the limits, drops every capability (and the user, when we are root),
+#: then replaces itself with the code's interpreter. Failures exit 125 (unavailable).
 _LAUNCHER = r"""
 import ctypes, json, os, resource, sys
 spec = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+
+def fail(what):
+    sys.stderr.write(f"sandbox: cannot {what} (errno {ctypes.get_errno()})\n")
+    os._exit(125)
+
+def mount(source, target, kind, flags, data=None):
+    if libc.mount(source and source.encode(), target.encode(), kind and kind.encode(), flags,
+                  data and data.encode()) != 0:
+        fail(f"mount {kind or source} on {target}")
+
+def bind(path, root):
+    inside = root + path
+    if os.path.islink(path):
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        if not os.path.lexists(inside):
+            os.symlink(os.readlink(path), inside)
+        return
+    if os.path.isdir(path):
+        os.makedirs(inside, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(inside), exist_ok=True)
+        open(inside, "a").close()
+    mount(path, inside, None, MS_BIND | MS_REC)
+    mount(None, inside, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if path.startswith("/dev/") else MS_NODEV))
+
+mount(None, "/", None, MS_REC | MS_PRIVATE)
+root = "/tmp"  # a fresh tmpfs over the host's /tmp becomes the code's root
+mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+for path in spec["binds"]:
+    if os.path.lexists(path):
+        bind(path, root)
 for target, size in (("/tmp", spec["tmp_mb"]), ("/var/tmp", 1), ("/dev/shm", 1)):
-    if os.path.isdir(target) and libc.mount(b"tmpfs", target.encode(), b"tmpfs", 0,
-                                             f"size={size}m,mode=1777".encode()) != 0:
-        sys.stderr.write(f"sandbox: cannot mount a tmpfs on {target} (errno {ctypes.get_errno()})\n")
-        os._exit(125)
+    os.makedirs(root + target, exist_ok=True)
+    mount("tmpfs", root + target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,mode=1777")
+os.makedirs(root + "/proc", exist_ok=True)
+mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | 8)  # 8: MS_NOEXEC
+os.makedirs(root + "/.old", exist_ok=True)
+os.chdir(root)
+if libc.syscall(spec["pivot_root"], b".", b".old") != 0:
+    fail("pivot_root")
+os.chdir("/")
+if libc.umount2(b"/.old", 2) != 0:  # MNT_DETACH: nothing of the host's root is left to uncover
+    fail("detach the host's root")
+os.rmdir("/.old")
+mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 os.makedirs("/tmp/work", mode=0o777, exist_ok=True)
 os.chmod("/tmp/work", 0o777)
 os.chdir("/tmp/work")
-if spec["drop_to"] is not None:
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+cap = 0
+while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # up to the kernel's last capability
+    cap += 1
+if cap < 38:
+    fail("empty the capability bounding set")
+if spec["uid"] is not None:
     os.setgroups([])
-    os.setgid(spec["drop_to"])
-    os.setuid(spec["drop_to"])
+    os.setgid(spec["uid"])
+    os.setuid(spec["uid"])
+if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+    fail("set no_new_privs")
 for name, value in (("RLIMIT_CPU", spec["cpu_s"]), ("RLIMIT_AS", spec["memory_mb"] << 20),
                     ("RLIMIT_NPROC", spec["processes"]), ("RLIMIT_FSIZE", spec["file_mb"] << 20),
                     ("RLIMIT_NOFILE", spec["open_files"]), ("RLIMIT_CORE", 0)):
@@ -110,10 +170,10 @@ os.execve(spec["python"], [spec["python"], "-I", "-c", spec["code"]],
 """
 
 
-def _nproc_limit(limits: Limits, drop_to: int | None) -> int:
-    """RLIMIT_NPROC counts every process of the real user: for a user that is not
-    ``nobody``, its processes now plus the sandbox's allowance."""
-    if drop_to is not None:
+def _nproc_limit(limits: Limits, uid: int | None) -> int:
+    """RLIMIT_NPROC counts every process of the real user: a run's own user id has none
+    but the run's; for the caller's (not root), its processes now plus the run's allowance."""
+    if uid is not None:
         return limits.processes
     try:
         import psutil
@@ -124,20 +184,92 @@ def _nproc_limit(limits: Limits, drop_to: int | None) -> int:
     return mine + limits.processes
 
 
+def _binds(python: str) -> list[str]:
+    """What the code's root holds of the host: the system's folders and a few files, and
+    the installation ``python`` belongs to (its prefix: ``bin/``'s parent)."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    inside = any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS)
+    return [*SYSTEM_DIRS, *SYSTEM_FILES, *([] if inside else [prefix])]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill the pid namespace's first process (unshare's child), which takes everything in
+    the namespace with it, whatever process group or session each has made; then unshare."""
+    try:
+        import psutil
+
+        for child in psutil.Process(proc.pid).children():
+            child.kill()
+    except Exception:  # noqa: BLE001 - unshare is gone already: so is its namespace
+        pass
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), proc.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _communicate(proc: subprocess.Popen, stdin: bytes, wall_s: float, cap: int) -> tuple[bytes, bytes, str | None]:
+    """(stdout, stderr, why it was stopped: None, "timeout" or "output"): each stream is
+    kept up to ``cap`` bytes; past the wall clock or the cap the sandbox is stopped, so
+    neither a flood of output nor a stuck process holds this caller's memory or thread."""
+    import selectors
+    import threading
+
+    def feed():
+        try:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
+    kept, why = {proc.stdout: bytearray(), proc.stderr: bytearray()}, None
+    deadline = time.monotonic() + wall_s
+    with selectors.DefaultSelector() as selector:
+        for stream in kept:
+            selector.register(stream, selectors.EVENT_READ)
+        while selector.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = why or "timeout"
+                _stop(proc)
+                break
+            for key, _ in selector.select(timeout=left):
+                chunk = os.read(key.fileobj.fileno(), 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                buffer = kept[key.fileobj]
+                buffer += chunk[:cap + 1 - len(buffer)] if len(buffer) <= cap else b""
+                if len(buffer) > cap and why is None:
+                    why = "output"
+                    _stop(proc)
+    proc.wait()
+    for stream in kept:
+        stream.close()
+    return bytes(kept[proc.stdout]), bytes(kept[proc.stderr]), why
+
+
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> SandboxResult:
     """Run ``code`` with ``stdin`` in the sandbox; never raises for what the code does."""
+    import platform
+    import secrets
+
     unshare = shutil.which("unshare")
     if unshare is None:
         return SandboxResult("unavailable", None, "", "sandbox: util-linux unshare is not installed", 0.0)
+    if platform.machine() not in _PIVOT_ROOT:
+        return SandboxResult("unavailable", None, "", f"sandbox: no pivot_root number for {platform.machine()}", 0.0)
     root = os.getuid() == 0
     try:
         python = interpreter()
     except SandboxUnavailable as exc:
         return SandboxResult("unavailable", None, "", f"sandbox: {exc}", 0.0)
-    drop_to = NOBODY if root else None
-    spec = {"code": code, "python": python, "drop_to": drop_to, "tmp_mb": limits.file_mb * 4,
-            "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "processes": _nproc_limit(limits, drop_to),
-            "file_mb": limits.file_mb, "open_files": limits.open_files}
+    uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] if root else None
+    spec = {"code": code, "python": python, "uid": uid, "tmp_mb": limits.file_mb * 4, "binds": _binds(python),
+            "pivot_root": _PIVOT_ROOT[platform.machine()], "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
+            "processes": _nproc_limit(limits, uid), "file_mb": limits.file_mb, "open_files": limits.open_files}
     namespaces = ["--net", "--mount", "--pid", "--fork", "--mount-proc"] + ([] if root else ["--map-root-user"])
     # the launcher runs as the namespaces' root under the caller's interpreter (trusted)
     command = [unshare, *namespaces, "--", os.path.realpath(sys.executable), "-I", "-c", _LAUNCHER,
@@ -145,16 +277,7 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Sandbox
     t0 = time.monotonic()
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, start_new_session=True, cwd="/")
-    timed_out = False
-    try:
-        out, err = proc.communicate(stdin.encode(), timeout=limits.wall_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the pid namespace's init: everything in it dies with it
-        except ProcessLookupError:
-            pass
-        out, err = proc.communicate()
+    out, err, stopped = _communicate(proc, stdin.encode(), limits.wall_s, limits.output_bytes)
     seconds = time.monotonic() - t0
     cap = limits.output_bytes
     truncated = len(out) > cap or len(err) > cap
@@ -162,8 +285,10 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Sandbox
     if proc.returncode == 125 or stderr.startswith(("unshare: unshare failed", "unshare: failed to execute",
                                                      "unshare: cannot", "unshare: write failed")):
         return SandboxResult("unavailable", proc.returncode, "", f"sandbox: {stderr.strip()[:500]}", seconds)
-    if timed_out:
+    if stopped == "timeout":
         status = "timeout"
+    elif stopped == "output":
+        status, stderr = "killed", (stderr + f"\nsandbox: stopped past {cap} bytes of output").lstrip()
     elif (proc.returncode is not None and proc.returncode < 0) or "unshare: sigprocmask" in stderr:
         # a signal (the CPU limit's SIGXCPU/SIGKILL, the kernel's OOM kill), which unshare
         # passes on or, failing to re-raise it, reports

@@ -237,6 +237,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     for stage in wanted:  # before any worker is placed
         if stage not in replayable:
             raise ReplayError(f"stage {stage!r} cannot be replayed for this run; its stages are {replayable}")
+    _check_live_agent(cfg, wanted, list(overrides), trust_reward_function)
     start_local_ray()
     workers = WorkerSet.build(cfg)
     try:
@@ -289,8 +290,11 @@ def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
     override names another on purpose."""
     recorded = manifest.get("tools")
     path = cfg.rollout.multi_turn.tool_config_path
-    if recorded is None or not path or any(o.startswith("rollout.multi_turn.tool_config_path") for o in overrides):
+    if not path or any(o.startswith("rollout.multi_turn.tool_config_path") for o in overrides):
         return
+    if not isinstance(recorded, dict):  # every agent iteration records its tool config's hash
+        raise ReplayError(f"rollout.multi_turn.tool_config_path: expected the iteration's record of its tool config "
+                          f"(the manifest's tools: its sha256); found {str(recorded)[:60]!r}")
     from rlhf_core.agent.tool_config import config_file
 
     file = config_file(path)
@@ -299,6 +303,24 @@ def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
                           f"generated with at {path} (sha256 {recorded.get('sha256')}); found "
                           f"{'none there' if not file.is_file() else 'other content'} (restore it, or replay "
                           f"against another with --override)")
+
+
+def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], trusted: bool) -> None:
+    """``filter_groups`` may need more generation batches than the record holds: they are
+    generated here, and an agent's tools and interactions for them are built from the
+    stored config (classes to import, addresses to call, chosen by whoever wrote the
+    store). Only the built-in configs, one an override names, or ``--trust-reward-function``."""
+    multi = cfg.rollout.multi_turn
+    if "filter_groups" not in wanted or not multi.enable or trusted:
+        return
+    chosen = {o.split("=", 1)[0].strip() for o in overrides}
+    for key in ("tool_config_path", "interaction_config_path"):
+        value = getattr(multi, key)
+        if value and not value.startswith("builtin:") and f"rollout.multi_turn.{key}" not in chosen:
+            raise ReplayError(f"rollout.multi_turn.{key} {value!r} (from the iteration's manifest): expected a "
+                              f"builtin: config or one named by --override; replaying filter_groups generates "
+                              f"batches the record does not hold, with the tools this config builds, only with "
+                              f"--trust-reward-function")
 
 
 def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:
