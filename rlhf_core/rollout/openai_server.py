@@ -25,6 +25,10 @@ from rlhf_core.rollout.engine import GenerationRequest, Sampling
 
 #: the largest request body read (a judge prompt is a problem and a solution)
 MAX_BODY_BYTES = 4 << 20
+#: connections served at once (each holds a thread), and how long a socket may sit idle
+#: or half-sent: a slow client (or many) cannot pin the server's threads or memory
+MAX_CONNECTIONS = 256
+SOCKET_TIMEOUT_S = 30.0
 ROLES = ("system", "user", "assistant")
 
 
@@ -61,7 +65,7 @@ def parse_chat_request(body: bytes, max_new_tokens: int) -> ChatRequest:
     engine seeds a batch by its first request, so a batched answer depends on its batch)."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ChatRequestError(f"body: expected a JSON object; found unparsable JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ChatRequestError(f"body: expected a JSON object; found {type(data).__name__}")
@@ -116,6 +120,55 @@ class _Pending:
         self.error: BaseException | None = None
 
 
+def prompt_ids(tokenizer, messages) -> list[int]:
+    """The templated prompt's ids, each message's content read as text: a special token's
+    spelling inside it (a policy's solution that writes ``<|im_end|>``) stays text, so no
+    content forges a turn of the judge's prompt. The template is rendered around markers,
+    its own text tokenized with its special tokens, each content with none."""
+    marks = [f"\u2063{uuid.uuid4().hex}\u2063" for _ in messages]
+    try:
+        text = tokenizer.apply_chat_template([{"role": role, "content": mark} for (role, _), mark in
+                                              zip(messages, marks)], add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # the template refused these messages: asking again changes nothing
+        raise ChatRequestError(f"messages: expected messages the judge's chat template renders; it raised "
+                               f"{type(exc).__name__}: {exc}") from None
+    ids, rest = [], text
+    for i, ((_, content), mark) in enumerate(zip(messages, marks)):
+        before, found, rest = rest.partition(mark)
+        if not found:
+            raise ChatRequestError(f"messages[{i}]: expected the judge's chat template to show its content once, "
+                                   f"in order; it does not")
+        ids += tokenizer.encode(before, add_special_tokens=False)
+        ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+    return ids + tokenizer.encode(rest, add_special_tokens=False)
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """At most ``MAX_CONNECTIONS`` connections served at once; one more is closed at once."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0  # connections closed for want of a slot
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class ChatCompletionServer:
     """``/v1/chat/completions`` (and ``/v1/models``, ``/health``) over ``engine``.
     ``max_prompt_tokens``: a rendered prompt longer than this is refused (400)."""
@@ -135,6 +188,7 @@ class ChatCompletionServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = SOCKET_TIMEOUT_S
 
             def log_message(self, *args) -> None:  # a request per row: no line each
                 pass
@@ -175,7 +229,7 @@ class ChatCompletionServer:
                 except Exception as exc:  # the engine failed: the caller retries or fails its stage
                     self._send(500, _error(f"{type(exc).__name__}: {exc}", "server_error"))
 
-        self._http = ThreadingHTTPServer((host, port), Handler)
+        self._http = _BoundedHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
         self._threads: list[threading.Thread] = []
 
@@ -203,14 +257,7 @@ class ChatCompletionServer:
     def complete(self, body: bytes) -> dict:
         """One request's answer as an OpenAI ``chat.completion`` object."""
         request = parse_chat_request(body, self.max_new_tokens)
-        try:
-            ids = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in request.messages],
-                                                     add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template refused these messages: asking again changes nothing
-            raise ChatRequestError(f"messages: expected messages the judge's chat template renders; it raised "
-                                   f"{type(exc).__name__}: {exc}") from None
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
+        ids = prompt_ids(self.tokenizer, request.messages)
         if len(ids) > self.max_prompt_tokens:
             raise ChatRequestError(f"messages: expected at most {self.max_prompt_tokens} prompt tokens once "
                                    f"templated (reward_model.rollout.prompt_length); found {len(ids)}")

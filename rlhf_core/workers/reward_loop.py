@@ -207,9 +207,13 @@ def calls_column(router: JudgeRouter, rows: int, extras: dict[str, list]) -> lis
 
 
 def _valid_call(call) -> bool:
+    """A recorded call as the router records one: bodies within what it reads live, and a
+    final status (a 1xx is never an answer)."""
     return (isinstance(call, dict) and isinstance(call.get("path"), str) and isinstance(call.get("request"), str)
             and isinstance(call.get("answer"), str) and isinstance(call.get("status"), int)
-            and not isinstance(call.get("status"), bool) and 100 <= call["status"] <= 599)
+            and not isinstance(call.get("status"), bool) and 200 <= call["status"] <= 599
+            and len(call["answer"]) <= MAX_ANSWER_BYTES and len(call["request"]) <= MAX_ANSWER_BYTES
+            and len(call["path"]) <= 4096)
 
 
 def _valid_failure(failed) -> bool:
@@ -224,11 +228,12 @@ def recorded_calls(column) -> list[dict]:
     for i, text in enumerate(column):
         try:
             row = json.loads(text) if isinstance(text, str) else None
-        except ValueError:
+        except (ValueError, RecursionError):
             row = None
         if not (isinstance(row, dict) and isinstance(row.get("calls"), list)
                 and all(_valid_call(c) for c in row["calls"]) and _valid_failure(row.get("failed"))):
-            raise JudgeError(f"{CALLS_COLUMN}[{i}]: expected {{calls: [{{path, request, status 100-599, answer}}], "
+            raise JudgeError(f"{CALLS_COLUMN}[{i}]: expected {{calls: [{{path, request, status 200-599, answer: at "
+                             f"most {MAX_ANSWER_BYTES} characters}}], "
                              f"failed: null | {{timeout: true}} | {{error: text}}}}; found {text!r:.80}")
         out.append({"calls": row["calls"], "failed": row.get("failed")})
     return out
