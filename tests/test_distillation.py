@@ -117,6 +117,25 @@ def test_a_student_moves_towards_its_teacher_and_the_record_names_the_teacher(tm
     for r in replay(f"{store}/opd/iter-000009", stages=["teacher_log_prob", "advantage"], log=lambda *a: None,
                     trust_reward_function=True):
         assert r.ok and r.diffs and all(d.max_abs == 0 for d in r.diffs), (r.stage, [d for d in r.diffs if not d.equal])
+    # a teacher whose folder changed since is refused for its stage, and for a run continued with it
+    from types import SimpleNamespace
+
+    from rlhf_core.config import ConfigError
+    from rlhf_core.trainer.replay import ReplayError
+    from rlhf_core.trainer.restore import check_models_unchanged
+
+    digest = content_sha256(str(teacher))
+    (teacher / "README.md").write_text("taught again")
+    with pytest.raises(ReplayError, match=rf"^distillation.teacher_model.model_path: expected the teacher iteration 9 "
+                                          rf"used \({teacher}, sha256 {digest[:16]}\.\.\.\); found {teacher} with "):
+        replay(f"{store}/opd/iter-000009", stages=["teacher_log_prob"], log=lambda *a: None,
+               trust_reward_function=True)
+    now = {"path": str(teacher), "sha256": content_sha256(str(teacher))}
+    with pytest.raises(ConfigError, match=r"^distillation.teacher_model.model_path: expected the teacher run opd was "
+                                          r"taught by .* \(the folder's content changed"):
+        check_models_unchanged(istore, SimpleNamespace(teacher_identity=lambda: now))
+    (teacher / "README.md").unlink()
+    check_models_unchanged(istore, SimpleNamespace(teacher_identity=lambda: {**now, "sha256": digest}))
 
     other = build_model_folder(tmp_path / "other", seed=1, tools=True)  # the tool-call tags are extra tokens
     with pytest.raises(SystemExit, match=r"distillation.teacher_model.model_path: expected the policy's tokenizer "

@@ -426,23 +426,23 @@ def test_verls_rm_script_scaled_down_scores_every_response_with_the_reward_model
                           f"in run file://{tmp_path}/rm-store/rm-trained"]
     # a reward model whose content changed is refused for the stages it computes
     (reward_folder / "README.md").write_text("retrained")
-    with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 0 was "
-                                          rf"scored by \({reward_folder}, sha256 {digest[:16]}\.\.\.\); found "):
+    with pytest.raises(ReplayError, match=r"^reward_model.model.path: expected the reward model iteration 0 used "
+                                          rf"\({reward_folder}, sha256 {digest[:16]}\.\.\.\); found "):
         replay(f"{store}/rm", stages=["rm_score"], iteration=0, log=lambda line: None)
     # and a run continued with it is refused before its workers do anything (the identity
     # is what the reward-model workers report: the path and the folder's content hash)
     from types import SimpleNamespace
 
-    from rlhf_core.trainer.restore import check_reward_model_unchanged
+    from rlhf_core.trainer.restore import check_models_unchanged
 
     now = {"path": str(reward_folder), "sha256": rm.content_sha256(str(reward_folder))}
     with pytest.raises(ConfigError, match=r"^reward_model.model.path: expected the reward model run rm was scored by "
                                           rf"\({reward_folder}, sha256 {digest[:16]}\.\.\.\); found {reward_folder} "
                                           rf"with sha256 {now['sha256'][:16]}\.\.\. \(the folder's content changed"):
-        check_reward_model_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: now))
+        check_models_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: now))
     (reward_folder / "README.md").unlink()
     assert rm.content_sha256(str(reward_folder)) == digest
-    check_reward_model_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: {**now, "sha256": digest}))
+    check_models_unchanged(istore, SimpleNamespace(reward_model_identity=lambda: {**now, "sha256": digest}))
 
 
 def test_a_manifests_reward_model_record_is_checked_when_read():

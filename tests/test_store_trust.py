@@ -294,3 +294,27 @@ def test_a_replay_posts_to_no_address_the_record_chose():
     check_reward_function(stored, ["reward_model.sandbox_fusion.url=http://sandbox:8080/run_code"], trusted=False)
     check_reward_function(stored, [], trusted=True)
     check_reward_function(RunConfig(), [], trusted=False)  # no address: nothing to refuse
+
+
+@pytest.mark.parametrize("field", ["reward_model.model.path", "distillation.teacher_model.model_path"])
+def test_a_replay_fetches_no_judge_or_teacher_from_an_address_the_record_chose(field):
+    """A manifest naming a remote reward model, judge or teacher (an attacker's bucket) is
+    refused before anything is fetched; a local folder, an override or the flag passes."""
+    from rlhf_core.config import RunConfig, apply_overrides
+    from rlhf_core.trainer.replay import ReplayError, check_reward_function
+
+    stored = RunConfig()
+    for key, value in ((field, "s3://attacker-bucket/model"),):
+        section, _, leaf = key.rpartition(".")
+        target = stored
+        for part in section.split("."):
+            target = getattr(target, part)
+        setattr(target, leaf, value)  # as a manifest's config holds it, whatever else it sets
+    with pytest.raises(ReplayError, match=rf"^{field} 's3://attacker-bucket/model' \(from the iteration's manifest\): "
+                                          r"expected a local folder or one named by --override; .* only with "
+                                          r"--trust-reward-function$"):
+        check_reward_function(stored, [], trusted=False)
+    check_reward_function(stored, [f"{field}=s3://models/judge"], trusted=False)
+    check_reward_function(stored, [], trusted=True)
+    local = apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/models/rm"])
+    check_reward_function(local, [], trusted=False)

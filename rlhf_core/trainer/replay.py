@@ -185,6 +185,16 @@ def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -
             raise ReplayError(f"{path} {value!r} (from the iteration's manifest): expected none or one named by "
                               f"--override; replay sends data to an address the record chose only with "
                               f"--trust-reward-function")
+    # the models that score or teach the policy: a remote folder only the record names
+    # would be fetched here, with this machine's credentials, from wherever it points
+    from rlhf_core.data.fetch import is_remote
+
+    for path in ("reward_model.model.path", "distillation.teacher_model.model_path"):
+        value = _get(cfg, path)
+        if value and is_remote(value) and not (trusted or path in chosen):
+            raise ReplayError(f"{path} {value!r} (from the iteration's manifest): expected a local folder or one "
+                              f"named by --override; replay fetches a model from an address the record chose only "
+                              f"with --trust-reward-function")
     # agent loops and tools: a loop file, or a tool class that is not one of ours, is code
     # the stored config chose (a replay gives recorded answers and builds no tool)
     multi = cfg.rollout.multi_turn
@@ -242,7 +252,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     workers = WorkerSet.build(cfg)
     try:
         trainer = PPOTrainer(cfg, workers, make_loader(cfg, TrainerState(cursor=dict(state.cursor))), state)
-        _check_reward_model(manifest, trainer, n, list(overrides), wanted)
+        _check_models(manifest, trainer, n, list(overrides), wanted)
         plan = [stage.name for stage in trainer.stages()]
         results = []
         # stateless stages first (one restore serves them all), then each update stage
@@ -323,21 +333,25 @@ def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], t
                               f"--trust-reward-function")
 
 
-def _check_reward_model(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:
-    """A stage the reward model computes replays only with the reward model that scored the
-    iteration (its content hash as the manifest records it), unless an override names
-    another on purpose (a what-if, saved apart)."""
-    recorded = manifest.get("reward_model")
-    if recorded is None or not {"rm_score", "validate"} & set(wanted) or \
-            any(o.startswith("reward_model.") for o in overrides):
-        return
-    from rlhf_core.trainer.restore import reward_model_change
+#: The stages each recorded model computes: a replay of one uses the model the iteration used.
+_COMPUTED_BY = {"reward_model": {"rm_score", "validate"}, "teacher": {"teacher_log_prob"}}
 
-    changed = reward_model_change(recorded, trainer.reward_model_identity())
-    if changed:
-        raise ReplayError(f"reward_model.model.path: expected the reward model iteration {n} was scored by "
-                          f"{changed} (the folder's content changed: restore it, or replay against another with "
-                          f"--override)")
+
+def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:
+    """A stage the reward model or the teacher computes replays only with the model the
+    iteration used (its content hash as the manifest records it), unless an override
+    names another on purpose (a what-if, saved apart)."""
+    from rlhf_core.trainer.restore import RECORDED_MODELS, model_change
+
+    for key, field, what, identity in RECORDED_MODELS:
+        recorded = manifest.get(key)
+        if recorded is None or not _COMPUTED_BY[key] & set(wanted) or \
+                any(o.startswith(field.rsplit(".", 1)[0] + ".") for o in overrides):
+            continue
+        changed = model_change(recorded, getattr(trainer, identity)())
+        if changed:
+            raise ReplayError(f"{field}: expected {what} iteration {n} used {changed} (the folder's content "
+                              f"changed: restore it, or replay against another with --override)")
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:

@@ -61,27 +61,38 @@ def open_run(cfg: RunConfig, istore, log=print):
     return state
 
 
-def check_reward_model_unchanged(istore, trainer) -> None:
-    """A run continues with the reward model that scored it: the same path is in the
-    config hash, and the folder's content must hash as the last committed iteration
-    recorded (a reward model retrained in place would otherwise mix two rewards in one
-    run, unseen)."""
+#: The models a run is scored or taught by, as its manifests record them: (the manifest's
+#: key, the config field naming the folder, what it is, the trainer's identity of it now).
+RECORDED_MODELS = (("reward_model", "reward_model.model.path", "the reward model", "reward_model_identity"),
+                   ("teacher", "distillation.teacher_model.model_path", "the teacher", "teacher_identity"))
+
+
+def check_models_unchanged(istore, trainer) -> None:
+    """A run continues with the reward model that scored it and the teacher it distilled
+    from: the same paths are in the config hash, and each folder's content must hash as the
+    last committed iteration recorded (a model retrained in place would otherwise mix two
+    rewards, or two teachers, in one run, unseen)."""
     committed = istore.committed_iterations()
-    recorded = istore.read_manifest(committed[-1]).get("reward_model") if committed else None
-    if recorded is None:
-        return
-    changed = reward_model_change(recorded, trainer.reward_model_identity())
-    if changed:
-        raise ConfigError(f"reward_model.model.path: expected the reward model run {istore.run_id} was scored by "
-                          f"{changed} (the folder's content changed: restore it, or start a new --run-id)")
+    manifest = istore.read_manifest(committed[-1]) if committed else {}
+    for key, field, what, identity in RECORDED_MODELS:
+        recorded = manifest.get(key)
+        if recorded is None:
+            continue
+        changed = model_change(recorded, getattr(trainer, identity)())
+        if changed:
+            raise ConfigError(f"{field}: expected {what} run {istore.run_id} was {_VERB[key]} by {changed} (the "
+                              f"folder's content changed: restore it, or start a new --run-id)")
 
 
-def reward_model_change(recorded: dict, now: dict | None) -> str | None:
-    """``(recorded path, sha256 ...); found ...`` when the reward model loaded now (its
-    identity, or None) is not the one a manifest recorded; None when it is."""
+_VERB = {"reward_model": "scored", "teacher": "taught"}
+
+
+def model_change(recorded: dict, now: dict | None) -> str | None:
+    """``(recorded path, sha256 ...); found ...`` when the model loaded now (its identity,
+    or None) is not the one a manifest recorded; None when it is."""
     if now is not None and now["sha256"] == recorded["sha256"]:
         return None
-    found = "no reward model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
+    found = "no such model" if now is None else f"{now['path']} with sha256 {now['sha256'][:16]}..."
     return f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...); found {found}"
 
 

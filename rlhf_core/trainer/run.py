@@ -26,7 +26,7 @@ from rlhf_core.record.lease import CONTROLLER_TTL_S, IterationLeases
 from rlhf_core.trainer.report import write_curve
 from rlhf_core.trainer.progress import REWARD_WINDOW, ProgressLine, StopRule
 from rlhf_core.record.checkpoints import checkpoint_due, weights_checkpoint, weights_plan
-from rlhf_core.trainer.restore import (check_reward_model_unchanged, finish_checkpoint, open_run, restore_or_init,
+from rlhf_core.trainer.restore import (check_models_unchanged, finish_checkpoint, open_run, restore_or_init,
                                       save_checkpoint)
 from rlhf_core.trainer.loaders import make_loader
 from rlhf_core.trainer.stages import persisted_names
@@ -113,7 +113,7 @@ def run_iterations(cfg: RunConfig, workers, istore, state, iterations: int, run_
 
     trainer = PPOTrainer(cfg, workers, make_loader(cfg, state), state, on_stage=stage_hook, stage_store=istore,
                          prefetch=attachment.prefetch if attachment else None)
-    check_reward_model_unchanged(istore, trainer)
+    check_models_unchanged(istore, trainer)
     restore_or_init(workers, istore, state, cfg, attachment.workers_at_step if attachment else None, trainer)
     version = code_version()
     rows = []
