@@ -192,6 +192,8 @@ def _run(args: argparse.Namespace) -> int:
     from rlhf_core.record.run_layout import RunRef
     from rlhf_core.trainer.run import run_direct
     from rlhf_core.checkpoint.reader import CheckpointRefusedError
+    from rlhf_core.config import ConfigError
+    from rlhf_core.snapshot import SnapshotError
 
     cfg, provenance = _run_config(args)
     _check_model_path(cfg)
@@ -248,7 +250,9 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"rlhf: iteration {committed} of run {args.run_id} is being run by {held}; nothing was "
                          f"written: run again once it has ended (a holder that stopped renewing its lease loses it "
                          f"after {CONTROLLER_TTL_S + CLOCK_SKEW_MARGIN_S:.0f}s)") from None
-    except CheckpointRefusedError as exc:  # a checkpoint changed after its commit: nothing of it was loaded
+    # a checkpoint changed after its commit (nothing of it was loaded), a damaged snapshot, a
+    # reward model or teacher changed since the run began: one line, nothing more written
+    except (CheckpointRefusedError, SnapshotError, ConfigError) as exc:
         raise SystemExit(f"rlhf: {exc}") from None
     rows = result["rows"]
     progress = ProgressLine(len(rows), started=args.started)

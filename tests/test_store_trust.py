@@ -318,3 +318,24 @@ def test_a_replay_fetches_no_judge_or_teacher_from_an_address_the_record_chose(f
     check_reward_function(stored, [], trusted=True)
     local = apply_overrides(RunConfig(), ["reward_model.enable=true", "reward_model.model.path=/models/rm"])
     check_reward_function(local, [], trusted=False)
+
+
+def test_a_resumed_iterations_coefficient_and_cursor_from_a_snapshot_are_checked_as_data():
+    """A committed stage's meta_info sets the KL coefficient and the prompt cursor a resumed
+    iteration goes on with: a NaN coefficient would poison every later loss, a negative
+    cursor never reaches a prompt; each is refused in one line naming the snapshot."""
+    from rlhf_core.data.dataset import Cursor
+    from rlhf_core.snapshot.errors import SnapshotSchemaError
+    from rlhf_core.trainer.ppo import resumed_state
+
+    where = "file:///s/run/iter-000003/reward"
+    assert resumed_state({"kl_coef": 0.05, "prompt_cursor": {"epoch": 1, "position": 8}}, where) == \
+        (0.05, Cursor(1, 8))
+    assert resumed_state({}, where) == (None, None)
+    for meta, field in (({"kl_coef": float("nan")}, "kl_coef"), ({"kl_coef": -1.0}, "kl_coef"),
+                        ({"kl_coef": "0.1"}, "kl_coef"), ({"kl_coef": True}, "kl_coef"),
+                        ({"prompt_cursor": {"epoch": 0, "position": -3}}, "prompt_cursor"),
+                        ({"prompt_cursor": {"epoch": 0, "position": 1.5}}, "prompt_cursor"),
+                        ({"prompt_cursor": {"epoch": 0, "position": 1, "extra": 1}}, "prompt_cursor")):
+        with pytest.raises(SnapshotSchemaError, match=rf"^{where}: meta_info.{field}: expected "):
+            resumed_state(meta, where)

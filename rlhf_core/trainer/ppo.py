@@ -81,6 +81,27 @@ def seeded_prompts(batch: DataProto, cfg: RunConfig) -> tuple[DataProto, DataPro
     return batch, batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
 
 
+def resumed_state(meta: dict, where: str) -> tuple[float | None, Cursor | None]:
+    """(KL coefficient, prompt cursor) a committed stage's snapshot carries for a resumed
+    iteration, checked as data (a NaN coefficient would poison every later loss, a negative
+    cursor never reaches a prompt): one line naming the snapshot and the field."""
+    import math
+
+    from rlhf_core.snapshot.errors import SnapshotSchemaError
+
+    kl_coef, cursor = meta.get("kl_coef"), meta.get("prompt_cursor")
+    if kl_coef is not None and (isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float))
+                                or not math.isfinite(kl_coef) or kl_coef < 0):
+        raise SnapshotSchemaError(f"{where}: meta_info.kl_coef: expected a finite number >= 0; found {kl_coef!r:.60}")
+    if cursor is not None:
+        if not (isinstance(cursor, dict) and set(cursor) == {"epoch", "position"} and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in cursor.values())):
+            raise SnapshotSchemaError(f"{where}: meta_info.prompt_cursor: expected {{epoch, position}} whole numbers "
+                                      f">= 0; found {cursor!r:.80}")
+        cursor = Cursor(**cursor)
+    return (None if kl_coef is None else float(kl_coef)), cursor
+
+
 class PPOTrainer:
     """Drives PPO/GRPO iterations over worker groups placed on a local or remote Ray."""
 
@@ -164,10 +185,11 @@ class PPOTrainer:
         self.side_metrics = self._run_side_stages(iteration, timing)
         if done:
             batch = self.stage_store.load(iteration, done[-1].name)  # the whole batch (deltas composed)
-            if "kl_coef" in batch.meta_info:
-                self.kl_ctrl.value = float(batch.meta_info["kl_coef"])
-            if "prompt_cursor" in batch.meta_info:  # prompts filter_groups already drew stay drawn
-                self.loader.cursor = Cursor(**batch.meta_info["prompt_cursor"])
+            kl_coef, cursor = resumed_state(batch.meta_info, self.stage_store.stage_uri(iteration, done[-1].name))
+            if kl_coef is not None:
+                self.kl_ctrl.value = kl_coef
+            if cursor is not None:  # prompts filter_groups already drew stay drawn
+                self.loader.cursor = cursor
         elif ahead is not None:
             batch = self._adopt(iteration, ahead, timing)
             done = plan[:len(ahead.stages)]
