@@ -285,6 +285,7 @@ def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(fol
     assert main(["run", "--direct", "--iterations", "1", "--run-id", "judged", "--store", store,
                  f"model.path={folders['policy']}", f"reward_model.model.path={folders['judge']}", *JUDGED,
                  f"data.train_files={write_verl_parquet(tmp_path / 'train.parquet', count=4)}",
+                 f"data.val_files={write_verl_parquet(tmp_path / 'val.parquet', count=2)}",
                  "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2", "data.max_prompt_length=64",
                  "rollout.response_length=6", "trainer.progress=false", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
     istore = IterationStore(RunRef(store, "judged"))
@@ -310,9 +311,13 @@ def test_a_run_scored_by_a_served_judge_records_its_answers_and_replays_them(fol
     assert f"judged by judge {folders['judge']} (sha256 {digest[:16]}...): iterations 0" in \
         format_lineage(chain(istore.run_uri))
     # the replay's judge would answer one token at most: the same answers show none was asked
-    [result] = replay(f"{store}/judged", stages=["reward"], iteration=0, log=lambda *a: None,
-                      trust_reward_function=True, overrides=["reward_model.rollout.response_length=1"])
-    assert result.ok and all(d.equal for d in result.diffs), [d for d in result.diffs if not d.equal]
+    # (the validation too: its responses were judged, and its replay gives the recorded answers)
+    assert [len(json.loads(c)["calls"]) for c in istore.load(0, "validate").non_tensor_batch["judge/calls"]] == [1, 1]
+    results = replay(f"{store}/judged", stages=["reward", "validate"], iteration=0, log=lambda *a: None,
+                     trust_reward_function=True, overrides=["reward_model.rollout.response_length=1"])
+    assert sorted(r.stage for r in results) == ["reward", "validate"]
+    for result in results:
+        assert result.ok and all(d.equal for d in result.diffs), [d for d in result.diffs if not d.equal]
 
 
 @pytest.mark.slow  # a vLLM engine: ~30 s

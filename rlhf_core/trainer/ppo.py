@@ -81,6 +81,10 @@ def seeded_prompts(batch: DataProto, cfg: RunConfig) -> tuple[DataProto, DataPro
     return batch, batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids", "sample_seed"])
 
 
+#: A replayed validation's meta_info key: the judge's recorded answers to its responses.
+RECORDED_JUDGE_CALLS = "recorded_judge_calls"
+
+
 def resumed_state(meta: dict, where: str) -> tuple[float | None, Cursor | None]:
     """(KL coefficient, prompt cursor) a committed stage's snapshot carries for a resumed
     iteration, checked as data (a NaN coefficient would poison every later loss, a negative
@@ -565,6 +569,7 @@ class PPOTrainer:
         verl's names (``val-core/<data_source>/reward/mean@1``). Seeded by val_kwargs.seed,
         so the training's draws are untouched."""
         val, step = self.config.rollout.val_kwargs, batch.meta_info["global_step"]
+        recorded = batch.meta_info.pop(RECORDED_JUDGE_CALLS, None)  # a replay's: no judge is asked again
         batch = batch.repeat(val.n, interleave=True)
         batch.batch["sample_seed"] = val.seed + step * 1_000_003 + torch.arange(len(batch))
         prompts = self._with_chat(batch.pop(batch_keys=["input_ids", "attention_mask", "position_ids",
@@ -573,6 +578,11 @@ class PPOTrainer:
                              "sampling": {"temperature": val.temperature, "top_p": val.top_p,
                                           "top_k": val.top_k}}
         batch = batch.union(self.generate_sequences(prompts, step))
+        if recorded is not None:
+            if len(recorded) != len(batch):
+                raise ValueError(f"{RECORDED_JUDGE_CALLS}: expected one recorded judge record per validation "
+                                 f"response ({len(batch)}); found {len(recorded)}")
+            batch.non_tensor_batch[JUDGE_CALLS] = np.array(recorded, dtype=object)
         if self.reward_model is not None and not self.config.judge_served:  # scored as training is (verl's rule)
             batch = self.compute_rm_score(batch)
         batch = self.compute_reward(batch)

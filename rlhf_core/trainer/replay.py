@@ -355,11 +355,19 @@ def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted:
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
+    from rlhf_core.trainer.ppo import RECORDED_JUDGE_CALLS
+
     from rlhf_core.trainer import stages as stage_table
 
     side = stage_table.BY_NAME[stage].side
     if side:  # its own input, never the iteration's batch
         batch = trainer.side_input(n, stage)
+        if trainer.config.judge_served:  # the judge's answers to the validation responses, as recorded
+            from rlhf_core.workers.reward_loop import CALLS_COLUMN
+
+            recorded = istore.load(n, stage, standalone=True).non_tensor_batch
+            if CALLS_COLUMN in recorded:
+                batch.meta_info[RECORDED_JUDGE_CALLS] = recorded[CALLS_COLUMN].tolist()
     elif plan.index(stage) == 0:  # rollout: the prompts the parent's data cursor yields
         batch = trainer.loader.next_batch()
         batch.meta_info.update(global_step=n, temperature=trainer.config.rollout.temperature)
