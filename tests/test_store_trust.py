@@ -339,3 +339,25 @@ def test_a_resumed_iterations_coefficient_and_cursor_from_a_snapshot_are_checked
                         ({"prompt_cursor": {"epoch": 0, "position": 1, "extra": 1}}, "prompt_cursor")):
         with pytest.raises(SnapshotSchemaError, match=rf"^{where}: meta_info.{field}: expected "):
             resumed_state(meta, where)
+
+
+def test_a_rollouts_weight_version_from_a_snapshot_names_no_step_from_the_future(tmp_path):
+    """Replaying an asynchronous iteration's rollout loads the weights its snapshot says
+    generated it: only a step of the iteration's past is taken."""
+    import torch
+
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.trainer.replay import ReplayError, generated_by
+
+    istore = IterationStore(RunRef(f"file://{tmp_path}", "run"))
+    for n, version in ((2, 1), (3, 7), (4, -1)):
+        istore.save(n, "rollout", DataProto.from_dict(tensors={"weight_version": torch.tensor([version, version])}),
+                    standalone=True)
+    istore.flush()
+    assert generated_by(istore, 2) == 1
+    for n, version in ((3, 7), (4, -1)):
+        with pytest.raises(ReplayError, match=rf"^iteration {n}: weight_version: expected a step in \[0, {n}\] .*; "
+                                              rf"found {version}$"):
+            generated_by(istore, n)

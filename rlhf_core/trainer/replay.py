@@ -291,7 +291,11 @@ def generated_by(istore, n: int) -> int:
     versions = set(istore.load(n, "rollout").batch["weight_version"].tolist())
     if len(versions) != 1:
         raise ReplayError(f"iteration {n}: expected one weight version in its rollout batch; found {sorted(versions)}")
-    return versions.pop()
+    version = versions.pop()
+    if not isinstance(version, int) or not 0 <= version <= n:  # a snapshot is data: no step from the future
+        raise ReplayError(f"iteration {n}: weight_version: expected a step in [0, {n}] (the weights that generated "
+                          f"its rollout); found {version!r}")
+    return version
 
 
 def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
