@@ -491,6 +491,16 @@ def test_the_reward_loops_limits_are_refused_where_nothing_would_apply_them(fold
                                   "reward_model.timeout=5"]).validate()
 
 
+def post_status(address: str, body: bytes) -> int:
+    """The HTTP status of a chat-completions request to ``address``."""
+    req = urllib.request.Request(f"http://{address}/v1/chat/completions", data=body)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_an_asleep_judge_answers_503_and_a_template_that_refuses_answers_400(folders):
     from transformers import AutoTokenizer
 
@@ -510,13 +520,7 @@ def test_an_asleep_judge_answers_503_and_a_template_that_refuses_answers_400(fol
     address = server.start()
 
     def post(messages) -> int:
-        req = urllib.request.Request(f"http://{address}/v1/chat/completions",
-                                     data=json.dumps({"messages": messages}).encode())
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
+        return post_status(address, json.dumps({"messages": messages}).encode())
 
     try:
         assert post([{"role": "user", "content": "a"}]) == 200
@@ -569,12 +573,7 @@ def test_the_judge_server_bounds_its_connections_idle_sockets_and_nesting(folder
     host, port = server.start().split(":")
 
     def post(body: bytes) -> int:
-        req = urllib.request.Request(f"http://{host}:{port}/v1/chat/completions", data=body)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status
-        except urllib.error.HTTPError as exc:
-            return exc.code
+        return post_status(f"{host}:{port}", body)
 
     try:
         idle = [socket.create_connection((host, int(port)), timeout=60) for _ in range(3)]  # send nothing
