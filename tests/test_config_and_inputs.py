@@ -211,6 +211,14 @@ def test_loader_left_pads_keeps_uids_and_cursor(tmp_path):
     third = loader.next_batch()  # 4, then rolls over into epoch 1
     assert third.non_tensor_batch["uid"].tolist() == ["0-4", "1-0"]
     assert loader.cursor.to_dict() == {"epoch": 1, "position": 1}
+    # a second reader of the same prompts (the asynchronous rollouter's) moves on its own
+    from rlhf_core.data.dataset import Cursor
+
+    reader = loader.at(Cursor(0, 2))
+    assert reader.next_batch().non_tensor_batch["uid"].tolist() == ["0-2", "0-3"]
+    assert reader.cursor.to_dict() == {"epoch": 0, "position": 4} and loader.cursor.to_dict() == {"epoch": 1,
+                                                                                                   "position": 1}
+    assert loader.next_batch().non_tensor_batch["uid"].tolist() == ["1-1", "1-2"]
 
 
 def test_prompt_tokenizer_matches_transformers(tmp_path):

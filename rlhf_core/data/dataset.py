@@ -168,6 +168,15 @@ class PromptLoader:
                                f"{' after data.filter_overlong_prompts' if filter_overlong else ''})")
         self._encoded = [self._encode(i, text) for i, text in enumerate(self._texts)]
 
+    def at(self, cursor: Cursor) -> "PromptLoader":
+        """This loader's prompts (tokenized once) read from ``cursor`` on: a second reader of
+        the same data, with a position of its own (the asynchronous rollouter's)."""
+        import copy
+
+        other = copy.copy(self)
+        other.cursor = Cursor(cursor.epoch, cursor.position)
+        return other
+
     @property
     def iterations_per_epoch(self) -> int:
         """verl's dataloader length (``drop_last=True``): whole batches in one pass."""

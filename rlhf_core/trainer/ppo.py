@@ -322,13 +322,12 @@ class PPOTrainer:
         """async_training: start generating the batches of steps up to ``until_step``
         (exclusive) from the current step, after the one whose rollout is committed; the
         replicas get the trainer's weights first when they hold others."""
-        from rlhf_core.trainer.loaders import make_loader
         from rlhf_core.trainer.rollouter import Rollouter
 
         cfg, step = self.config, self.state.global_step
         if not cfg.async_training.enable or step >= until_step:
             return
-        loader = make_loader(cfg, TrainerState(cursor=dict(self.state.cursor)))  # its own, at this step's cursor
+        loader = self.loader.at(Cursor(**self.state.cursor))  # a reader of its own, at this step's cursor
         first = step
         if self.stage_store is not None and self.stage_store.has(step, "rollout"):
             loader.next_batch()  # this step's batch is committed: it is never generated again
