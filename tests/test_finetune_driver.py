@@ -35,6 +35,21 @@ def place(tmp_path_factory):
     ray_head.stop_head(ray_head.read_head(root / "head"), root / "head")
 
 
+@pytest.fixture
+def standin(place):
+    """A stand-in per call (``fail``: its fault points); each one's runner processes end
+    with the test (they would otherwise wait on their input for the rest of the session)."""
+    made = []
+
+    def make(**kwargs):
+        made.append(LocalKfpStandIn(str(place / "head"), str(place / "kfp"), **kwargs))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
 def stop_session(place, run_id):
     """Each run's session holds the local head's CPUs: end it before the next run needs them."""
     subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stop-session", "--run-id", run_id, "--head-root",
@@ -48,14 +63,14 @@ def plan_for(place, run_id, **kw):
     return Plan(run_id, store, {"run_id": run_id, "store": store, **handover(cfg)}, poll_s=0.5, **kw)
 
 
-def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
+def test_three_iterations_with_a_failed_one_retried_and_resumed(place, standin):
     """Pipelined (the default): iteration n+1's run is submitted while n's runs, named after
     the checkpoint n's controller announced. The second submission's controller is killed
     in its reward stage: its iteration is retried (resuming at the stage where it stopped),
     and a run started ahead of it that found it committed with another checkpoint stands
     down and is submitted again, without counting as a failure."""
     plan = plan_for(place, "drive3", iterations=3)
-    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"), fail={2: "stage:reward"})
+    standin = standin(fail={2: "stage:reward"})
     os.makedirs(place / "kfp", exist_ok=True)
     outcome = drive(standin, plan, "", "local", log=lambda *a: None)
     assert outcome.committed == [0, 1, 2] and outcome.reason == "3 of 3 iterations committed"
@@ -89,11 +104,11 @@ def test_three_iterations_with_a_failed_one_retried_and_resumed(place):
     stop_session(place, "drive3")
 
 
-def test_one_run_at_a_time_when_asked(place):
+def test_one_run_at_a_time_when_asked(place, standin):
     """``Plan(pipelined=False)``: a run is submitted only once the one before it ended, each
     with the committed checkpoint it continues from."""
     plan = plan_for(place, "seq2", iterations=2, pipelined=False)
-    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"))
+    standin = standin()
     outcome = drive(standin, plan, "", "local", log=lambda *a: None)
     assert outcome.committed == [0, 1]
     assert [s["name"] for s in standin.submitted] == ["seq2 iteration 000000", "seq2 iteration 000001"]
@@ -103,9 +118,9 @@ def test_one_run_at_a_time_when_asked(place):
     stop_session(place, "seq2")
 
 
-def test_budget_and_reward_target_end_the_loop(place):
+def test_budget_and_reward_target_end_the_loop(place, standin):
     os.makedirs(place / "kfp", exist_ok=True)
-    standin = LocalKfpStandIn(str(place / "head"), str(place / "kfp"))
+    standin = standin()
     spent = drive(standin, plan_for(place, "budget", iterations=50, budget_s=1.0), "", "local", log=lambda *a: None)
     assert spent.committed == [0] and "budget" in spent.reason
     # the reward target is the mean of the recent iterations' rewards: met at exactly the
