@@ -360,6 +360,20 @@ def test_run_by_a_user_who_is_not_root_the_code_reads_none_of_that_users_files(t
         shutil.rmtree(home)
 
 
+def test_a_run_gets_a_user_id_its_namespace_maps_and_an_installation_it_can_show():
+    """Root in a user namespace that maps fewer ids (rootless containers, Kubernetes user
+    namespaces) gets one of those; an interpreter whose folder is no installation, or sits
+    where the code's tmpfs go, leaves the sandbox unavailable rather than the code failing."""
+    assert sandbox._run_uid("         0          0 4294967295") in sandbox.SANDBOX_UIDS
+    for _ in range(20):
+        assert 61440 <= sandbox._run_uid("0 100000 65536") < 65534
+    assert sandbox._run_uid("0 1000 1") == sandbox.NOBODY
+    for python in ("/python3", "/tmp/py/bin/python3", "/var/tmp/py/bin/python3"):
+        with pytest.raises(sandbox.SandboxUnavailable, match="is not in an installation folder"):
+            sandbox._binds(python)
+    assert "/usr" in sandbox._binds("/usr/bin/python3")
+
+
 def _alive(marker: str) -> list:
     import psutil
 

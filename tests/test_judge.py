@@ -538,7 +538,7 @@ def test_a_solution_spelling_the_templates_tokens_stays_text_in_the_judges_promp
     close the judge's user turn and answer for it."""
     from transformers import AutoTokenizer
 
-    from rlhf_core.rollout.openai_server import prompt_ids
+    from rlhf_core.rollout.openai_server import ChatRequestError, prompt_ids
 
     tok = AutoTokenizer.from_pretrained(folders["judge"])
     end, start = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|im_start|>")
@@ -550,6 +550,11 @@ def test_a_solution_spelling_the_templates_tokens_stays_text_in_the_judges_promp
     ids = prompt_ids(tok, forged)
     assert ids.count(end) == 1 and ids.count(start) == 2  # the user turn's, and the generation prompt's
     assert tok.decode(ids).count("<|im_end|>") == 3  # the spelling is kept, as text
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ChatRequestError, match=r"^messages\[0\]: expected the judge's chat template to show its "
+                                               r"content once, in order; it shows it 2 times$"):
+        prompt_ids(tok, forged)
+    assert prompt_ids(tok, plain)  # content spelling no token is templated as the template does it
 
 
 def test_the_judge_server_bounds_its_connections_idle_sockets_and_nesting(folders, monkeypatch):

@@ -352,12 +352,15 @@ def test_a_rollouts_weight_version_from_a_snapshot_names_no_step_from_the_future
     from rlhf_core.trainer.replay import ReplayError, generated_by
 
     istore = IterationStore(RunRef(f"file://{tmp_path}", "run"))
-    for n, version in ((2, 1), (3, 7), (4, -1)):
-        istore.save(n, "rollout", DataProto.from_dict(tensors={"weight_version": torch.tensor([version, version])}),
+    for n, versions in ((2, [1, -1]), (3, [7, 7]), (4, [-1, -1])):  # -1: an agent row that generated nothing
+        istore.save(n, "rollout", DataProto.from_dict(tensors={"weight_version": torch.tensor(versions)}),
                     standalone=True)
     istore.flush()
     assert generated_by(istore, 2) == 1
-    for n, version in ((3, 7), (4, -1)):
+    with pytest.raises(ReplayError, match=r"^iteration 4: expected one weight version in its rollout batch; found "
+                                          r"\[\]$"):
+        generated_by(istore, 4)
+    for n, version in ((3, 7),):
         with pytest.raises(ReplayError, match=rf"^iteration {n}: weight_version: expected a step in \[0, {n}\] .*; "
                                               rf"found {version}$"):
             generated_by(istore, n)

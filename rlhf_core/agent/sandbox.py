@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 #: The user ids code runs as when we are root: one per run, drawn at random, owning no file.
 SANDBOX_UIDS = range(1_900_000_000, 2_000_000_000)
+NOBODY = 65534
 #: What the code's root holds of the host, read-only (where the host has it).
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime", "/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
@@ -103,13 +104,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
 
 def fail(what):
-    sys.stderr.write(f"sandbox: cannot {what} (errno {ctypes.get_errno()})\n")
+    sys.stderr.write(f"cannot {what} (errno {ctypes.get_errno()})\n")
     os._exit(125)
 
 def mount(source, target, kind, flags, data=None):
     if libc.mount(source and source.encode(), target.encode(), kind and kind.encode(), flags,
                   data and data.encode()) != 0:
-        fail(f"mount {kind or source} on {target}")
+        fail(f"mount {kind or source or '(a remount)'} on {target}")
 
 def bind(path, root):
     inside = root + path
@@ -124,49 +125,63 @@ def bind(path, root):
         os.makedirs(os.path.dirname(inside), exist_ok=True)
         open(inside, "a").close()
     mount(path, inside, None, MS_BIND | MS_REC)
-    mount(None, inside, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | (0 if path.startswith("/dev/") else MS_NODEV))
+    # the source's own flags stay (a user namespace may not drop a noexec it inherited)
+    held = os.statvfs(path).f_flag
+    kept = (held & (MS_NOSUID | MS_NODEV | 8 | 1024 | 2048)) | ((1 << 21) if held & 4096 else 0)
+    mount(None, inside, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | kept
+          | (0 if path.startswith("/dev/") else MS_NODEV))
 
-mount(None, "/", None, MS_REC | MS_PRIVATE)
-root = "/tmp"  # a fresh tmpfs over the host's /tmp becomes the code's root
-mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-for path in spec["binds"]:
-    if os.path.lexists(path):
-        bind(path, root)
-for target, size in (("/tmp", spec["tmp_mb"]), ("/var/tmp", 1), ("/dev/shm", 1)):
-    os.makedirs(root + target, exist_ok=True)
-    mount("tmpfs", root + target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,mode=1777")
-os.makedirs(root + "/proc", exist_ok=True)
-mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | 8)  # 8: MS_NOEXEC
-os.makedirs(root + "/.old", exist_ok=True)
-os.chdir(root)
-if libc.syscall(spec["pivot_root"], b".", b".old") != 0:
-    fail("pivot_root")
-os.chdir("/")
-if libc.umount2(b"/.old", 2) != 0:  # MNT_DETACH: nothing of the host's root is left to uncover
-    fail("detach the host's root")
-os.rmdir("/.old")
-mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-os.makedirs("/tmp/work", mode=0o777, exist_ok=True)
-os.chmod("/tmp/work", 0o777)
-os.chdir("/tmp/work")
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
-cap = 0
-while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # up to the kernel's last capability
-    cap += 1
-if cap < 38:
-    fail("empty the capability bounding set")
-if spec["uid"] is not None:
-    os.setgroups([])
-    os.setgid(spec["uid"])
-    os.setuid(spec["uid"])
-if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-    fail("set no_new_privs")
-for name, value in (("RLIMIT_CPU", spec["cpu_s"]), ("RLIMIT_AS", spec["memory_mb"] << 20),
-                    ("RLIMIT_NPROC", spec["processes"]), ("RLIMIT_FSIZE", spec["file_mb"] << 20),
-                    ("RLIMIT_NOFILE", spec["open_files"]), ("RLIMIT_CORE", 0)):
-    resource.setrlimit(getattr(resource, name), (value, value))
-os.execve(spec["python"], [spec["python"], "-I", "-c", spec["code"]],
-          {"PATH": "/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"})
+def build():  # the code's root: a fresh tmpfs over the host's /tmp, pivoted onto, the host's detached
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = "/tmp"
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path in spec["binds"]:
+        if os.path.lexists(path):
+            bind(path, root)
+    for target, size in (("/tmp", spec["tmp_mb"]), ("/var/tmp", 1), ("/dev/shm", 1)):
+        os.makedirs(root + target, exist_ok=True)
+        mount("tmpfs", root + target, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size}m,mode=1777")
+    os.makedirs(root + "/proc", exist_ok=True)
+    mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | 8)  # 8: MS_NOEXEC
+    os.makedirs(root + "/.old", exist_ok=True)
+    os.chdir(root)
+    if libc.syscall(spec["pivot_root"], b".", b".old") != 0:
+        fail("pivot_root")
+    os.chdir("/")
+    if libc.umount2(b"/.old", 2) != 0:  # MNT_DETACH: nothing of the host's root is left to uncover
+        fail("detach the host's root")
+    os.rmdir("/.old")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.makedirs("/tmp/work", mode=0o777, exist_ok=True)
+    os.chmod("/tmp/work", 0o777)
+    os.chdir("/tmp/work")
+
+def drop():  # no capability, no new privileges, the run's user (as root), the limits
+    PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+    cap = 0
+    while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # up to the kernel's last capability
+        cap += 1
+    if cap < 38:
+        fail("empty the capability bounding set")
+    if spec["uid"] is not None:
+        os.setgroups([])
+        os.setgid(spec["uid"])
+        os.setuid(spec["uid"])
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        fail("set no_new_privs")
+    for name, value in (("RLIMIT_CPU", spec["cpu_s"]), ("RLIMIT_AS", spec["memory_mb"] << 20),
+                        ("RLIMIT_NPROC", spec["processes"]), ("RLIMIT_FSIZE", spec["file_mb"] << 20),
+                        ("RLIMIT_NOFILE", spec["open_files"]), ("RLIMIT_CORE", 0)):
+        resource.setrlimit(getattr(resource, name), (value, value))
+
+try:  # whatever fails before the code starts: the sandbox is unavailable here, not the code's error
+    build()
+    drop()
+    os.execve(spec["python"], [spec["python"], "-I", "-c", spec["code"]],
+              {"PATH": "/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"})
+except Exception as exc:
+    sys.stderr.write(f"cannot start the code: {type(exc).__name__}: {exc}\n")
+    os._exit(125)
 """
 
 
@@ -186,10 +201,41 @@ def _nproc_limit(limits: Limits, uid: int | None) -> int:
 
 def _binds(python: str) -> list[str]:
     """What the code's root holds of the host: the system's folders and a few files, and
-    the installation ``python`` belongs to (its prefix: ``bin/``'s parent)."""
+    the installation ``python`` belongs to (its prefix: ``bin/``'s parent, holding its
+    ``lib/pythonX.Y``). An installation that is no such folder (``/``, a home with a
+    ``bin/``), or that sits where the code's own tmpfs go, is refused: the sandbox is
+    unavailable with it."""
     prefix = os.path.dirname(os.path.dirname(python))
-    inside = any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS)
-    return [*SYSTEM_DIRS, *SYSTEM_FILES, *([] if inside else [prefix])]
+    if any(prefix == d or prefix.startswith(d + "/") for d in SYSTEM_DIRS):
+        return [*SYSTEM_DIRS, *SYSTEM_FILES]
+    stdlib = os.path.join(prefix, "lib", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    if prefix in ("/", "") or not os.path.isdir(stdlib) or any(
+            prefix == d or prefix.startswith(d + "/") for d in ("/tmp", "/var/tmp", "/dev/shm", "/proc")):
+        raise SandboxUnavailable(f"the interpreter {python} is not in an installation folder the sandbox can show "
+                                 f"read-only (expected its prefix to hold {stdlib}, outside /tmp, /var/tmp, /dev/shm)")
+    return [*SYSTEM_DIRS, *SYSTEM_FILES, prefix]
+
+
+def _run_uid(uid_map: str | None = None) -> int:
+    """A user id of its own for this run, owning no file: one of ``SANDBOX_UIDS`` where
+    this user namespace maps them (a container's root under a user namespace maps fewer:
+    then the top of its largest range, nobody's 65534 as the last resort). ``uid_map``:
+    ``/proc/self/uid_map``'s text (read when None)."""
+    import secrets
+
+    try:
+        if uid_map is None:
+            with open("/proc/self/uid_map", encoding="ascii") as fh:
+                uid_map = fh.read()
+        ranges = [tuple(map(int, line.split())) for line in uid_map.splitlines() if line.strip()]
+    except (OSError, ValueError):
+        ranges = []
+    mapped = [(inside, inside + count) for inside, _, count in ranges]
+    if any(lo <= SANDBOX_UIDS.start and SANDBOX_UIDS.stop <= hi for lo, hi in mapped):
+        return SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))]
+    lo, hi = max(mapped, key=lambda r: r[1] - r[0], default=(0, 0))
+    spare = range(max(lo + 1, hi - 4096, 1000), hi - 2)  # below 65534 (nobody) at a 65536-id map's top
+    return spare[secrets.randbelow(len(spare))] if len(spare) > 0 else NOBODY
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -254,7 +300,6 @@ def _communicate(proc: subprocess.Popen, stdin: bytes, wall_s: float, cap: int) 
 def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> SandboxResult:
     """Run ``code`` with ``stdin`` in the sandbox; never raises for what the code does."""
     import platform
-    import secrets
 
     unshare = shutil.which("unshare")
     if unshare is None:
@@ -264,10 +309,11 @@ def run_python(code: str, stdin: str = "", limits: Limits = Limits()) -> Sandbox
     root = os.getuid() == 0
     try:
         python = interpreter()
+        binds = _binds(python)
     except SandboxUnavailable as exc:
         return SandboxResult("unavailable", None, "", f"sandbox: {exc}", 0.0)
-    uid = SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] if root else None
-    spec = {"code": code, "python": python, "uid": uid, "tmp_mb": limits.file_mb * 4, "binds": _binds(python),
+    uid = _run_uid() if root else None
+    spec = {"code": code, "python": python, "uid": uid, "tmp_mb": limits.file_mb * 4, "binds": binds,
             "pivot_root": _PIVOT_ROOT[platform.machine()], "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb,
             "processes": _nproc_limit(limits, uid), "file_mb": limits.file_mb, "open_files": limits.open_files}
     namespaces = ["--net", "--mount", "--pid", "--fork", "--mount-proc"] + ([] if root else ["--map-root-user"])

@@ -123,21 +123,29 @@ class _Pending:
 def prompt_ids(tokenizer, messages) -> list[int]:
     """The templated prompt's ids, each message's content read as text: a special token's
     spelling inside it (a policy's solution that writes ``<|im_end|>``) stays text, so no
-    content forges a turn of the judge's prompt. The template is rendered around markers,
-    its own text tokenized with its special tokens, each content with none."""
-    marks = [f"\u2063{uuid.uuid4().hex}\u2063" for _ in messages]
+    content forges a turn of the judge's prompt. Content that spells none is templated and
+    tokenized as the template does it (its filters, a SentencePiece word start); content
+    that does is placed between markers in the rendered template, and each content is
+    tokenized apart with no special token. Not thread-safe: a fast tokenizer keeps
+    ``split_special_tokens`` as state of its own (the server holds a lock)."""
+    spelled = [token for token in tokenizer.get_added_vocab() if token]
+    chat = [{"role": role, "content": content} for role, content in messages]
     try:
-        text = tokenizer.apply_chat_template([{"role": role, "content": mark} for (role, _), mark in
-                                              zip(messages, marks)], add_generation_prompt=True, tokenize=False)
+        if not any(token in content for _, content in messages for token in spelled):
+            ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5: a BatchEncoding
+        marks = [f"\u2063{uuid.uuid4().hex}\u2063" for _ in messages]
+        text = tokenizer.apply_chat_template([{**m, "content": mark} for m, mark in zip(chat, marks)],
+                                             add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # the template refused these messages: asking again changes nothing
         raise ChatRequestError(f"messages: expected messages the judge's chat template renders; it raised "
                                f"{type(exc).__name__}: {exc}") from None
     ids, rest = [], text
     for i, ((_, content), mark) in enumerate(zip(messages, marks)):
-        before, found, rest = rest.partition(mark)
-        if not found:
+        if text.count(mark) != 1 or mark not in rest:
             raise ChatRequestError(f"messages[{i}]: expected the judge's chat template to show its content once, "
-                                   f"in order; it does not")
+                                   f"in order; it shows it {text.count(mark)} times")
+        before, _, rest = rest.partition(mark)
         ids += tokenizer.encode(before, add_special_tokens=False)
         ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
     return ids + tokenizer.encode(rest, add_special_tokens=False)
@@ -183,6 +191,7 @@ class ChatCompletionServer:
         self._open.set()
         self._at_gate = False  # a request taken from the queue, held by ``hold``
         self._engine_lock = threading.Lock()  # an engine call, or a sleep / wake, at a time
+        self._tokenizer_lock = threading.Lock()  # prompt_ids flips a fast tokenizer's own state
         self.asleep = False
         server = self
 
@@ -257,7 +266,8 @@ class ChatCompletionServer:
     def complete(self, body: bytes) -> dict:
         """One request's answer as an OpenAI ``chat.completion`` object."""
         request = parse_chat_request(body, self.max_new_tokens)
-        ids = prompt_ids(self.tokenizer, request.messages)
+        with self._tokenizer_lock:
+            ids = prompt_ids(self.tokenizer, request.messages)
         if len(ids) > self.max_prompt_tokens:
             raise ChatRequestError(f"messages: expected at most {self.max_prompt_tokens} prompt tokens once "
                                    f"templated (reward_model.rollout.prompt_length); found {len(ids)}")

@@ -288,7 +288,8 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
 def generated_by(istore, n: int) -> int:
     """The weight version that generated iteration ``n``'s committed rollout batch (one
     call of the rollouter: every row has the same)."""
-    versions = set(istore.load(n, "rollout").batch["weight_version"].tolist())
+    # (-1: an agent's row that generated nothing, on no weights)
+    versions = {v for v in istore.load(n, "rollout").batch["weight_version"].tolist() if v >= 0}
     if len(versions) != 1:
         raise ReplayError(f"iteration {n}: expected one weight version in its rollout batch; found {sorted(versions)}")
     version = versions.pop()
@@ -338,7 +339,8 @@ def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], t
 
 
 #: The stages each recorded model computes: a replay of one uses the model the iteration used.
-_COMPUTED_BY = {"reward_model": {"rm_score", "validate"}, "teacher": {"teacher_log_prob"}}
+_COMPUTED_BY = {"reward_model": {"rm_score", "validate", "filter_groups"},  # (its further batches are scored)
+                "teacher": {"teacher_log_prob", "filter_groups"}}
 
 
 def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted: list[str]) -> None:

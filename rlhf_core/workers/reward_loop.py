@@ -213,7 +213,7 @@ def _valid_call(call) -> bool:
             and isinstance(call.get("answer"), str) and isinstance(call.get("status"), int)
             and not isinstance(call.get("status"), bool) and 200 <= call["status"] <= 599
             and len(call["answer"]) <= MAX_ANSWER_BYTES and len(call["request"]) <= MAX_ANSWER_BYTES
-            and len(call["path"]) <= 4096)
+            and len(call["path"]) <= MAX_ANSWER_BYTES)
 
 
 def _valid_failure(failed) -> bool:
