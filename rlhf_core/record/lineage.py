@@ -302,5 +302,6 @@ def _format_epochs(rows: list[dict], fmt: str, prefix: str = "") -> str:
         parent = "-" if r["parent_iteration"] is None else str(r["parent_iteration"])
         lines.append(f"{r['iteration']:>5} {parent:>6} {r['settings_hash'][:12]:<13} "
                      f"{r['code_version'].get('source_sha256', '')[:12]:<13} {number[0]:>7.4f} {number[1]:>8.3f}  "
-                     f"{r['wrote_checkpoint'] or '(evaluation before training)'}" + (f"  (git {git[:10]})" if git else ""))
+                     f"{r['wrote_checkpoint'] or '(evaluation before training)'}"
+                     + (f"  (git {git[:10]})" if git else ""))
     return "\n".join(lines)
