@@ -136,7 +136,7 @@ def export_reward_model(files, manifest: dict, uri: str, out: str) -> dict:
     from safetensors.torch import save as save_safetensors
 
     from rlhf_core.checkpoint.reader import METADATA, CheckedReader, WeightsOnlyPlanner
-    from rlhf_core.trainer.preference import ROLE, load_base
+    from rlhf_core.trainer.preference import ROLE, base_and_tokenizer, write_folder
     from rlhf_core.workers import modeling
     from rlhf_core.workers.reward_model import PROVENANCE
 
@@ -149,19 +149,13 @@ def export_reward_model(files, manifest: dict, uri: str, out: str) -> dict:
         raise ExportError(f"{where}: expected the training's base and settings.seed; found base "
                           f"{str(manifest.get('base'))[:60]!r}, settings {str(settings)[:60]!r}")
     base = modeling.resolve_model_path(manifest["base"], settings["seed"], field="base")
-    model = load_base(base)
+    model, tokenizer = base_and_tokenizer(base, settings["seed"])
     state = {name: t.detach().clone() for name, t in model.state_dict().items()}
     wrapped = {"model": state}
     dcp.load(wrapped, storage_reader=CheckedReader(files, ROLE, files.metadata(ROLE)),
              planner=WeightsOnlyPlanner(), no_dist=True)
     model.load_state_dict(wrapped["model"])
-    tokenizer = modeling.load_tokenizer(base)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    target.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(target, safe_serialization=True)
-    tokenizer.save_pretrained(target)
+    write_folder(model, tokenizer, target)
     # what training writes beside its folder (the pair counts aside), as this epoch recorded it
     provenance = {"format": 1, **{key: manifest.get(key) for key in ("data", "base", "settings", "curve",
                                                                       "cut_sides", "code_version")},

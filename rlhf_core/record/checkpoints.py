@@ -137,13 +137,14 @@ def writer_iteration(step: int, run_format: str | None) -> int:
     return step if run_format == REWARD_MODEL_TRAINING_FORMAT else step - 1
 
 
-def named_checkpoints(istore, committed: list[int]) -> dict[str, int]:
+def named_checkpoints(istore, committed: list[int], run_format: str | None = None) -> dict[str, int]:
     """{folder name: step} of every checkpoint a committed record of ``committed`` names:
     a PPO run's initial one and each iteration's weights (``weights_checkpoint``); each
-    epoch's checkpoint of a reward model's training."""
+    epoch's checkpoint of a reward model's training. ``run_format``: the run's
+    (``IterationStore.run_format``; asked when None)."""
     from rlhf_core.record.run_layout import step_of_checkpoint_dir
 
-    if committed and istore.run_format() == REWARD_MODEL_TRAINING_FORMAT:
+    if committed and (run_format or istore.run_format()) == REWARD_MODEL_TRAINING_FORMAT:
         uris = []
         for epoch in committed:
             uri = istore.read_manifest(epoch, format=REWARD_MODEL_TRAINING_FORMAT).get("checkpoint")
@@ -159,14 +160,15 @@ def named_checkpoints(istore, committed: list[int]) -> dict[str, int]:
     return named
 
 
-def newest_weights(istore, committed: list[int]) -> tuple[str | None, list[int]]:
+def newest_weights(istore, committed: list[int], run_format: str | None = None,
+                   named: dict[str, int] | None = None) -> tuple[str | None, list[int]]:
     """(the checkpoint the run's newest weights are loaded from, the committed iterations
     redone after it): what a resume needs. A reward model's training resumes from its last
-    epoch's checkpoint alone."""
+    epoch's checkpoint alone. ``named``: ``named_checkpoints``' answer, when asked already."""
     if not committed:
         return None, []
-    if istore.run_format() == REWARD_MODEL_TRAINING_FORMAT:
-        named = named_checkpoints(istore, committed)
+    if (run_format or istore.run_format()) == REWARD_MODEL_TRAINING_FORMAT:
+        named = named if named is not None else named_checkpoints(istore, committed, REWARD_MODEL_TRAINING_FORMAT)
         newest = max(named, key=named.get, default=None)
         return (f"{istore.run_uri.rstrip('/')}/checkpoints/{newest}" if newest else None), []
     return weights_checkpoint(istore, committed[-1] + 1), weights_plan(istore, committed[-1] + 1)[1]

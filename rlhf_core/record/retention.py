@@ -168,9 +168,9 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         return latest is None or log.is_free(latest[1], holder="rlhf-gc")
 
     # what the newest weights are made of: a checkpoint and the iterations redone after it
-    needed, redo = newest_weights(istore, committed)
-    named = named_checkpoints(istore, committed)
     run_format = istore.run_format()
+    named = named_checkpoints(istore, committed, run_format)
+    needed, redo = newest_weights(istore, committed, run_format, named)
     kept = policy.kept_checkpoints(sorted(set(named.values())))
     for name in _children(run.child(run_layout.CHECKPOINTS)):
         step = run_layout.step_of_checkpoint_dir(name)
@@ -185,7 +185,7 @@ def plan_gc(run_uri: str, policy: RetentionPolicy, grace_s: float = 3600.0,
         # or committed it since ``named`` was read: a writer commits before it releases
         # its lease, so a record read after the lease read shows such a commit
         elif not writing(max(writer_iteration(step, run_format), 0)) and _age_s(loc, now) >= grace_s \
-                and name not in named_checkpoints(istore, istore.committed_iterations()):
+                and name not in named_checkpoints(istore, istore.committed_iterations(), run_format):
             plan.orphans.append(loc.uri)
     for name in _children(run):
         iteration = run_layout.iteration_of_dir(name)

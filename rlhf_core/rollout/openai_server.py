@@ -120,15 +120,21 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-def prompt_ids(tokenizer, messages) -> list[int]:
+def special_spellings(tokenizer) -> list[str]:
+    """The texts a tokenizer reads as one added (special or control) token."""
+    return [token for token in tokenizer.get_added_vocab() if token]
+
+
+def prompt_ids(tokenizer, messages, spelled: list[str] | None = None) -> list[int]:
     """The templated prompt's ids, each message's content read as text: a special token's
     spelling inside it (a policy's solution that writes ``<|im_end|>``) stays text, so no
     content forges a turn of the judge's prompt. Content that spells none is templated and
     tokenized as the template does it (its filters, a SentencePiece word start); content
     that does is placed between markers in the rendered template, and each content is
     tokenized apart with no special token. Not thread-safe: a fast tokenizer keeps
-    ``split_special_tokens`` as state of its own (the server holds a lock)."""
-    spelled = [token for token in tokenizer.get_added_vocab() if token]
+    ``split_special_tokens`` as state of its own (the server holds a lock). ``spelled``:
+    ``special_spellings(tokenizer)``, which a server asks once."""
+    spelled = special_spellings(tokenizer) if spelled is None else spelled
     chat = [{"role": role, "content": content} for role, content in messages]
     try:
         if not any(token in content for _, content in messages for token in spelled):
@@ -192,6 +198,7 @@ class ChatCompletionServer:
         self._at_gate = False  # a request taken from the queue, held by ``hold``
         self._engine_lock = threading.Lock()  # an engine call, or a sleep / wake, at a time
         self._tokenizer_lock = threading.Lock()  # prompt_ids flips a fast tokenizer's own state
+        self._spelled = special_spellings(tokenizer)
         self.asleep = False
         server = self
 
@@ -267,7 +274,7 @@ class ChatCompletionServer:
         """One request's answer as an OpenAI ``chat.completion`` object."""
         request = parse_chat_request(body, self.max_new_tokens)
         with self._tokenizer_lock:
-            ids = prompt_ids(self.tokenizer, request.messages)
+            ids = prompt_ids(self.tokenizer, request.messages, self._spelled)
         if len(ids) > self.max_prompt_tokens:
             raise ChatRequestError(f"messages: expected at most {self.max_prompt_tokens} prompt tokens once "
                                    f"templated (reward_model.rollout.prompt_length); found {len(ids)}")

@@ -80,6 +80,27 @@ def load_base(path: str):
     return model
 
 
+def base_and_tokenizer(base: str, seed: int):
+    """(the one-label classifier ``load_base`` makes of the folder ``base``, its tokenizer),
+    padding with EOS where the tokenizer has no pad token; ``seed`` seeds a new score head."""
+    from rlhf_core.workers import modeling
+
+    tokenizer = modeling.load_tokenizer(base)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)  # the new score head's initial weights
+    model = load_base(base)
+    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return model, tokenizer
+
+
+def write_folder(model, tokenizer, out: Path) -> None:
+    """The reward-model folder ``reward_model.model.path`` takes: weights and tokenizer."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval().save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
 def _encode(tokenizer, texts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Right-padded ids and mask of ``texts``; how many were cut (their start dropped)."""
     rows, cut = [], 0
@@ -235,12 +256,7 @@ def train_reward_model(spec: RewardModelTraining, log=print, folder: str | None 
     record = _Record(spec, data)
     last = record.last()
     base = modeling.resolve_model_path(spec.base, spec.seed, field="--base")
-    tokenizer = modeling.load_tokenizer(base)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(spec.seed)  # the new score head's initial weights
-    model = load_base(base)
-    model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    model, tokenizer = base_and_tokenizer(base, spec.seed)
     if spec.remove_padding:
         from rlhf_core.workers import packing
 
@@ -309,9 +325,7 @@ def train_reward_model(spec: RewardModelTraining, log=print, folder: str | None 
             + (f" | held-out accuracy {row['accuracy']:.3f} margin {row['margin']:.3f} ({held} pairs)"
                if held_out else "") + f" | {time.perf_counter() - t0:.0f}s")
     out = Path(folder or spec.out)  # folder: where the files go before they are published at spec.out
-    out.mkdir(parents=True, exist_ok=True)
-    model.eval().save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    write_folder(model, tokenizer, out)
     provenance = {"format": 1, "data": data, "base": spec.base, "settings": asdict(spec), "pairs": len(pairs),
                   "train_pairs": len(train), "held_out_pairs": held, "cut_sides": cut, "curve": curve,
                   "run": record.uri, "code_version": code_version()}
