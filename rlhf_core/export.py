@@ -87,6 +87,9 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
     from rlhf_core.workers import modeling
     from rlhf_core.checkpoint.reader import METADATA, CheckedFiles
 
+    target = Path(out)
+    if target.exists() and any(target.iterdir()):
+        raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
     manifest = None
     if expected is None:
         expected, manifest = committed_record(uri, storage_options)
@@ -101,9 +104,6 @@ def export_checkpoint(uri: str, out: str, storage_options: dict | None = None,
         raise ExportError(f"{uri}/{TRAINER_STATE_FILE}: no config.model.path; cannot find the base model's "
                           f"config and tokenizer")
     base = Path(modeling.resolve_model_path(model_path, int((config.get("trainer") or {}).get("seed", 0))))
-    target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
     lora_cfg = _lora_settings(config)
     if lora_cfg is not None:
         _check_base(files, uri, base)
@@ -133,16 +133,13 @@ def export_reward_model(files, manifest: dict, uri: str, out: str) -> dict:
     base, the run) that PPO's manifests and ``rlhf lineage`` read; EXPORT.json beside it.
     A training killed after its last commit, or any earlier epoch, is exported this way."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import save as save_safetensors
 
     from rlhf_core.checkpoint.reader import METADATA, CheckedReader, WeightsOnlyPlanner
     from rlhf_core.trainer.preference import ROLE, base_and_tokenizer, write_folder
     from rlhf_core.workers import modeling
     from rlhf_core.workers.reward_model import PROVENANCE
 
-    target = Path(out)
-    if target.exists() and any(target.iterdir()):
-        raise ExportError(f"--out: expected a new or empty folder; found {out} with files in it")
+    target = Path(out)  # new or empty: export_checkpoint checked
     settings, where = manifest.get("settings"), f"{uri}: its epoch's manifest"
     if not isinstance(settings, dict) or not isinstance(manifest.get("base"), str) \
             or not isinstance(settings.get("seed"), int):

@@ -19,6 +19,15 @@ class AgentBatchError(ValueError):
     """A row the agent loop cannot take (one line)."""
 
 
+#: The weight version of a row that generated nothing (an agent's trajectory with no turn).
+NO_VERSION = -1
+
+
+def generated_versions(weight_version: torch.Tensor) -> set[int]:
+    """The weight versions that generated a batch's rows (its ``weight_version`` column)."""
+    return {v for v in weight_version.tolist() if v != NO_VERSION}
+
+
 def rows_of(prompts: DataProto, default_loop: str, replaying: bool = False) -> list[AgentRow]:
     """Each prompt row as an agent loop's input; ``replaying``: with the calls recorded in
     the batch's ``agent/tool_calls`` column (a rollout replayed from its record)."""
@@ -72,7 +81,7 @@ def batch_of(prompts: DataProto, trajectories: list[Trajectory], response_length
         "prompts": prompt_ids, "responses": responses, "response_mask": response_mask,
         "rollout_log_probs": log_probs * response_mask, "input_ids": torch.cat([prompt_ids, responses], dim=1),
         "attention_mask": attention_mask, "position_ids": (attention_mask.cumsum(dim=1) - 1).clamp(min=0),
-        "weight_version": torch.tensor([min(t.versions) if t.versions else -1 for t in trajectories],
+        "weight_version": torch.tensor([min(t.versions) if t.versions else NO_VERSION for t in trajectories],
                                        dtype=torch.long),
     }, {
         "agent/turns": object_column([json.dumps(t.turns, ensure_ascii=False) for t in trajectories]),

@@ -208,8 +208,9 @@ class PPOTrainer:
                 self.on_updated()  # the weights are final for this iteration (a checkpoint may start)
 
         if "weight_version" in batch.batch.keys():  # which weights generated the rows (async: older ones)
-            # (-1: an agent's row that generated nothing, on no weights)
-            self.weight_versions = sorted({v for v in batch.batch["weight_version"].tolist() if v >= 0})
+            from rlhf_core.agent.batch import generated_versions
+
+            self.weight_versions = sorted(generated_versions(batch.batch["weight_version"]))
         self.state.global_step += 1
         self.state.cursor = self.loader.cursor.to_dict()
         self.state.kl_coef = self.kl_ctrl.value

@@ -164,12 +164,17 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _chosen(overrides: list[str]) -> set[str]:
+    """The config keys a replay's own ``--override``s name."""
+    return {o.split("=", 1)[0].strip() for o in overrides}
+
+
 def check_reward_function(cfg: RunConfig, overrides: list[str], trusted: bool) -> None:
     """Refuse, before anything imports it, a ``reward.function`` that only the stored
     manifest chose and this machine does not vouch for (``reward.installed``)."""
     from rlhf_core.workers import reward
 
-    chosen = {o.split("=", 1)[0].strip() for o in overrides}
+    chosen = _chosen(overrides)
     if cfg.custom_reward_function.path and not (trusted or chosen & {"custom_reward_function.path",
                                                                       "custom_reward_function.name"}):
         raise ReplayError(f"custom_reward_function.path {cfg.custom_reward_function.path!r} (from the iteration's "
@@ -288,8 +293,9 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
 def generated_by(istore, n: int) -> int:
     """The weight version that generated iteration ``n``'s committed rollout batch (one
     call of the rollouter: every row has the same)."""
-    # (-1: an agent's row that generated nothing, on no weights)
-    versions = {v for v in istore.load(n, "rollout").batch["weight_version"].tolist() if v >= 0}
+    from rlhf_core.agent.batch import generated_versions
+
+    versions = generated_versions(istore.load(n, "rollout").batch["weight_version"])
     if len(versions) != 1:
         raise ReplayError(f"iteration {n}: expected one weight version in its rollout batch; found {sorted(versions)}")
     version = versions.pop()
@@ -328,7 +334,7 @@ def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], t
     multi = cfg.rollout.multi_turn
     if "filter_groups" not in wanted or not multi.enable or trusted:
         return
-    chosen = {o.split("=", 1)[0].strip() for o in overrides}
+    chosen = _chosen(overrides)
     for key in ("tool_config_path", "interaction_config_path"):
         value = getattr(multi, key)
         if value and not value.startswith("builtin:") and f"rollout.multi_turn.{key}" not in chosen:
@@ -349,7 +355,7 @@ def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted:
     names another on purpose (a what-if, saved apart)."""
     from rlhf_core.trainer.restore import RECORDED_MODELS, model_change
 
-    for key, field, what, identity in RECORDED_MODELS:
+    for key, field, what, _, identity in RECORDED_MODELS:
         recorded = manifest.get(key)
         if recorded is None or not _COMPUTED_BY[key] & set(wanted) or \
                 any(o.startswith(field.rsplit(".", 1)[0] + ".") for o in overrides):
@@ -361,36 +367,33 @@ def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted:
 
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
-    from rlhf_core.trainer.ppo import RECORDED_JUDGE_CALLS
-
     from rlhf_core.trainer import stages as stage_table
+    from rlhf_core.trainer.ppo import RECORDED_JUDGE_CALLS
+    from rlhf_core.workers.reward_loop import CALLS_COLUMN
 
+    cfg = trainer.config
     side = stage_table.BY_NAME[stage].side
-    if side:  # its own input, never the iteration's batch
-        batch = trainer.side_input(n, stage)
-        if trainer.config.judge_served:  # the judge's answers to the validation responses, as recorded
-            from rlhf_core.workers.reward_loop import CALLS_COLUMN
-
-            recorded = istore.load(n, stage, standalone=True).non_tensor_batch
-            if CALLS_COLUMN in recorded:
-                batch.meta_info[RECORDED_JUDGE_CALLS] = recorded[CALLS_COLUMN].tolist()
-    elif plan.index(stage) == 0:  # rollout: the prompts the parent's data cursor yields
-        batch = trainer.loader.next_batch()
-        batch.meta_info.update(global_step=n, temperature=trainer.config.rollout.temperature)
-    else:
+    if not side and plan.index(stage) > 0:
         batch = istore.load(n, plan[plan.index(stage) - 1])
-        if stage == stage_table.SCORED and trainer.config.judge_served:  # the judge's answers as recorded
-            from rlhf_core.workers.reward_loop import CALLS_COLUMN
-
+        if stage == stage_table.SCORED and cfg.judge_served:  # the judge's answers as recorded
             recorded = istore.load(n, stage).non_tensor_batch
             if CALLS_COLUMN in recorded:
                 batch.non_tensor_batch[CALLS_COLUMN] = recorded[CALLS_COLUMN]
         return batch
-    if trainer.config.rollout.multi_turn.enable:  # the tools' answers as recorded: no tool is called again
-        nt = istore.load(n, stage, standalone=side).non_tensor_batch
-        if "agent/seed" in nt:
-            batch.meta_info["recorded_tool_calls"] = dict(zip((int(s) for s in nt["agent/seed"].tolist()),
-                                                              nt["agent/tool_calls"].tolist()))
+    if side:  # its own input, never the iteration's batch
+        batch = trainer.side_input(n, stage)
+    else:  # rollout: the prompts the parent's data cursor yields
+        batch = trainer.loader.next_batch()
+        batch.meta_info.update(global_step=n, temperature=cfg.rollout.temperature)
+    # what the stage recorded of its calls (read once): the judge's answers to a
+    # validation's responses, the tools' answers: none is asked again
+    recorded = istore.load(n, stage, standalone=side).non_tensor_batch \
+        if (side and cfg.judge_served) or cfg.rollout.multi_turn.enable else {}
+    if side and cfg.judge_served and CALLS_COLUMN in recorded:
+        batch.meta_info[RECORDED_JUDGE_CALLS] = recorded[CALLS_COLUMN].tolist()
+    if cfg.rollout.multi_turn.enable and "agent/seed" in recorded:
+        batch.meta_info["recorded_tool_calls"] = dict(zip((int(s) for s in recorded["agent/seed"].tolist()),
+                                                          recorded["agent/tool_calls"].tolist()))
     return batch
 
 

@@ -62,9 +62,10 @@ def open_run(cfg: RunConfig, istore, log=print):
 
 
 #: The models a run is scored or taught by, as its manifests record them: (the manifest's
-#: key, the config field naming the folder, what it is, the trainer's identity of it now).
-RECORDED_MODELS = (("reward_model", "reward_model.model.path", "the reward model", "reward_model_identity"),
-                   ("teacher", "distillation.teacher_model.model_path", "the teacher", "teacher_identity"))
+#: key, the config field naming the folder, what it is, what it did to the run, the
+#: trainer's identity of it now).
+RECORDED_MODELS = (("reward_model", "reward_model.model.path", "the reward model", "scored", "reward_model_identity"),
+                   ("teacher", "distillation.teacher_model.model_path", "the teacher", "taught", "teacher_identity"))
 
 
 def check_models_unchanged(istore, trainer) -> None:
@@ -74,17 +75,14 @@ def check_models_unchanged(istore, trainer) -> None:
     rewards, or two teachers, in one run, unseen)."""
     committed = istore.committed_iterations()
     manifest = istore.read_manifest(committed[-1]) if committed else {}
-    for key, field, what, identity in RECORDED_MODELS:
+    for key, field, what, did, identity in RECORDED_MODELS:
         recorded = manifest.get(key)
         if recorded is None:
             continue
         changed = model_change(recorded, getattr(trainer, identity)())
         if changed:
-            raise ConfigError(f"{field}: expected {what} run {istore.run_id} was {_VERB[key]} by {changed} (the "
+            raise ConfigError(f"{field}: expected {what} run {istore.run_id} was {did} by {changed} (the "
                               f"folder's content changed: restore it, or start a new --run-id)")
-
-
-_VERB = {"reward_model": "scored", "teacher": "taught"}
 
 
 def model_change(recorded: dict, now: dict | None) -> str | None:

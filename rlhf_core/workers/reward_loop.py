@@ -195,13 +195,13 @@ def check_replayed(router: JudgeRouter) -> None:
 def calls_column(router: JudgeRouter, rows: int, extras: dict[str, list]) -> list[str]:
     """Each row's judge calls (in the order they were answered) and, under rate_limited,
     how its call failed (it scored 0), as JSON text."""
-    out = []
+    out, timeouts, errors = [], extras.get("timeout") or [None] * rows, extras.get("error") or [None] * rows
     for i in range(rows):
         failed = None
-        if (extras.get("timeout") or [None] * rows)[i]:
+        if timeouts[i]:
             failed = {"timeout": True}
-        elif (extras.get("error") or [None] * rows)[i] is not None:
-            failed = {"error": str(extras["error"][i])}
+        elif errors[i] is not None:
+            failed = {"error": str(errors[i])}
         out.append(json.dumps({"calls": router.calls.get(i, []), "failed": failed}, ensure_ascii=False))
     return out
 
