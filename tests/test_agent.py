@@ -325,39 +325,45 @@ def test_the_code_sees_a_root_of_its_own_without_capabilities(tmp_path):
 
 def test_run_by_a_user_who_is_not_root_the_code_reads_none_of_that_users_files(tmp_path):
     """The image runs as uid 1000: the code stays that user (a user namespace), and sees
-    none of its files, its 0600 credentials included."""
+    none of its files, its 0600 credentials included. Run by root, the test becomes uid
+    1000 in a mount namespace of its own, where that user's home (with a copy of the
+    sandbox's module) is bound at /srv or /mnt: outside every tmpfs of the sandbox, and
+    reachable whatever folder the checkout is in. Nothing changes on the host."""
     import shutil
     import subprocess
-    import uuid
-    from pathlib import Path
 
-    home = Path(__file__).parent / f".sandbox-home-{uuid.uuid4().hex[:8]}"  # outside every tmpfs of the sandbox
+    home = tmp_path / "home"
     home.mkdir()
-    try:
-        (home / "credentials").write_text("AKIA-secret")
-        (home / "credentials").chmod(0o600)
-        probe = ("import json, os\nprint(json.dumps([os.path.exists(os.environ['SECRET']), "
-                 "[l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]]))")
-        runner = (f"import importlib.util, json, sys\n"
-                  f"spec = importlib.util.spec_from_file_location('sbx', {sandbox.__file__!r})\n"
-                  f"sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
-                  f"r = sbx.run_python({probe!r}.replace(\"os.environ['SECRET']\", repr(sys.argv[1])), '', "
-                  f"sbx.Limits(wall_s=20))\nprint(json.dumps([r.status, r.stdout, r.stderr]))")
-        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
-        command = [python, "-I", "-c", runner, str(home / "credentials")]
-        if os.getuid() == 0:
-            os.chown(home, 1000, 1000)
-            os.chown(home / "credentials", 1000, 1000)
-            command = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", *command]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/",
-                              env={"PATH": "/usr/bin:/bin", "HOME": str(home)})
-        assert done.returncode == 0, done.stderr[-2000:]
-        status, stdout, stderr = json.loads(done.stdout)
-        if status == "unavailable":
-            pytest.fail(f"the sandbox should run as a user who is not root here: {stderr}")
-        assert (status, json.loads(stdout)) == ("ok", [False, ["0000000000000000"]]), (stdout, stderr)
-    finally:
-        shutil.rmtree(home)
+    shutil.copy(sandbox.__file__, home / "sandbox_module.py")
+    (home / "credentials").write_text("AKIA-secret")
+    (home / "credentials").chmod(0o600)
+    seen = next((d for d in ("/srv", "/mnt") if os.path.isdir(d)), None) if os.getuid() == 0 else str(home)
+    if seen is None:
+        pytest.fail("expected /srv or /mnt to bind the test user's home at")
+    probe = ("import json, os\nprint(json.dumps([os.path.exists(os.environ['SECRET']), "
+             "[l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')]]))")
+    runner = (f"import importlib.util, json, sys\n"
+              f"spec = importlib.util.spec_from_file_location('sbx', sys.argv[2] + '/sandbox_module.py')\n"
+              f"sbx = sys.modules['sbx'] = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(sbx)\n"
+              f"r = sbx.run_python({probe!r}.replace(\"os.environ['SECRET']\", repr(sys.argv[1])), '', "
+              f"sbx.Limits(wall_s=20))\nprint(json.dumps([r.status, r.stdout, r.stderr]))")
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else shutil.which("python3")
+    command = [python, "-I", "-c", runner, f"{seen}/credentials", seen]
+    if os.getuid() == 0:
+        for path in home.iterdir():
+            os.chown(path, 1000, 1000)
+        os.chown(home, 1000, 1000)
+        home.chmod(0o700)
+        command = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   'mount --bind "$0" "$1" && shift && exec setpriv --reuid=1000 --regid=1000 --clear-groups "$@"',
+                   str(home), seen, *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd="/",
+                          env={"PATH": "/usr/bin:/bin", "HOME": seen})
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, stdout, stderr = json.loads(done.stdout)
+    if status == "unavailable":
+        pytest.fail(f"the sandbox should run as a user who is not root here: {stderr}")
+    assert (status, json.loads(stdout)) == ("ok", [False, ["0000000000000000"]]), (stdout, stderr)
 
 
 def test_a_run_gets_a_user_id_its_namespace_maps_and_an_installation_it_can_show():
