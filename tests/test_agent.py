@@ -624,6 +624,13 @@ def test_replaying_filter_groups_builds_no_tool_or_interaction_the_stored_config
     builtin = apply_overrides(RunConfig(), ["rollout.multi_turn.enable=true",
                                             "rollout.multi_turn.tool_config_path=builtin:calculator"])
     _check_live_agent(builtin, ["filter_groups"], [], trusted=False)
+    # a record that holds every further generation batch: their answers are given again, nothing is built
+    recorded = {"metrics": {"train/num_gen_batches": 3},
+                "snapshots": {name: "..." for name in ("reward", "filter_groups.gen_batch-1", "filter_groups.gen_batch-2")}}
+    _check_live_agent(cfg, ["filter_groups"], [], trusted=False, manifest=recorded)
+    del recorded["snapshots"]["filter_groups.gen_batch-2"]
+    with pytest.raises(ReplayError, match="only with --trust-reward-function"):
+        _check_live_agent(cfg, ["filter_groups"], [], trusted=False, manifest=recorded)
     with pytest.raises(ReplayError, match=r"^rollout.multi_turn.tool_config_path: expected the iteration's record "
                                           r"of its tool config \(the manifest's tools: its sha256\); found 'None'$"):
         _check_tools({}, builtin, [])

@@ -81,6 +81,15 @@ def test_the_batch_holds_train_batch_size_varied_groups(dapo_run):
     manifest = istore.read_manifest(1)
     # the data cursor moved past every prompt drawn: gen_batch_size per generation batch
     assert manifest["data_cursor"] == {"epoch": 0, "position": 8 * sum(generations)}
+    # each further generation batch is committed whole, as scored, and listed with the iteration
+    for n, count in enumerate(generations):
+        listed = istore.read_manifest(n)["snapshots"]
+        further = sorted(name for name in listed if name.startswith("filter_groups."))
+        assert further == [f"filter_groups.gen_batch-{k}" for k in range(1, count)], (n, further)
+        for k, name in enumerate(further, start=1):
+            batch = istore.load(n, name, standalone=True)
+            assert len(batch) == 8 * 4 and batch.meta_info["generation"] == k
+            assert "reward_extra/acc" in batch.non_tensor_batch and "token_level_scores" in batch.batch.keys()
 
 
 def test_a_run_interrupted_after_filter_groups_resumes_with_the_prompts_it_drew(dapo_run, tmp_path):
@@ -102,12 +111,69 @@ def test_a_run_interrupted_after_filter_groups_resumes_with_the_prompts_it_drew(
         IterationStore(RunRef(f"file://{dapo_run['root'] / 'store'}", "r")).read_manifest(1)["data_cursor"]
 
 
-def test_filter_groups_replays_exactly(dapo_run):
+def test_a_run_killed_inside_filter_groups_resumes_from_the_batches_it_committed(dapo_run, tmp_path, monkeypatch):
+    """Killed after its further generation batches are committed, before the stage is:
+    the resumed stage takes them from the store (nothing is generated or scored again: an
+    agent's tools and a judge are not asked twice) and the run is bit-identical."""
+    from rlhf_core.trainer.ppo import PPOTrainer
+
+    generations = [row["train/num_gen_batches"] for row in dapo_run["rows"]]
+    n = generations.index(max(generations))
+
+    class Crash(RuntimeError):
+        pass
+
+    done = PPOTrainer._stage_done
+
+    def crash_after(self, name):
+        done(self, name)  # the snapshots handed over so far are committed
+        if (self.state.global_step, name) == (n, "filter_groups"):
+            raise Crash("injected")
+
+    store = tmp_path / "store"
+    monkeypatch.setattr(PPOTrainer, "_stage_done", crash_after)
+    with pytest.raises(Crash):
+        run_direct(dapo_run["cfg"], n + 1, RunRef(f"file://{store}", "r"), log=lambda *a: None)
+    monkeypatch.setattr(PPOTrainer, "_stage_done", done)
+    it = store / f"r/iter-{n:06d}"
+    assert (it / f"filter_groups.gen_batch-{max(generations) - 1}/SNAPSHOT.json").exists()
+    assert not (it / "filter_groups/SNAPSHOT.json").exists()
+
+    def generated(self, step, generation):
+        raise AssertionError(f"generation batch {generation} of iteration {step} was generated again")
+
+    monkeypatch.setattr(PPOTrainer, "_generate_scored", generated)
+    run_direct(dapo_run["cfg"], 2 - n, RunRef(f"file://{store}", "r"), log=lambda *a: None)
+    a, b = fingerprint(dapo_run["root"] / "store", "r"), fingerprint(store, "r")
+    assert sorted(a) == sorted(b) and not [k for k in a if a[k] != b[k]]
+
+
+def test_filter_groups_replays_exactly_with_its_further_batches(dapo_run, tmp_path):
+    import shutil
+
+    from rlhf_core.snapshot import save_snapshot
     from rlhf_core.trainer.replay import replay
 
-    [result] = replay(f"file://{dapo_run['root'] / 'store'}/r/iter-000001", stages=["filter_groups"],
+    generations = [row["train/num_gen_batches"] for row in dapo_run["rows"]]
+    n = generations.index(max(generations))
+    [result] = replay(f"file://{dapo_run['root'] / 'store'}/r/iter-{n:06d}", stages=["filter_groups"],
                       log=lambda *a: None, trust_reward_function=True)
     assert result.ok, [d for d in result.diffs if not d.equal]
+    compared = {d.field.split("/", 1)[0] for d in result.diffs if d.field.startswith("gen_batch-")}
+    assert compared == {f"gen_batch-{k}" for k in range(1, max(generations))}
+    # a further batch recorded otherwise than it replays is a difference of that batch
+    copy = tmp_path / "store"
+    shutil.copytree(dapo_run["root"] / "store", copy)
+    name = copy / f"r/iter-{n:06d}/filter_groups.gen_batch-1"
+    from rlhf_core.snapshot import load_snapshot
+
+    batch = load_snapshot(f"file://{name}")
+    batch.batch["token_level_scores"] = batch.batch["token_level_scores"] + 1.0
+    shutil.rmtree(name)
+    save_snapshot(batch, f"file://{name}")
+    [result] = replay(f"file://{copy}/r/iter-{n:06d}", stages=["filter_groups"], log=lambda *a: None,
+                      trust_reward_function=True)
+    assert [d.field for d in result.diffs if not d.equal] == ["gen_batch-1/token_level_scores"]
 
 
 def test_too_many_generation_batches_stop_the_run_in_one_line(tmp_path, ray_local):
@@ -176,3 +242,87 @@ def test_an_iteration_that_needs_many_generation_batches_completes(tmp_path, ray
     assert rows[0]["train/num_gen_batches"] >= 3, rows[0]["train/num_gen_batches"]
     batch = IterationStore(RunRef(f"file://{tmp_path / 'store'}", "r")).load(0, "filter_groups")
     assert len(set(batch.non_tensor_batch["uid"].tolist())) == 4
+
+
+def test_an_agents_further_generation_batches_replay_from_the_record_without_a_tool(tmp_path, ray_local, monkeypatch):
+    """The calculator task's agent loop under dynamic sampling, its tool config a file of
+    the user's: every further generation batch's trajectories (turns, calls, answers) are
+    committed, and replaying filter_groups gives them again: no tool is built or asked,
+    and no trust in the stored tool config is needed."""
+    import shutil
+    from pathlib import Path
+
+    from rlhf_core.agent.tool_config import BUILT_IN_CONFIGS
+    from rlhf_core.agent.tools.calculator import CalculatorTool
+    from rlhf_core.cli import main
+    from rlhf_core.trainer.replay import replay
+
+    tools = tmp_path / "my_calculator.yaml"
+    shutil.copy(BUILT_IN_CONFIGS["calculator"], tools)
+    store = f"file://{tmp_path / 'store'}"
+    assert main(["run", "--direct", "--config", str(Path(__file__).resolve().parents[1] / "examples" / "agent" /
+                                                   "calculator.yaml"),
+                 "--iterations", "1", "--run-id", "agent", "--store", store, "data.train_batch_size=8",
+                 "actor.ppo_mini_batch_size=8", "rollout.n=2", f"rollout.multi_turn.tool_config_path={tools}",
+                 "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_reward",
+                 "trainer.progress=false", f"trainer.output_dir={tmp_path / 'out'}"]) == 0
+    istore = IterationStore(RunRef(store, "agent"))
+    further = sorted(name for name in istore.read_manifest(0)["snapshots"] if name.startswith("filter_groups."))
+    assert further, "the iteration drew no further generation batch"
+    calls = [c for name in further
+             for c in istore.load(0, name, standalone=True).non_tensor_batch["agent/tool_calls"].tolist()]
+    assert any(c != "[]" for c in calls), "no trajectory of a further batch called the calculator"
+
+    async def unreachable(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("the tool was called again")
+
+    def unbuilt(self, *args, **kwargs):
+        raise RuntimeError("a tool was built in a replay")
+
+    monkeypatch.setattr(CalculatorTool, "execute", unreachable)
+    monkeypatch.setattr(CalculatorTool, "__init__", unbuilt)
+    [result] = replay(f"{store}/agent/iter-000000", stages=["filter_groups"], log=lambda *a: None)
+    assert result.ok, [d for d in result.diffs if not d.equal]
+    assert {d.field.split("/", 1)[0] for d in result.diffs if d.field.startswith("gen_batch-")} == \
+        {name.split(".", 1)[1] for name in further}
+
+
+def test_a_replayed_further_batch_gets_its_recorded_tool_and_judge_answers_at_the_stages_that_ask():
+    """The wiring a replay of filter_groups stands on, stage by stage: the rollout of a
+    further generation batch gets its record's tool calls (by sample seed), the reward
+    stage its record's judge calls (row-aligned); a batch past the record goes to the
+    replay's hook first (which refuses it for tools the stored config chose)."""
+    import torch
+
+    from rlhf_core.protocol import DataProto
+    from rlhf_core.trainer import stages as stage_table
+    from rlhf_core.trainer.ppo import JUDGE_CALLS, RECORDED_TOOL_CALLS, PPOTrainer
+
+    cfg = apply_overrides(RunConfig(), DAPO + ["rollout.multi_turn.enable=true"])
+    trainer = object.__new__(PPOTrainer)
+    seen = {}
+
+    class Loader:
+        def next_batch(self):
+            return DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+
+    def stage(name):
+        def run(batch):
+            seen[name] = (dict(batch.meta_info), dict(batch.non_tensor_batch))
+            return batch
+        return run
+
+    trainer.config, trainer.loader = cfg, Loader()
+    trainer.stages = lambda: [stage_table.BY_NAME[n] for n in ("rollout", "reward", "filter_groups")]
+    trainer.rollout, trainer.compute_reward = stage("rollout"), stage("reward")
+    record = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, non_tensors={
+        "agent/seed": np.array([7, 8], dtype=object), "agent/tool_calls": np.array(['[{"a": 1}]', "[]"], dtype=object),
+        JUDGE_CALLS: np.array(["j7", "j8"], dtype=object)})
+    asked = []
+    trainer.replayed_gen_batches, trainer.unrecorded_gen_batch = {1: record}, asked.append
+    trainer._generate_scored(3, 1)
+    assert seen["rollout"][0][RECORDED_TOOL_CALLS] == {7: '[{"a": 1}]', 8: "[]"}
+    assert seen["reward"][1][JUDGE_CALLS].tolist() == ["j7", "j8"] and asked == []
+    seen.clear()
+    trainer._generate_scored(3, 2)  # past the record: the hook decides, nothing recorded is given
+    assert asked == [2] and RECORDED_TOOL_CALLS not in seen["rollout"][0] and JUDGE_CALLS not in seen["reward"][1]

@@ -28,6 +28,16 @@ def generated_versions(weight_version: torch.Tensor) -> set[int]:
     return {v for v in weight_version.tolist() if v != NO_VERSION}
 
 
+def recorded_calls(non_tensor_batch: dict) -> dict[int, str] | None:
+    """What a committed agent batch recorded of its tools: each row's sample seed -> its
+    ``agent/tool_calls`` (what a replay or a resume gives again instead of calling a
+    tool); None for a batch no agent generated."""
+    if "agent/seed" not in non_tensor_batch:
+        return None
+    return dict(zip((int(s) for s in non_tensor_batch["agent/seed"].tolist()),
+                    non_tensor_batch["agent/tool_calls"].tolist()))
+
+
 def rows_of(prompts: DataProto, default_loop: str, replaying: bool = False) -> list[AgentRow]:
     """Each prompt row as an agent loop's input; ``replaying``: with the calls recorded in
     the batch's ``agent/tool_calls`` column (a rollout replayed from its record)."""

@@ -56,6 +56,8 @@ class StageStore(Protocol):
 
     def save(self, iteration: int, stage: str, batch: DataProto, standalone: bool = False) -> None: ...
 
+    def stage_uri(self, iteration: int, stage: str) -> str: ...
+
     def flush(self) -> None: ...
 
 
@@ -83,6 +85,8 @@ def seeded_prompts(batch: DataProto, cfg: RunConfig) -> tuple[DataProto, DataPro
 
 #: A replayed validation's meta_info key: the judge's recorded answers to its responses.
 RECORDED_JUDGE_CALLS = "recorded_judge_calls"
+#: A replayed agent rollout's meta_info key: sample seed -> the row's recorded tool calls.
+RECORDED_TOOL_CALLS = "recorded_tool_calls"
 
 
 def resumed_state(meta: dict, where: str) -> tuple[float | None, Cursor | None]:
@@ -151,6 +155,12 @@ class PPOTrainer:
         #: the weight version the actor holds when it is not the iteration's own (a replay of a
         #: batch generated ahead loads the weights that generated it)
         self.policy_version: int | None = None
+        self.gen_batches: dict[int, DataProto] = {}  # filter_groups' further batches, this iteration
+        #: a replay's recorded further batches of filter_groups (generation -> batch): their
+        #: tools' and judge's answers are given again; a batch past the record is generated
+        #: live once ``unrecorded_gen_batch(generation)`` returns (it raises to refuse)
+        self.replayed_gen_batches: dict[int, DataProto] | None = None
+        self.unrecorded_gen_batch: Callable[[int], None] | None = None
 
     def stages(self) -> list[stage_table.Stage]:
         """This run's stages in order (the table is ``rlhf_core.trainer.stages``)."""
@@ -469,13 +479,13 @@ class PPOTrainer:
     def _with_chat(self, prompts: DataProto, batch: DataProto) -> DataProto:
         """The prompt rows' chat, tools' arguments and agent names, which an agent loop
         reads (multi-turn only; single-turn prompts are their tokens). In a replay
-        (``meta_info["recorded_tool_calls"]``: sample seed -> the row's recorded calls), the
+        (``meta_info[RECORDED_TOOL_CALLS]``: sample seed -> the row's recorded calls), the
         calls each row recorded: their answers are given again, no tool is called."""
         if self.config.rollout.multi_turn.enable:
             for key in ("raw_chat", "raw_prompt", "extra_info", "agent_name"):
                 if key in batch.non_tensor_batch:
                     prompts.non_tensor_batch[key] = batch.non_tensor_batch[key]
-            recorded = batch.meta_info.pop("recorded_tool_calls", None)
+            recorded = batch.meta_info.pop(RECORDED_TOOL_CALLS, None)
             if recorded is not None:
                 prompts.non_tensor_batch["agent/tool_calls"] = np.array(
                     [recorded[int(seed)] for seed in prompts.batch["sample_seed"].tolist()], dtype=object)
@@ -485,10 +495,12 @@ class PPOTrainer:
         """DAPO's dynamic sampling: keep the groups whose filter_groups.metric varies; while
         fewer than data.train_batch_size are kept, generate and score the next batch of
         prompts (the stages before this one) and keep its varied groups too; the first
-        train_batch_size groups are the iteration's batch."""
-        cfg = self.config
+        train_batch_size groups are the iteration's batch. Each further batch is committed
+        whole as it is scored (``gen_batch_snapshot``): a resumed stage takes it from there."""
+        cfg, step = self.config, batch.meta_info["global_step"]
         wanted, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
         self.loader.cursor = Cursor(**batch.meta_info["prompt_cursor"])
+        self.gen_batches = {}
         scored, parts, uids, generations = batch, [], [], 1
         while True:
             keep = varied_groups(scored.non_tensor_batch["uid"].tolist(), self._group_metric(scored))
@@ -505,7 +517,7 @@ class PPOTrainer:
                 raise RuntimeError(f"algorithm.filter_groups.max_num_gen_batches={limit}: {len(uids)} of {wanted} "
                                    f"groups with a varied {cfg.algorithm.filter_groups.metric} after {generations} "
                                    f"generation batches (0: no limit)")
-            scored = self._generate_scored(batch.meta_info["global_step"], generations)
+            scored = self._gen_batch(step, generations)
             generations += 1
         chosen = set(uids)
         columns = {key for part in parts for key in part.non_tensor_batch}
@@ -531,13 +543,50 @@ class PPOTrainer:
                                f"a key the reward function returns for every response; it returns {found}")
         return [float(v) for v in column.tolist()]
 
+    def _gen_batch(self, step: int, generation: int) -> DataProto:
+        """filter_groups' further generation batch ``generation``: the committed one when a
+        killed stage resumes (no tool, judge or model is asked again, the data cursor moves
+        past its prompts), else generated, scored and committed."""
+        name, store = stage_table.gen_batch_snapshot(generation), self.stage_store
+        if store is not None and store.has(step, name):
+            scored = store.load(step, name, standalone=True)
+            where = store.stage_uri(step, name)
+            _, cursor = resumed_state(scored.meta_info, where)
+            if cursor is None or scored.meta_info.get("generation") != generation:
+                from rlhf_core.snapshot.errors import SnapshotSchemaError
+
+                raise SnapshotSchemaError(f"{where}: meta_info: expected generation {generation} and the "
+                                          f"prompt_cursor after it; found {str(scored.meta_info)[:80]!r}")
+            self.loader.cursor = cursor
+        else:
+            scored = self._generate_scored(step, generation)
+            scored.meta_info["prompt_cursor"] = self.loader.cursor.to_dict()
+            self._stage_done(name)
+            if store is not None:
+                store.save(step, name, scored, standalone=True)
+        self.gen_batches[generation] = scored
+        return scored
+
     def _generate_scored(self, step: int, generation: int) -> DataProto:
-        """The next generation batch, through the stages before filter_groups."""
+        """The next generation batch, through the stages before filter_groups. In a replay
+        (``replayed_gen_batches``), with the answers its record holds: its tools' and its
+        judge's answers are given again, none is asked."""
         batch = self.loader.next_batch()
         batch.meta_info.update(global_step=step, temperature=self.config.rollout.temperature, generation=generation)
+        recorded = self.replayed_gen_batches.get(generation) if self.replayed_gen_batches is not None else None
+        if self.replayed_gen_batches is not None and recorded is None and self.unrecorded_gen_batch is not None:
+            self.unrecorded_gen_batch(generation)  # a replay's: past the record, may it be generated?
+        if recorded is not None and self.config.rollout.multi_turn.enable:
+            from rlhf_core.agent.batch import recorded_calls
+
+            calls = recorded_calls(recorded.non_tensor_batch)
+            if calls is not None:
+                batch.meta_info[RECORDED_TOOL_CALLS] = calls
         for stage in self.stages():
             if stage.name == "filter_groups":
                 break
+            if stage.name == stage_table.SCORED and recorded is not None and JUDGE_CALLS in recorded.non_tensor_batch:
+                batch.non_tensor_batch[JUDGE_CALLS] = recorded.non_tensor_batch[JUDGE_CALLS]
             batch = getattr(self, stage.method)(batch)
         return batch
 

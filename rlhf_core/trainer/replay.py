@@ -33,6 +33,7 @@ from rlhf_core.record.run_layout import RunRef
 from rlhf_core.record.checkpoints import checked_checkpoint_uri
 from rlhf_core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, fields_where
 from rlhf_core.protocol import DataProto
+from rlhf_core.trainer import stages as stage_table
 
 #: Config fields a checkpoint's tensors depend on (``checkpoint=True``): a replay cannot change them.
 CHECKPOINT_FIELDS = tuple(fields_where(lambda meta: meta["checkpoint"]))
@@ -222,7 +223,6 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     iteration on fresh local worker groups; returns one comparison per stage.
     ``trust_reward_function``: import the manifest's ``reward.function`` even when this
     machine does not vouch for it (``check_reward_function``)."""
-    from rlhf_core.trainer import stages as stage_table
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.trainer.ppo import PPOTrainer, TrainerState
     from rlhf_core.trainer.restore import load_checkpoint
@@ -252,7 +252,7 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
     for stage in wanted:  # before any worker is placed
         if stage not in replayable:
             raise ReplayError(f"stage {stage!r} cannot be replayed for this run; its stages are {replayable}")
-    _check_live_agent(cfg, wanted, list(overrides), trust_reward_function)
+    _check_live_agent(cfg, wanted, list(overrides), trust_reward_function, manifest)
     start_local_ray()
     workers = WorkerSet.build(cfg)
     try:
@@ -275,9 +275,16 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
             trainer.policy_version = start if start != n else None
             trainer.kl_ctrl.value = state.kl_coef
             batch = _stage_input(istore, trainer, n, stage, plan)
+            if stage == "filter_groups":  # its further batches, with the answers recorded of them
+                trainer.replayed_gen_batches, trainer.unrecorded_gen_batch = _recorded_gen_batches(
+                    istore, n, manifest, _live_agent_refusal(cfg, list(overrides), trust_reward_function))
             [(_, out, _)] = trainer.run_stages(batch, [stage_table.BY_NAME[stage]])
             recorded = istore.load(n, stage, standalone=stage_table.BY_NAME[stage].side)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
+            if stage == "filter_groups":
+                old_record = not trainer.replayed_gen_batches and bool(
+                    stage_table.gen_batch_snapshots(manifest.get("metrics") or {}))
+                result.diffs += _compare_gen_batches(trainer, atol, rtol, old_record)
             if stage in stateful and manifest.get("checkpoint_sha256"):  # else no checkpoint to compare with
                 result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage_table.BY_NAME[stage])
             if overrides:
@@ -326,22 +333,55 @@ def _check_tools(manifest: dict, cfg: RunConfig, overrides: list[str]) -> None:
                           f"against another with --override)")
 
 
-def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], trusted: bool) -> None:
-    """``filter_groups`` may need more generation batches than the record holds: they are
-    generated here, and an agent's tools and interactions for them are built from the
-    stored config (classes to import, addresses to call, chosen by whoever wrote the
+def _live_agent_refusal(cfg: RunConfig, overrides: list[str], trusted: bool) -> str | None:
+    """Why a further generation batch of ``filter_groups`` that the record does not hold
+    (an iteration recorded before they were, or a what-if that needs more) may not be
+    generated here, or None: an agent's tools and interactions for it would be built from
+    the stored config (classes to import, addresses to call, chosen by whoever wrote the
     store). Only the built-in configs, one an override names, or ``--trust-reward-function``."""
     multi = cfg.rollout.multi_turn
-    if "filter_groups" not in wanted or not multi.enable or trusted:
-        return
+    if not multi.enable or trusted:
+        return None
     chosen = _chosen(overrides)
     for key in ("tool_config_path", "interaction_config_path"):
         value = getattr(multi, key)
         if value and not value.startswith("builtin:") and f"rollout.multi_turn.{key}" not in chosen:
-            raise ReplayError(f"rollout.multi_turn.{key} {value!r} (from the iteration's manifest): expected a "
-                              f"builtin: config or one named by --override; replaying filter_groups generates "
-                              f"batches the record does not hold, with the tools this config builds, only with "
-                              f"--trust-reward-function")
+            return (f"rollout.multi_turn.{key} {value!r} (from the iteration's manifest): expected a builtin: config "
+                    f"or one named by --override; replaying filter_groups generates batches the record does not "
+                    f"hold, with the tools this config builds, only with --trust-reward-function")
+    return None
+
+
+def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], trusted: bool,
+                      manifest: dict | None = None) -> None:
+    """Before any worker is placed: refuse to replay a ``filter_groups`` whose further
+    generation batches the ``manifest`` does not list (all of them without a manifest)
+    when they would be generated with tools the stored config chose."""
+    if "filter_groups" not in wanted:
+        return
+    if manifest is not None:
+        listed = set(manifest.get("snapshots") or {})
+        if set(stage_table.gen_batch_snapshots(manifest.get("metrics") or {})) <= listed:
+            return  # every batch's answers are in the record: none is asked
+    refusal = _live_agent_refusal(cfg, overrides, trusted)
+    if refusal:
+        raise ReplayError(refusal)
+
+
+def _recorded_gen_batches(istore, n: int, manifest: dict, refusal: str | None):
+    """(recorded further batches of ``filter_groups``, generation -> batch; the hook a
+    trainer calls for a batch past them)."""
+    listed = set(manifest.get("snapshots") or {})
+    used = len(stage_table.gen_batch_snapshots(manifest.get("metrics") or {}))
+    recorded = {k: istore.load(n, stage_table.gen_batch_snapshot(k), standalone=True) for k in range(1, used + 1)
+                if stage_table.gen_batch_snapshot(k) in listed}
+
+    def unrecorded(generation: int) -> None:
+        if refusal:
+            raise ReplayError(f"filter_groups' generation batch {generation} (iteration {n} recorded "
+                              f"{len(recorded)}): {refusal}")
+
+    return recorded, unrecorded
 
 
 #: The stages each recorded model computes: a replay of one uses the model the iteration used.
@@ -368,7 +408,8 @@ def _check_models(manifest: dict, trainer, n: int, overrides: list[str], wanted:
 
 def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataProto:
     from rlhf_core.trainer import stages as stage_table
-    from rlhf_core.trainer.ppo import RECORDED_JUDGE_CALLS
+    from rlhf_core.agent.batch import recorded_calls
+    from rlhf_core.trainer.ppo import RECORDED_JUDGE_CALLS, RECORDED_TOOL_CALLS
     from rlhf_core.workers.reward_loop import CALLS_COLUMN
 
     cfg = trainer.config
@@ -391,10 +432,29 @@ def _stage_input(istore, trainer, n: int, stage: str, plan: list[str]) -> DataPr
         if (side and cfg.judge_served) or cfg.rollout.multi_turn.enable else {}
     if side and cfg.judge_served and CALLS_COLUMN in recorded:
         batch.meta_info[RECORDED_JUDGE_CALLS] = recorded[CALLS_COLUMN].tolist()
-    if cfg.rollout.multi_turn.enable and "agent/seed" in recorded:
-        batch.meta_info["recorded_tool_calls"] = dict(zip((int(s) for s in recorded["agent/seed"].tolist()),
-                                                          recorded["agent/tool_calls"].tolist()))
+    calls = recorded_calls(recorded) if cfg.rollout.multi_turn.enable else None
+    if calls is not None:
+        batch.meta_info[RECORDED_TOOL_CALLS] = calls
     return batch
+
+
+def _compare_gen_batches(trainer, atol: float, rtol: float, old_record: bool) -> list[FieldDiff]:
+    """filter_groups' further batches as replayed vs as recorded, field by field (named
+    ``gen_batch-K/field``): a batch only one side has is a difference, unless the record
+    is older than recorded further batches (``old_record``)."""
+    diffs = []
+    recorded, replayed = trainer.replayed_gen_batches or {}, trainer.gen_batches
+    for k in sorted(set(recorded) | set(replayed)):
+        if k not in recorded and old_record:
+            continue  # an iteration recorded before its further batches were: nothing to compare
+        prefix = stage_table.gen_batch_snapshot(k).split(".", 1)[1]
+        if k not in recorded or k not in replayed:
+            diffs.append(FieldDiff(prefix, "missing", False))
+            continue
+        for diff in compare(recorded[k], replayed[k], atol, rtol):
+            diff.field = f"{prefix}/{diff.field}"
+            diffs.append(diff)
+    return diffs
 
 
 def _compare_weights(workers, trainer, cfg, end_ckpt: str, stage) -> dict:

@@ -29,7 +29,7 @@ from rlhf_core.record.checkpoints import checkpoint_due, weights_checkpoint, wei
 from rlhf_core.trainer.restore import (check_models_unchanged, finish_checkpoint, open_run, restore_or_init,
                                       save_checkpoint)
 from rlhf_core.trainer.loaders import make_loader
-from rlhf_core.trainer.stages import persisted_names
+from rlhf_core.trainer.stages import gen_batch_snapshots, persisted_names
 from rlhf_core.workers.worker_set import WorkerSet
 
 
@@ -202,7 +202,8 @@ def commit(cfg: RunConfig, workers, istore, trainer, iteration: int, metrics: di
     checkpoint_s = 0.0 if weights["redo"] else time.perf_counter() - t0
     probes.reached(f"commit:{iteration}")
     manifest = iteration_manifest(cfg, trainer.state, metrics, version, checkpoint, checksums,
-                                  snapshots={name: istore.stage_uri(iteration, name) for name in persisted_names(cfg, iteration)},
+                                  snapshots={name: istore.stage_uri(iteration, name) for name in
+                                             persisted_names(cfg, iteration) + gen_batch_snapshots(metrics)},
                                   computed_ahead=trainer.adopted)
     manifest["weights"] = weights
     manifest["model"] = trainer.starting_model_identity()

@@ -80,6 +80,20 @@ SCORED = BY_NAME["reward"].name
 VALIDATE = BY_NAME["validate"].name
 
 
+def gen_batch_snapshot(generation: int) -> str:
+    """The snapshot of filter_groups' further generation batch ``generation`` (1, 2, ...:
+    the iteration's own rollout is generation 0), scored, every row as generated: a killed
+    filter_groups resumes from them and a replay gives their tools' and judge's answers
+    again (standalone snapshots, listed in the iteration manifest)."""
+    return f"{BY_NAME['filter_groups'].name}.gen_batch-{generation}"
+
+
+def gen_batch_snapshots(metrics: dict) -> list[str]:
+    """The further generation batches' snapshots of an iteration whose metrics are
+    ``metrics`` (verl's ``train/num_gen_batches`` counts the first batch too)."""
+    return [gen_batch_snapshot(k) for k in range(1, int(metrics.get("train/num_gen_batches", 1)))]
+
+
 def plan(cfg: RunConfig) -> list[Stage]:
     """This run's stages, in order."""
     return [stage for stage in STAGES if stage.enabled(cfg)]
