@@ -379,20 +379,22 @@ class TeacherModelConfig:
 
 @dataclass
 class DistillationLossConfig:
-    loss_mode: str = _f("k3", "the per-token reverse KL estimator of log pi_student - log pi_teacher at each sampled "
-                        "token (verl's loss_mode; forward_kl_topk is not built yet)", registry="KL_ESTIMATORS")
+    loss_mode: str = _f("k3", "verl's loss_mode: a per-token reverse KL estimator of log pi_student - log pi_teacher "
+                        "at each sampled token (a per-token advantage), or forward_kl_topk: the forward KL over the "
+                        "teacher's topk likeliest tokens at each position (a supervised loss: with "
+                        "use_policy_gradient=false)", registry="KL_ESTIMATORS+TOPK_LOSS_MODES")
     use_task_rewards: bool = _f(False, "keep the task's advantages and subtract distillation_loss_coef x the per-token "
                                 "KL from them (A_t - lambda KL_t, slime's form); false: the advantages are -KL_t alone "
                                 "(verl's default: distillation without rewards)")
     distillation_loss_coef: float = _f(1.0, "lambda: the KL's weight beside the task's advantages (use_task_rewards)",
                                        ge=0)
     use_policy_gradient: bool = _f(True, "the negative KL enters the policy gradient as a per-token advantage "
-                                   "(verl's default, Thinking Machines' recipe); false (verl: the KL backpropagated as "
-                                   "a supervised loss) is not built yet")
+                                   "(verl's default, Thinking Machines' recipe; the estimators); false: the KL "
+                                   "backpropagated as a supervised loss (forward_kl_topk)")
     loss_max_clamp: float | None = _f(None, "clamp each token's KL to [-value, value] (null: no clamp)", gt=0)
     log_prob_min_clamp: float | None = _f(None, "clamp both log-probs from below before the KL (null: no clamp)")
-    topk: int = _f(32, "teacher log-probs kept per token for a top-k loss_mode (no effect with an estimator: none is "
-                   "built yet)", **POSITIVE)
+    topk: int = _f(32, "the teacher's likeliest tokens kept per position (log-probs and ids, in the teacher stage's "
+                   "snapshot) for loss_mode=forward_kl_topk; no effect with an estimator", **POSITIVE)
 
 
 @dataclass
@@ -403,6 +405,15 @@ class DistillationConfig:
     enabled: bool = _f(False, "distill a teacher into the policy on the policy's samples")
     teacher_model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     distillation_loss: DistillationLossConfig = field(default_factory=DistillationLossConfig)
+
+    @property
+    def topk_width(self) -> int:
+        """How many of the teacher's likeliest tokens each position keeps: ``topk`` for a
+        top-k loss, else 0 (the estimators read the sampled token's log-prob only)."""
+        from rlhf_core.algorithms.distillation import TOPK_LOSS_MODES
+
+        loss = self.distillation_loss
+        return loss.topk if self.enabled and loss.loss_mode in TOPK_LOSS_MODES else 0
 
 
 @dataclass
@@ -976,9 +987,15 @@ class RunConfig:
         if not distill.teacher_model.model_path:
             raise ConfigError("distillation.teacher_model.model_path: expected the teacher's folder with "
                               "distillation.enabled; found none")
-        if not distill.distillation_loss.use_policy_gradient:
-            raise ConfigError("distillation.distillation_loss.use_policy_gradient: expected true (the KL as a per-token "
-                              "advantage; the supervised KL loss is not built yet); found false")
+        loss = distill.distillation_loss
+        if distill.topk_width and loss.use_policy_gradient:
+            raise ConfigError(f"distillation.distillation_loss.use_policy_gradient: expected false with "
+                              f"loss_mode={loss.loss_mode} (the top-k forward KL is a supervised loss here; as a "
+                              f"per-token advantage it is not built); found true")
+        if not distill.topk_width and not loss.use_policy_gradient:
+            raise ConfigError(f"distillation.distillation_loss.use_policy_gradient: expected true with "
+                              f"loss_mode={loss.loss_mode} (an estimator's KL is a per-token advantage; backpropagated "
+                              f"as a supervised loss it is not built); found false")
 
     def _check_async_training(self) -> None:
         """Asynchronous training: a rollout pool of its own, a step that is whole mini-batches,
@@ -1286,7 +1303,7 @@ def registered(registry: str) -> list[str]:
         return list(engine_names())
     from rlhf_core import algorithms
 
-    return sorted(getattr(algorithms, registry))
+    return sorted(name for part in registry.split("+") for name in getattr(algorithms, part))
 
 
 def fields_where(test) -> list[str]:

@@ -36,19 +36,46 @@ def test_the_advantages_with_and_without_the_task():
                                               "distillation/loss_max": 0.5}
 
 
+def test_the_top_k_forward_kl_by_hand():
+    """sum_k p_T (log p_T - log p_S) over the teacher's top k, per token; clamped at 0 (over
+    k tokens the sum can be negative), then at loss_max_clamp; log-probs clamped first."""
+    from rlhf_core.algorithms.distillation import forward_kl_topk, topk_masses
+
+    ln = math.log
+    teacher = torch.tensor([[[ln(0.5), ln(0.25)], [ln(0.5), ln(0.25)], [ln(0.5), ln(0.25)]]])
+    student = torch.tensor([[[ln(0.25), ln(0.25)], [ln(0.9), ln(0.09)], [ln(0.1), ln(0.1)]]])
+    kl = forward_kl_topk(student, teacher, MASK)
+    assert kl[0].tolist() == pytest.approx([0.5 * ln(2), 0.0, 0.0])  # 0.5 ln(5/9) + 0.25 ln(25/9) < 0 -> 0; padding
+    assert forward_kl_topk(student, teacher, torch.ones(1, 3))[0, 2].item() == pytest.approx(
+        0.5 * ln(5) + 0.25 * ln(2.5))
+    assert forward_kl_topk(student, teacher, MASK, loss_max_clamp=0.1)[0].tolist() == pytest.approx([0.1, 0, 0])
+    # clamped from below at ln(0.3) first: the first token's student 0.25 -> 0.3, teacher 0.25 -> 0.3
+    clamped = forward_kl_topk(student, teacher, MASK, log_prob_min_clamp=ln(0.3))[0, 0].item()
+    assert clamped == pytest.approx(0.5 * ln(0.5 / 0.3) + 0.3 * 0.0)
+    masses = topk_masses(student, teacher, MASK)
+    assert masses["distillation/teacher_mass"].item() == pytest.approx(0.75)
+    assert masses["distillation/student_mass"].item() == pytest.approx((0.5 + 0.99) / 2)
+
+
 def test_the_distillation_keys_are_checked():
     on = ["distillation.enabled=true", "distillation.teacher_model.model_path=/teacher"]
     apply_overrides(RunConfig(), on).validate()
     for overrides, message in [
         (on[:1], r"^distillation.teacher_model.model_path: expected the teacher's folder"),
         ([*on, "distillation.distillation_loss.use_policy_gradient=false"],
-         r"^distillation.distillation_loss.use_policy_gradient: expected true"),
+         r"^distillation.distillation_loss.use_policy_gradient: expected true with loss_mode=k3 "),
         ([*on, "distillation.distillation_loss.loss_mode=forward_kl_topk"],
+         r"^distillation.distillation_loss.use_policy_gradient: expected false with loss_mode=forward_kl_topk "),
+        ([*on, "distillation.distillation_loss.loss_mode=reverse_kl_topk"],
          r"^distillation.distillation_loss.loss_mode: expected a registered name"),
         ([*on, "distillation.distillation_loss.loss_max_clamp=0"], r"^distillation.distillation_loss.loss_max_clamp"),
     ]:
         with pytest.raises(ConfigError, match=message):
             apply_overrides(RunConfig(), overrides).validate()
+    topk = apply_overrides(RunConfig(), [*on, "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                                         "distillation.distillation_loss.use_policy_gradient=false",
+                                         "distillation.distillation_loss.topk=4"]).validate()
+    assert topk.distillation.topk_width == 4 and apply_overrides(RunConfig(), on).validate().distillation.topk_width == 0
     with pytest.raises(ValueError, match=r"^verl key 'distillation.teacher_model.enable_resource_pool'=True"):
         apply_overrides(RunConfig(), ["distillation.teacher_model.enable_resource_pool=True"])
 
@@ -142,3 +169,57 @@ def test_a_student_moves_towards_its_teacher_and_the_record_names_the_teacher(tm
                                          r"\(the same 330 tokens\); found 334 tokens"):
         main(["run", "--direct", "--iterations", "1", "--run-id", "other", "--store", store, *common,
               f"distillation.teacher_model.model_path={other}"])
+
+
+def test_the_top_k_forward_kl_pulls_a_student_to_its_teacher_and_replays(tmp_path, ray_local):
+    """verl's forward_kl_topk as a supervised loss (use_policy_gradient=false), the task's
+    reward zero: the teacher stage keeps its top-k log-probs and ids, the student's forward
+    KL to them falls over the run and below a control that trains on the (zero) task
+    alone with the same draws; the teacher stage and the update replay exactly."""
+    from rlhf_core.cli import main
+    from rlhf_core.record.iteration_store import IterationStore
+    from rlhf_core.record.run_layout import RunRef
+    from rlhf_core.testing.model_folders import build_model_folder, teach, write_verl_parquet
+    from rlhf_core.trainer.replay import replay
+
+    import pyarrow.parquet as pq
+
+    data = write_verl_parquet(tmp_path / "train.parquet", count=16)
+    chats = [row["prompt"] for row in pq.read_table(data).to_pylist()]
+    student = teach(build_model_folder(tmp_path / "student", seed=0), chats, "72", steps=10)
+    teacher = teach(build_model_folder(tmp_path / "teacher", seed=0), chats, "72", steps=60)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    store = f"file://{tmp_path / 'store'}"
+    common = [f"model.path={student}", f"data.train_files={data}", f"distillation.teacher_model.model_path={teacher}",
+              "data.max_prompt_length=64", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=8",
+              "rollout.response_length=6", "actor.lr=1e-3", "trainer.progress=false",
+              f"custom_reward_function.path={reward}", "custom_reward_function.name=score",
+              f"trainer.output_dir={tmp_path / 'out'}", "distillation.enabled=true",
+              "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=8",
+              "distillation.distillation_loss.use_policy_gradient=false"]
+    assert main(["run", "--direct", "--iterations", "6", "--run-id", "topk", "--store", store, *common]) == 0
+    assert main(["run", "--direct", "--iterations", "6", "--run-id", "control", "--store", store, *common,
+                 "distillation.distillation_loss.use_task_rewards=true",
+                 "distillation.distillation_loss.distillation_loss_coef=0"]) == 0
+
+    def rows_of(run):
+        return [json.loads(line) for line in (tmp_path / "out" / run / "metrics.jsonl").read_text().splitlines()]
+
+    kl, control = ([r["actor/distillation/loss"] for r in rows_of(run)] for run in ("topk", "control"))
+    assert kl[0] == control[0]  # the same first draws and weights: the first mini-batch's KL before its step
+    assert sum(kl[-2:]) < 0.7 * sum(kl[:2]) and sum(kl[2:]) < 0.8 * sum(control[2:]), (kl, control)
+    assert 0 < rows_of("topk")[-1]["actor/distillation/teacher_mass"] <= 1
+    istore = IterationStore(RunRef(store, "topk"))
+    taught = istore.load(5, "teacher_log_prob").batch
+    assert taught["teacher_topk_ids"].shape == taught["teacher_topk_log_probs"].shape == (64, 6, 8)
+    assert taught["teacher_topk_ids"].dtype == torch.long
+    # the sampled token's log-prob is among the top k whenever the teacher ranks it there
+    mask = taught["response_mask"].bool()
+    hit = (taught["teacher_topk_ids"] == taught["responses"].unsqueeze(-1)) & mask.unsqueeze(-1)
+    assert torch.allclose(taught["teacher_topk_log_probs"][hit], taught["teacher_log_prob"].unsqueeze(-1).expand(
+        -1, -1, 8)[hit], atol=1e-6)
+    assert "advantages" in istore.load(5, "advantage").batch.keys()
+    for r in replay(f"{store}/topk/iter-000005", stages=["teacher_log_prob", "update_actor"], log=lambda *a: None,
+                    trust_reward_function=True):
+        assert r.ok and r.diffs, (r.stage, [d for d in r.diffs if not d.equal])

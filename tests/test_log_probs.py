@@ -126,3 +126,39 @@ def test_a_batch_whose_logits_fit_the_budget_is_one_full_pass_bit_for_bit_and_on
     assert seen == [8, 8, 5]  # 3 rows x 7 response positions, 8 at a time
     resp = mask[:, -7:].bool()
     assert torch.allclose(sliced[0][resp], expected[0][resp], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("path", ["one pass", "slices", "packed"])
+def test_top_k_and_gathered_log_probs_are_the_full_passes_on_every_path(path):
+    """What the top-k forward KL reads: a teacher's k largest log-probs and their ids at
+    each response position, and the student's log-probs at those ids (with their
+    gradient), from the padded pass, the sliced projection and the packed forward alike."""
+    from rlhf_core.workers import packing
+
+    torch.manual_seed(0)
+    model = qwen2_from_config(seed=0, vocab_size=97, **SHAPE)
+    lengths = [1, 7, 4]
+    ids, mask, pos = batch(len(lengths), 5, 7, lengths, 97)
+    kw = {"chunk_tokens": 2} if path == "slices" else {}
+    if path == "packed":
+        packing.enable_packing(model)
+        kw = {"packed": True}
+    ref_ids, ref_mask, ref_pos, kept = modeling.trim_padding(ids, mask, pos, 7)
+    logits = model(input_ids=ref_ids, attention_mask=ref_mask, position_ids=ref_pos).logits if path != "packed" else \
+        qwen2_from_config(seed=0, vocab_size=97, **SHAPE)(input_ids=ref_ids, attention_mask=ref_mask,
+                                                           position_ids=ref_pos).logits
+    every = torch.nn.functional.pad(torch.log_softmax(logits[:, -kept - 1:-1].float() / 0.7, dim=-1),
+                                    (0, 0, 0, 7 - kept))
+    resp = mask[:, -7:].bool()
+    _, _, values, top = modeling.response_log_probs(model, ids, mask, pos, 7, 0.7, topk=4, **kw)
+    expected_values, expected_ids = every.topk(4, dim=-1)
+    assert top.dtype == torch.long and values.shape == top.shape == (3, 7, 4)
+    assert torch.equal(top[resp], expected_ids[resp])
+    assert torch.allclose(values[resp], expected_values[resp], atol=1e-5, rtol=0)
+    chosen = torch.randint(0, 97, (3, 7, 5), generator=torch.Generator().manual_seed(2))
+    log_probs, _, gathered = modeling.response_log_probs(model, ids, mask, pos, 7, 0.7, gather_ids=chosen, **kw)
+    assert gathered.shape == (3, 7, 5)
+    assert torch.allclose(gathered[resp], every.gather(-1, chosen)[resp], atol=1e-5, rtol=0)
+    assert log_probs.shape == (3, 7)
+    gathered[resp].sum().backward()  # the student's loss reaches the weights through them
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

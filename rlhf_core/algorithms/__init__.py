@@ -10,3 +10,4 @@ from rlhf_core.algorithms.core import (  # noqa: F401  (the package's public API
     masked_mean, masked_sum, masked_var, masked_whiten, register_adv_est, register_kl_estimator,
     register_policy_loss,
 )
+from rlhf_core.algorithms.distillation import TOPK_LOSS_MODES  # noqa: F401,E402

@@ -743,7 +743,8 @@ class PPOTrainer:
             gamma=cfg.gamma, lam=cfg.lam, norm_adv_by_std_in_grpo=cfg.norm_adv_by_std_in_grpo,
             old_log_probs=columns.get("old_log_probs", None), sum_pi_squared=columns.get("sum_pi_squared", None),
             rollout_is_weights=columns.get("rollout_is_weights", None))
-        if self.config.distillation.enabled:  # the teacher's per-token signal on the advantages
+        # the teacher's per-token signal on the advantages (a top-k loss is the actor's own)
+        if self.config.distillation.enabled and not self.config.distillation.topk_width:
             advantages, distilled = self._distilled(batch, advantages, mask)
             metrics.update(distilled)
         batch.batch["token_level_rewards"] = rewards
@@ -786,6 +787,7 @@ class PPOTrainer:
         keys = SEQUENCE_KEYS + ["response_mask", "advantages"] + ([old] if old else [])
         keys += ["ref_log_prob"] if self.config.actor.use_kl_loss else []
         keys += ["rollout_is_weights"] if "rollout_is_weights" in batch.batch.keys() else []
+        keys += ["teacher_topk_log_probs", "teacher_topk_ids"] if self.config.distillation.topk_width else []
         needed = batch.select(keys, [], ["global_step"])
         if old and old != "old_log_probs":
             needed = needed.rename(old, "old_log_probs")

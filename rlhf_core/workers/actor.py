@@ -117,15 +117,21 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """``teacher_log_prob``: the teacher's log-prob of each sampled response token."""
+        """``teacher_log_prob``: the teacher's log-prob of each sampled response token; for
+        a top-k loss, ``teacher_topk_log_probs`` and ``teacher_topk_ids`` too: its
+        ``distillation_loss.topk`` likeliest tokens at each response position."""
         if self.teacher is None:
             raise RuntimeError("no teacher: set distillation.enabled and distillation.teacher_model.model_path")
         data = devices.to_device(data)
+        topk = self.config.distillation.topk_width
         with torch.no_grad():
-            log_probs, _ = modeling.forward_in_chunks(
-                lambda part: self._log_probs(self.teacher, part, with_entropy=False),
+            out = modeling.forward_in_chunks(
+                lambda part: self._log_probs(self.teacher, part, with_entropy=False, topk=topk),
                 data, self.config.actor.log_prob_micro_batch_size_per_gpu, *self._log_prob_budget())
-        return DataProto.from_dict(devices.to_host({"teacher_log_prob": log_probs}))
+        columns = {"teacher_log_prob": out[0]}
+        if topk:
+            columns.update(teacher_topk_log_probs=out[2], teacher_topk_ids=out[3])
+        return DataProto.from_dict(devices.to_host(columns))
 
     def _build_engine(self) -> None:
         """The generation engine on this rank (``rollout.name``), fed the policy's weights."""
@@ -196,11 +202,13 @@ class ActorRolloutRefWorker(TrainableWorker):
         """The trainer step whose weights the policy and engine hold (a restored checkpoint's)."""
         self.policy_version = self.weight_version = int(version)
 
-    def _log_probs(self, model, data: DataProto, with_entropy: bool, with_sum_pi_squared: bool = False):
+    def _log_probs(self, model, data: DataProto, with_entropy: bool, with_sum_pi_squared: bool = False,
+                   topk: int = 0, gather_ids: torch.Tensor | None = None):
         return modeling.response_log_probs(
             model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
             data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy,
-            packed=self.config.model.use_remove_padding, with_sum_pi_squared=with_sum_pi_squared)
+            packed=self.config.model.use_remove_padding, with_sum_pi_squared=with_sum_pi_squared, topk=topk,
+            gather_ids=gather_ids)
 
     def _log_prob_budget(self) -> tuple[int, str]:
         actor = self.config.actor
@@ -249,7 +257,10 @@ class ActorRolloutRefWorker(TrainableWorker):
         # without the old_log_prob stage (on-policy, or its log-probs from the rollout) the
         # entropy metric comes from this forward
         no_stage = self.config.old_log_prob_column != "old_log_probs"
-        log_prob, entropy = self._log_probs(self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or no_stage)
+        topk = self.config.distillation.topk_width  # the student's log-probs at the teacher's top-k too
+        at_teacher_topk = {"gather_ids": batch.batch["teacher_topk_ids"]} if topk else {}
+        log_prob, entropy, *student_topk = self._log_probs(
+            self.policy, batch, with_entropy=cfg.entropy_coeff != 0 or no_stage, **at_teacher_topk)
         old_log_prob = log_prob.detach() if on_policy else batch.batch["old_log_probs"]
         advantages, pg_mask, corrected, weights = batch.batch["advantages"], mask, {}, None
         if "rollout_is_weights" in batch.batch.keys():  # without bypass mode: per-token weights on the loss
@@ -272,6 +283,9 @@ class ActorRolloutRefWorker(TrainableWorker):
                               **loss_settings(policy_loss, **{k: getattr(cfg, k) for k in LOSS_SETTINGS}))
         loss = out["pg_loss"]
         parts = {key: out[key].detach() for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
+        if topk:  # the supervised top-k forward KL: beside the task's loss, or alone (verl's rule)
+            loss, distilled = self._topk_distillation(loss, student_topk[0], batch, mask)
+            parts.update(distilled)
         parts.update({key: torch.tensor(value) for key, value in corrected.items()})
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
@@ -284,6 +298,21 @@ class ActorRolloutRefWorker(TrainableWorker):
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["kl_loss"] = kl_loss.detach()
         return loss, parts
+
+    def _topk_distillation(self, pg_loss: torch.Tensor, student_topk: torch.Tensor, batch: DataProto,
+                           mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The top-k forward KL aggregated as the actor's loss is
+        (``rlhf_core.algorithms.distillation``): ``pg_loss + coef x KL`` with the task's
+        rewards, else the KL alone (the policy-gradient loss is dropped)."""
+        from rlhf_core.algorithms.distillation import forward_kl_topk, topk_masses
+
+        settings = self.config.distillation.distillation_loss
+        teacher = batch.batch["teacher_topk_log_probs"]
+        kl = forward_kl_topk(student_topk, teacher, mask, settings.log_prob_min_clamp, settings.loss_max_clamp)
+        distill = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
+        loss = pg_loss + settings.distillation_loss_coef * distill if settings.use_task_rewards else distill
+        return loss, {"distillation/loss": distill.detach(),
+                      **{k: v.detach() for k, v in topk_masses(student_topk.detach(), teacher, mask).items()}}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int | None = None) -> dict:

@@ -119,7 +119,9 @@ def trim_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor, position
 
 
 def _pad_responses(t: torch.Tensor, response_length: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, response_length - t.shape[1])) if t.shape[1] < response_length else t
+    """[rows, kept, ...] -> [rows, response_length, ...], zeros after ``kept``."""
+    short = response_length - t.shape[1]
+    return torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, short)) if short > 0 else t
 
 
 def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None, reward_model_config=None) -> None:
@@ -149,7 +151,7 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None,
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                        with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False,
-                       with_sum_pi_squared: bool = False):
+                       with_sum_pi_squared: bool = False, topk: int = 0, gather_ids: torch.Tensor | None = None):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
     (0 where a row's response has ended, or, padded, where every row's has: see
     ``trim_padding``).
@@ -163,16 +165,31 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     response positions only, and the batch's full logits never exist at once.
     Returns (log-probs, entropies or None), and ``with_sum_pi_squared`` a third output from
     the same pass: sum over the vocabulary of pi^2 per token (verl's
-    ``calculate_sum_pi_squared``, the optimal token baseline's input).
+    ``calculate_sum_pi_squared``, the optimal token baseline's input). Then, from the same
+    pass, ``topk``: the ``topk`` largest log-probs of each position and their token ids
+    ([rows, response_length, topk] each: a teacher's for the top-k forward KL);
+    ``gather_ids`` ([rows, response_length, k] token ids): the log-probs of those tokens
+    at each position (the student's at the teacher's top-k).
     """
     from rlhf_core.distributed import sharding
 
     stats = ("entropy",) * with_entropy + ("sum_pi_squared",) * with_sum_pi_squared
+    width = topk * 2 + (gather_ids.shape[-1] if gather_ids is not None else 0)  # extra columns a token
 
-    def outputs(log_probs, values, finish):
+    def extras(every: torch.Tensor, ids: torch.Tensor | None) -> list[torch.Tensor]:
+        return _extra_columns(every, topk, ids)
+
+    def outputs(log_probs, values, columns, finish):
         named = dict(zip(stats, (finish(v) for v in values)))
         out = (finish(log_probs), named.get("entropy"))
-        return out + (named["sum_pi_squared"],) if with_sum_pi_squared else out
+        out = out + (named["sum_pi_squared"],) if with_sum_pi_squared else out
+        if width:
+            columns = finish(torch.cat(columns, dim=-1)) if len(columns) > 1 else finish(columns[0])
+            if topk:
+                out += (columns[..., :topk], columns[..., topk:2 * topk].round().long())
+            if gather_ids is not None:
+                out += (columns[..., 2 * topk:],)
+        return out
 
     inner = sharding.unwrap(model)  # (DDP hides the model's own methods)
     head = inner.get_output_embeddings()
@@ -184,18 +201,22 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         inputs = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "logits_to_keep": rows.predictors,
                   **rows.attention_kwargs(inner.config._attn_implementation)}
         targets, select, finish = rows.targets, (lambda hidden: hidden[0]), rows.unpack
+        ids = gather_ids[rows.response_index] if gather_ids is not None else None
     else:
         input_ids, attention_mask, position_ids, kept = trim_padding(input_ids, attention_mask, position_ids,
                                                                      response_length)
         responses = input_ids[:, -kept:]
+        ids = gather_ids[:, :kept].reshape(-1, gather_ids.shape[-1]) if gather_ids is not None else None
         if chunk_tokens is None and input_ids.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
             # one full-vocabulary pass, as it always was (bit for bit)
             logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
             logits = logits[:, -kept - 1:-1].float() / temperature
             every = torch.log_softmax(logits, dim=-1)
             log_probs = every.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-            pad = lambda values: _pad_responses(values, response_length)
-            return outputs(log_probs, [_statistic(every, name) for name in stats], pad)
+            pad = lambda values: _pad_responses(values, response_length)  # noqa: E731
+            columns = [c.reshape(len(responses), kept, -1)
+                       for c in extras(every.reshape(-1, every.shape[-1]), ids)] if width else []
+            return outputs(log_probs, [_statistic(every, name) for name in stats], columns, pad)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "logits_to_keep": kept + 1}
         targets = responses.reshape(-1)
@@ -204,13 +225,13 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             return hidden[:, :-1].reshape(-1, hidden.shape[-1])
 
         def finish(flat):
-            return _pad_responses(flat.reshape(len(responses), kept), response_length)
+            return _pad_responses(flat.reshape(len(responses), kept, *flat.shape[1:]), response_length)
 
     if chunk_tokens is None and targets.numel() * token_bytes <= LOGIT_BUDGET_BYTES:
         logits = select(model(**inputs).logits).float() / temperature
         every = torch.log_softmax(logits, dim=-1)
         log_probs = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return outputs(log_probs, [_statistic(every, name) for name in stats], finish)
+        return outputs(log_probs, [_statistic(every, name) for name in stats], extras(every, ids), finish)
     chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
     original = head.forward
 
@@ -219,12 +240,14 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         parts = []
         for start in range(0, flat.shape[0], chunk_tokens):
             piece = (flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+            more = (topk, ids[start:start + chunk_tokens] if ids is not None else None)
             if torch.is_grad_enabled() and flat.requires_grad:
                 from torch.utils.checkpoint import checkpoint
 
-                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, stats, use_reentrant=False))
+                parts.append(checkpoint(_token_log_probs, original, *piece, temperature, stats, *more,
+                                        use_reentrant=False))
             else:
-                parts.append(_token_log_probs(original, *piece, temperature, stats))
+                parts.append(_token_log_probs(original, *piece, temperature, stats, *more))
         # a copy (a few numbers a token), not a view: FSDP2 hooks its module's output for the backward
         return torch.cat(parts).clone()
 
@@ -233,7 +256,7 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         out = model(**inputs).logits
     finally:
         head.forward = original
-    return outputs(out[:, 0], [out[:, 1 + i] for i in range(len(stats))], finish)
+    return outputs(out[:, 0], [out[:, 1 + i] for i in range(len(stats))], [out[:, 1 + len(stats):]], finish)
 
 
 def _statistic(log_probs: torch.Tensor, name: str) -> torch.Tensor:
@@ -245,11 +268,26 @@ def _statistic(log_probs: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     stats: tuple[str, ...] = ()) -> torch.Tensor:
-    """(log-prob of each target, then each of ``stats``) of one slice of tokens: [tokens, 1 + len(stats)]."""
+                     stats: tuple[str, ...] = (), topk: int = 0, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(log-prob of each target, then each of ``stats``, then the top-k log-probs and their
+    ids, then the log-probs at ``ids``) of one slice of tokens: [tokens, columns]."""
     every = torch.log_softmax(projection(hidden).float() / temperature, dim=-1)
     chosen = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return torch.stack([chosen, *(_statistic(every, name) for name in stats)], dim=-1)
+    columns = [torch.stack([chosen, *(_statistic(every, name) for name in stats)], dim=-1),
+               *_extra_columns(every, topk, ids)]
+    return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
+
+
+def _extra_columns(every: torch.Tensor, topk: int, ids: torch.Tensor | None) -> list[torch.Tensor]:
+    """From [tokens, vocabulary] log-probs: the ``topk`` largest and their token ids (as
+    floats: exact below 2^24, any vocabulary), then the log-probs at ``ids`` [tokens, k]."""
+    columns = []
+    if topk:
+        values, index = every.topk(topk, dim=-1)
+        columns += [values, index.to(values.dtype)]
+    if ids is not None:
+        columns.append(every.gather(-1, ids))
+    return columns
 
 
 def is_sequence_classifier(path: str) -> bool:
