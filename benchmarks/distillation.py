@@ -10,14 +10,16 @@ Both arms start from the built-in warm start of the seed (``builtin:digits``, re
 - ``distill``: the same, with the built-in teacher (``builtin:teacher``: a 4-layer model of
   the same vocabulary trained by the supervised phase until its sampled reward is about
   0.99, built and cached once per seed, its build not counted) scoring the student's
-  samples; the settings are ``DISTILL`` below.
+  samples; the settings are ``DISTILL`` below (the reverse KL as a per-token advantage);
+- ``distill_topk``: the same teacher, verl's ``forward_kl_topk`` (the forward KL over the
+  teacher's top-k tokens, a supervised loss): ``DISTILL_TOPK`` below.
 
 Each arm runs in a process of its own, one after the other (2 cores), until the mean task
 reward of 5 consecutive iterations reaches 0.9 or ``--max-iterations``. Printed and written
 to docs/measured/distillation.json (with the commit and the machine): per arm the
 iterations, the training wall seconds and the machine's busy CPU-seconds to that goal,
-the median over seeds with the spread, and the distill / grpo ratios (goal: <= 0.5x
-CPU-seconds); ``--plot`` draws the curves (docs/img/distillation.png).
+the median over seeds with the spread, and each distillation arm's ratios to grpo (goal:
+<= 0.5x CPU-seconds); ``--plot`` draws the curves (docs/img/distillation.png).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ GOAL, WINDOW = 0.9, 5
 #: the first update lost most of the warm start's reward
 DISTILL = ["distillation.enabled=true", "distillation.teacher_model.model_path=builtin:teacher",
            "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.loss_max_clamp=1.0"]
-ARMS = {"grpo": [], "distill": DISTILL}
+#: the forward KL over the teacher's 8 likeliest tokens at each position, backpropagated
+DISTILL_TOPK = ["distillation.enabled=true", "distillation.teacher_model.model_path=builtin:teacher",
+                "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=8",
+                "distillation.distillation_loss.use_policy_gradient=false"]
+ARMS = {"grpo": [], "distill": DISTILL, "distill_topk": DISTILL_TOPK}
 
 
 def child(arm: str, seed: int, max_iterations: int, out_dir: str) -> None:
@@ -121,22 +127,25 @@ def main() -> None:
                 print(f"{arm} seed {seed}: reached at {r['reached_at']}, {r['cpu_to_goal_s']} CPU-s", file=sys.stderr,
                       flush=True)
     result = {"commit": commit(), "machine": machine(), "measured": time.strftime("%Y-%m-%d"), "seeds": seeds,
-              "goal": f"{WINDOW}-iteration mean task reward >= {GOAL}", "distill_settings": DISTILL, "arms": {}}
+              "goal": f"{WINDOW}-iteration mean task reward >= {GOAL}",
+              "settings": {arm: settings for arm, settings in ARMS.items() if settings}, "arms": {}}
     for arm, rs in runs.items():
         result["arms"][arm] = {
             "runs": rs, "iterations_median": median_or_none([r["reached_at"] for r in rs]),
             "wall_to_goal_s_median": median_or_none([r["wall_to_goal_s"] for r in rs]),
             "cpu_to_goal_s_median": median_or_none([r["cpu_to_goal_s"] for r in rs])}
-    base, ours = result["arms"]["grpo"], result["arms"]["distill"]
-    result["ratios"] = {key: (ours[key] / base[key] if ours[key] is not None and base[key] else None)
-                        for key in ("iterations_median", "wall_to_goal_s_median", "cpu_to_goal_s_median")}
-    print(f"{'arm':<8} {'iterations to goal':<22} {'wall s to goal':<22} {'CPU-s to goal':<22}")
+    base = result["arms"]["grpo"]
+    result["ratios"] = {arm: {key: (ours[key] / base[key] if ours[key] is not None and base[key] else None)
+                              for key in ("iterations_median", "wall_to_goal_s_median", "cpu_to_goal_s_median")}
+                        for arm, ours in result["arms"].items() if arm != "grpo"}
+    print(f"{'arm':<14} {'iterations to goal':<22} {'wall s to goal':<22} {'CPU-s to goal':<22}")
     for arm, e in result["arms"].items():
-        print(f"{arm:<8} {spread([r['reached_at'] for r in e['runs']]):<22} "
+        print(f"{arm:<14} {spread([r['reached_at'] for r in e['runs']]):<22} "
               f"{spread([r['wall_to_goal_s'] for r in e['runs']]):<22} "
               f"{spread([r['cpu_to_goal_s'] for r in e['runs']]):<22}")
-    print("distill / grpo (medians): " + ", ".join(f"{k}: {'-' if v is None else f'{v:.2f}x'}"
-                                                   for k, v in result["ratios"].items()))
+    for arm, ratios in result["ratios"].items():
+        print(f"{arm} / grpo (medians): " + ", ".join(f"{k}: {'-' if v is None else f'{v:.2f}x'}"
+                                                      for k, v in ratios.items()))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"-> {args.out}")
     if args.plot:
@@ -153,17 +162,20 @@ def write_doc_table(result: dict) -> None:
     lines = [begin, "",
              f"`benchmarks/distillation.py` at commit {result['commit']}, {result['machine']['cores']} cores "
              f"({result['machine']['cpu']}), {result['measured']}: seeds {', '.join(map(str, result['seeds']))}; "
-             f"goal: {result['goal']}; distill settings: `{' '.join(result['distill_settings'])}`.", "",
+             f"goal: {result['goal']}.", "",
+             *(f"- {arm}: `{' '.join(settings)}`" for arm, settings in result["settings"].items()), "",
              "| arm | iterations to the goal, median [min, max] | training s | busy CPU-s |", "|---|---|---|---|"]
     for arm, e in result["arms"].items():
         runs = e["runs"]
         lines.append(f"| {arm} | {spread([r['reached_at'] for r in runs])} | "
                      f"{spread([r['wall_to_goal_s'] for r in runs])} | {spread([r['cpu_to_goal_s'] for r in runs])} |")
-    ratios = result["ratios"]
-    lines += ["", "distill / grpo, medians: " + ", ".join(
-        f"{name} {'-' if ratios[key] is None else f'{ratios[key]:.2f}x'}"
-        for name, key in (("iterations", "iterations_median"), ("training s", "wall_to_goal_s_median"),
-                          ("CPU-s", "cpu_to_goal_s_median"))) + " (the goal: <= 0.5x CPU-s).", "", end]
+    lines.append("")
+    for arm, ratios in result["ratios"].items():
+        lines += [f"{arm} / grpo, medians: " + ", ".join(
+            f"{name} {'-' if ratios[key] is None else f'{ratios[key]:.2f}x'}"
+            for name, key in (("iterations", "iterations_median"), ("training s", "wall_to_goal_s_median"),
+                              ("CPU-s", "cpu_to_goal_s_median"))) + " (the goal: <= 0.5x CPU-s).", ""]
+    lines.append(end)
     text = doc.read_text()
     head, _, rest = text.partition(begin)
     _, _, tail = rest.partition(end)
@@ -177,7 +189,7 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for arm, color in (("grpo", "tab:blue"), ("distill", "tab:orange")):
+    for arm, color in (("grpo", "tab:blue"), ("distill", "tab:orange"), ("distill_topk", "tab:green")):
         for i, r in enumerate(result["arms"][arm]["runs"]):
             ax.plot(r["rewards"], color=color, alpha=0.8, label=arm if i == 0 else None)
     ax.axhline(GOAL, color="gray", linestyle=":", linewidth=1)

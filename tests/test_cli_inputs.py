@@ -385,7 +385,11 @@ def damaged_store(tmp_path):
 SUBCOMMANDS = _subcommands()
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+#: examples a run draws (every subcommand is drawn often at 80; RLHF_CLI_EXAMPLES=500 for a longer hunt)
+CLI_EXAMPLES = int(os.environ.get("RLHF_CLI_EXAMPLES", "80"))
+
+
+@settings(max_examples=CLI_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_any_bad_argument_of_any_command_ends_in_one_line(data, damaged_store, offline, capsys):
