@@ -628,6 +628,8 @@ def test_replaying_filter_groups_builds_no_tool_or_interaction_the_stored_config
     recorded = {"metrics": {"train/num_gen_batches": 3},
                 "snapshots": {name: "..." for name in ("reward", "filter_groups.gen_batch-1", "filter_groups.gen_batch-2")}}
     _check_live_agent(cfg, ["filter_groups"], [], trusted=False, manifest=recorded)
+    with pytest.raises(ReplayError, match="only with --trust-reward-function"):  # a what-if may draw more
+        _check_live_agent(cfg, ["filter_groups"], ["actor.clip_ratio_high=0.3"], trusted=False, manifest=recorded)
     del recorded["snapshots"]["filter_groups.gen_batch-2"]
     with pytest.raises(ReplayError, match="only with --trust-reward-function"):
         _check_live_agent(cfg, ["filter_groups"], [], trusted=False, manifest=recorded)

@@ -155,6 +155,11 @@ def test_top_k_and_gathered_log_probs_are_the_full_passes_on_every_path(path):
     assert top.dtype == torch.long and values.shape == top.shape == (3, 7, 4)
     assert torch.equal(top[resp], expected_ids[resp])
     assert torch.allclose(values[resp], expected_values[resp], atol=1e-5, rtol=0)
+    # among the first 50 ids only (a teacher's padded output layer has rows no tokenizer names)
+    _, _, values, top = modeling.response_log_probs(model, ids, mask, pos, 7, 0.7, topk=4, topk_vocab=50, **kw)
+    expected_values, expected_ids = every[..., :50].topk(4, dim=-1)
+    assert torch.equal(top[resp], expected_ids[resp]) and int(top.max()) < 50
+    assert torch.allclose(values[resp], expected_values[resp], atol=1e-5, rtol=0)
     chosen = torch.randint(0, 97, (3, 7, 5), generator=torch.Generator().manual_seed(2))
     log_probs, _, gathered = modeling.response_log_probs(model, ids, mask, pos, 7, 0.7, gather_ids=chosen, **kw)
     assert gathered.shape == (3, 7, 5)

@@ -155,7 +155,8 @@ class PPOTrainer:
         #: the weight version the actor holds when it is not the iteration's own (a replay of a
         #: batch generated ahead loads the weights that generated it)
         self.policy_version: int | None = None
-        self.gen_batches: dict[int, DataProto] = {}  # filter_groups' further batches, this iteration
+        self.gen_batches: dict[int, DataProto] = {}  # a replayed filter_groups' further batches
+        self._resuming_gen_batches = False
         #: a replay's recorded further batches of filter_groups (generation -> batch): their
         #: tools' and judge's answers are given again; a batch past the record is generated
         #: live once ``unrecorded_gen_batch(generation)`` returns (it raises to refuse)
@@ -501,6 +502,7 @@ class PPOTrainer:
         wanted, limit = cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches
         self.loader.cursor = Cursor(**batch.meta_info["prompt_cursor"])
         self.gen_batches = {}
+        self._resuming_gen_batches = self.stage_store is not None  # until one is missing: then none later is
         scored, parts, uids, generations = batch, [], [], 1
         while True:
             keep = varied_groups(scored.non_tensor_batch["uid"].tolist(), self._group_metric(scored))
@@ -548,7 +550,9 @@ class PPOTrainer:
         killed stage resumes (no tool, judge or model is asked again, the data cursor moves
         past its prompts), else generated, scored and committed."""
         name, store = stage_table.gen_batch_snapshot(generation), self.stage_store
-        if store is not None and store.has(step, name):
+        # committed in order: once one is missing, asking again would only wait for the last write
+        self._resuming_gen_batches = self._resuming_gen_batches and store.has(step, name)
+        if self._resuming_gen_batches:
             scored = store.load(step, name, standalone=True)
             where = store.stage_uri(step, name)
             _, cursor = resumed_state(scored.meta_info, where)
@@ -564,7 +568,8 @@ class PPOTrainer:
             self._stage_done(name)
             if store is not None:
                 store.save(step, name, scored, standalone=True)
-        self.gen_batches[generation] = scored
+        if self.replayed_gen_batches is not None:  # a replay compares them with their record
+            self.gen_batches[generation] = scored
         return scored
 
     def _generate_scored(self, step: int, generation: int) -> DataProto:

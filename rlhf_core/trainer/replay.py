@@ -282,9 +282,8 @@ def replay(uri: str, stages: list[str] | None = None, iteration: int | None = No
             recorded = istore.load(n, stage, standalone=stage_table.BY_NAME[stage].side)
             result = StageReplay(stage, istore.stage_uri(n, stage), compare(recorded, out, atol, rtol))
             if stage == "filter_groups":
-                old_record = not trainer.replayed_gen_batches and bool(
-                    stage_table.gen_batch_snapshots(manifest.get("metrics") or {}))
-                result.diffs += _compare_gen_batches(trainer, atol, rtol, old_record)
+                used, listed = _gen_batch_record(manifest)
+                result.diffs += _compare_gen_batches(trainer, atol, rtol, old_record=bool(used) and not listed)
             if stage in stateful and manifest.get("checkpoint_sha256"):  # else no checkpoint to compare with
                 result.weights = _compare_weights(workers, trainer, cfg, end_ckpt, stage_table.BY_NAME[stage])
             if overrides:
@@ -359,22 +358,28 @@ def _check_live_agent(cfg: RunConfig, wanted: list[str], overrides: list[str], t
     when they would be generated with tools the stored config chose."""
     if "filter_groups" not in wanted:
         return
-    if manifest is not None:
-        listed = set(manifest.get("snapshots") or {})
-        if set(stage_table.gen_batch_snapshots(manifest.get("metrics") or {})) <= listed:
+    if manifest is not None and not overrides:  # (a what-if may draw more batches than the record holds)
+        used, listed = _gen_batch_record(manifest)
+        if used == listed:
             return  # every batch's answers are in the record: none is asked
     refusal = _live_agent_refusal(cfg, overrides, trusted)
     if refusal:
         raise ReplayError(refusal)
 
 
+def _gen_batch_record(manifest: dict) -> tuple[list[str], list[str]]:
+    """(the further generation batches' snapshots the iteration used, those its manifest
+    lists: an iteration committed before they were recorded lists none)."""
+    used = stage_table.gen_batch_snapshots(manifest.get("metrics") or {})
+    listed = set(manifest.get("snapshots") or {})
+    return used, [name for name in used if name in listed]
+
+
 def _recorded_gen_batches(istore, n: int, manifest: dict, refusal: str | None):
     """(recorded further batches of ``filter_groups``, generation -> batch; the hook a
     trainer calls for a batch past them)."""
-    listed = set(manifest.get("snapshots") or {})
-    used = len(stage_table.gen_batch_snapshots(manifest.get("metrics") or {}))
-    recorded = {k: istore.load(n, stage_table.gen_batch_snapshot(k), standalone=True) for k in range(1, used + 1)
-                if stage_table.gen_batch_snapshot(k) in listed}
+    _, listed = _gen_batch_record(manifest)
+    recorded = {int(name.rsplit("-", 1)[1]): istore.load(n, name, standalone=True) for name in listed}
 
     def unrecorded(generation: int) -> None:
         if refusal:

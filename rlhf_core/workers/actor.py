@@ -102,6 +102,9 @@ class ActorRolloutRefWorker(TrainableWorker):
         if teacher.config.vocab_size < len(self.tokenizer):
             raise ValueError(f"distillation.teacher_model.model_path: expected an output layer over the policy's "
                              f"{len(self.tokenizer)} tokens; found {teacher.config.vocab_size}")
+        if cfg.distillation.topk_width > len(self.tokenizer):
+            raise ValueError(f"distillation.distillation_loss.topk: expected at most the policy's "
+                             f"{len(self.tokenizer)} tokens; found {cfg.distillation.topk_width}")
         self.teacher_path = path
         source = sharding.FullWeights.of(teacher) if reads else None
         return sharding.wrap(self._packed(teacher), spec, trainable=False, source=source)
@@ -204,11 +207,12 @@ class ActorRolloutRefWorker(TrainableWorker):
 
     def _log_probs(self, model, data: DataProto, with_entropy: bool, with_sum_pi_squared: bool = False,
                    topk: int = 0, gather_ids: torch.Tensor | None = None):
+        # top-k ids among the tokenizer's: a teacher's padded output layer has rows no student has
         return modeling.response_log_probs(
             model, data.batch["input_ids"], data.batch["attention_mask"], data.batch["position_ids"],
             data.batch["responses"].shape[1], self.config.rollout.temperature, with_entropy,
             packed=self.config.model.use_remove_padding, with_sum_pi_squared=with_sum_pi_squared, topk=topk,
-            gather_ids=gather_ids)
+            gather_ids=gather_ids, topk_vocab=len(self.tokenizer) if topk else None)
 
     def _log_prob_budget(self) -> tuple[int, str]:
         actor = self.config.actor
@@ -283,9 +287,6 @@ class ActorRolloutRefWorker(TrainableWorker):
                               **loss_settings(policy_loss, **{k: getattr(cfg, k) for k in LOSS_SETTINGS}))
         loss = out["pg_loss"]
         parts = {key: out[key].detach() for key in ("pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
-        if topk:  # the supervised top-k forward KL: beside the task's loss, or alone (verl's rule)
-            loss, distilled = self._topk_distillation(loss, student_topk[0], batch, mask)
-            parts.update(distilled)
         parts.update({key: torch.tensor(value) for key, value in corrected.items()})
         if entropy is not None:
             entropy_loss = agg_loss(entropy, mask, cfg.loss_agg_mode)
@@ -297,20 +298,24 @@ class ActorRolloutRefWorker(TrainableWorker):
                                cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
             parts["kl_loss"] = kl_loss.detach()
+        if topk:  # the supervised top-k forward KL: beside the task's loss, or alone (verl's rule)
+            loss, distilled = self._topk_distillation(loss, student_topk[0], batch, mask)
+            parts.update(distilled)
         return loss, parts
 
-    def _topk_distillation(self, pg_loss: torch.Tensor, student_topk: torch.Tensor, batch: DataProto,
+    def _topk_distillation(self, task_loss: torch.Tensor, student_topk: torch.Tensor, batch: DataProto,
                            mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The top-k forward KL aggregated as the actor's loss is
-        (``rlhf_core.algorithms.distillation``): ``pg_loss + coef x KL`` with the task's
-        rewards, else the KL alone (the policy-gradient loss is dropped)."""
+        (``rlhf_core.algorithms.distillation``): ``loss + coef x KL`` with the task's
+        rewards, else the KL alone (verl drops the task's whole loss then: its policy
+        gradient, entropy bonus and KL loss)."""
         from rlhf_core.algorithms.distillation import forward_kl_topk, topk_masses
 
         settings = self.config.distillation.distillation_loss
         teacher = batch.batch["teacher_topk_log_probs"]
         kl = forward_kl_topk(student_topk, teacher, mask, settings.log_prob_min_clamp, settings.loss_max_clamp)
         distill = agg_loss(kl, mask, self.config.actor.loss_agg_mode)
-        loss = pg_loss + settings.distillation_loss_coef * distill if settings.use_task_rewards else distill
+        loss = task_loss + settings.distillation_loss_coef * distill if settings.use_task_rewards else distill
         return loss, {"distillation/loss": distill.detach(),
                       **{k: v.detach() for k, v in topk_masses(student_topk.detach(), teacher, mask).items()}}
 

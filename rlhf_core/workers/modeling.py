@@ -151,7 +151,8 @@ def check_micro_batch_memory(cfg, model_config, device_bytes: int | None = None,
 def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                        position_ids: torch.Tensor, response_length: int, temperature: float = 1.0,
                        with_entropy: bool = False, chunk_tokens: int | None = None, packed: bool = False,
-                       with_sum_pi_squared: bool = False, topk: int = 0, gather_ids: torch.Tensor | None = None):
+                       with_sum_pi_squared: bool = False, topk: int = 0, gather_ids: torch.Tensor | None = None,
+                       topk_vocab: int | None = None):
     """Log-probs (and entropies) of the last ``response_length`` tokens under ``model``
     (0 where a row's response has ended, or, padded, where every row's has: see
     ``trim_padding``).
@@ -167,7 +168,9 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
     the same pass: sum over the vocabulary of pi^2 per token (verl's
     ``calculate_sum_pi_squared``, the optimal token baseline's input). Then, from the same
     pass, ``topk``: the ``topk`` largest log-probs of each position and their token ids
-    ([rows, response_length, topk] each: a teacher's for the top-k forward KL);
+    ([rows, response_length, topk] each: a teacher's for the top-k forward KL), picked among
+    the first ``topk_vocab`` ids when given (a tokenizer's: the extra rows of a padded
+    output layer are no token another model has);
     ``gather_ids`` ([rows, response_length, k] token ids): the log-probs of those tokens
     at each position (the student's at the teacher's top-k).
     """
@@ -175,9 +178,6 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
 
     stats = ("entropy",) * with_entropy + ("sum_pi_squared",) * with_sum_pi_squared
     width = topk * 2 + (gather_ids.shape[-1] if gather_ids is not None else 0)  # extra columns a token
-
-    def extras(every: torch.Tensor, ids: torch.Tensor | None) -> list[torch.Tensor]:
-        return _extra_columns(every, topk, ids)
 
     def outputs(log_probs, values, columns, finish):
         named = dict(zip(stats, (finish(v) for v in values)))
@@ -215,7 +215,7 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
             log_probs = every.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
             pad = lambda values: _pad_responses(values, response_length)  # noqa: E731
             columns = [c.reshape(len(responses), kept, -1)
-                       for c in extras(every.reshape(-1, every.shape[-1]), ids)] if width else []
+                       for c in _extra_columns(every.reshape(-1, every.shape[-1]), topk, ids, topk_vocab)]
             return outputs(log_probs, [_statistic(every, name) for name in stats], columns, pad)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
                   "logits_to_keep": kept + 1}
@@ -231,7 +231,8 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         logits = select(model(**inputs).logits).float() / temperature
         every = torch.log_softmax(logits, dim=-1)
         log_probs = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        return outputs(log_probs, [_statistic(every, name) for name in stats], extras(every, ids), finish)
+        return outputs(log_probs, [_statistic(every, name) for name in stats],
+                       _extra_columns(every, topk, ids, topk_vocab), finish)
     chunk_tokens = chunk_tokens or max(1, LOGIT_BUDGET_BYTES // token_bytes)
     original = head.forward
 
@@ -240,7 +241,7 @@ def response_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Ten
         parts = []
         for start in range(0, flat.shape[0], chunk_tokens):
             piece = (flat[start:start + chunk_tokens], targets[start:start + chunk_tokens])
-            more = (topk, ids[start:start + chunk_tokens] if ids is not None else None)
+            more = (topk, ids[start:start + chunk_tokens] if ids is not None else None, topk_vocab)
             if torch.is_grad_enabled() and flat.requires_grad:
                 from torch.utils.checkpoint import checkpoint
 
@@ -268,22 +269,25 @@ def _statistic(log_probs: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def _token_log_probs(projection, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     stats: tuple[str, ...] = (), topk: int = 0, ids: torch.Tensor | None = None) -> torch.Tensor:
+                     stats: tuple[str, ...] = (), topk: int = 0, ids: torch.Tensor | None = None,
+                     topk_vocab: int | None = None) -> torch.Tensor:
     """(log-prob of each target, then each of ``stats``, then the top-k log-probs and their
     ids, then the log-probs at ``ids``) of one slice of tokens: [tokens, columns]."""
     every = torch.log_softmax(projection(hidden).float() / temperature, dim=-1)
     chosen = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     columns = [torch.stack([chosen, *(_statistic(every, name) for name in stats)], dim=-1),
-               *_extra_columns(every, topk, ids)]
+               *_extra_columns(every, topk, ids, topk_vocab)]
     return torch.cat(columns, dim=-1) if len(columns) > 1 else columns[0]
 
 
-def _extra_columns(every: torch.Tensor, topk: int, ids: torch.Tensor | None) -> list[torch.Tensor]:
-    """From [tokens, vocabulary] log-probs: the ``topk`` largest and their token ids (as
-    floats: exact below 2^24, any vocabulary), then the log-probs at ``ids`` [tokens, k]."""
+def _extra_columns(every: torch.Tensor, topk: int, ids: torch.Tensor | None,
+                   topk_vocab: int | None = None) -> list[torch.Tensor]:
+    """From [tokens, vocabulary] log-probs: the ``topk`` largest among the first
+    ``topk_vocab`` ids and their token ids (as floats: exact below 2^24, any vocabulary),
+    then the log-probs at ``ids`` [tokens, k]."""
     columns = []
     if topk:
-        values, index = every.topk(topk, dim=-1)
+        values, index = every[..., :topk_vocab].topk(topk, dim=-1)
         columns += [values, index.to(values.dtype)]
     if ids is not None:
         columns.append(every.gather(-1, ids))
