@@ -304,7 +304,8 @@ def test_a_replayed_further_batch_gets_its_recorded_tool_and_judge_answers_at_th
 
     class Loader:
         def next_batch(self):
-            return DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)})
+            return DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+                                        "responses": torch.zeros(2, 3, dtype=torch.long)})
 
     def stage(name):
         def run(batch):
@@ -315,7 +316,8 @@ def test_a_replayed_further_batch_gets_its_recorded_tool_and_judge_answers_at_th
     trainer.config, trainer.loader = cfg, Loader()
     trainer.stages = lambda: [stage_table.BY_NAME[n] for n in ("rollout", "reward", "filter_groups")]
     trainer.rollout, trainer.compute_reward = stage("rollout"), stage("reward")
-    record = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, non_tensors={
+    record = DataProto.from_dict({"input_ids": torch.zeros(2, 3, dtype=torch.long),
+                                  "responses": torch.zeros(2, 3, dtype=torch.long)}, non_tensors={
         "agent/seed": np.array([7, 8], dtype=object), "agent/tool_calls": np.array(['[{"a": 1}]', "[]"], dtype=object),
         JUDGE_CALLS: np.array(["j7", "j8"], dtype=object)})
     asked = []
@@ -326,3 +328,7 @@ def test_a_replayed_further_batch_gets_its_recorded_tool_and_judge_answers_at_th
     seen.clear()
     trainer._generate_scored(3, 2)  # past the record: the hook decides, nothing recorded is given
     assert asked == [2] and RECORDED_TOOL_CALLS not in seen["rollout"][0] and JUDGE_CALLS not in seen["reward"][1]
+    # answers recorded to other responses are not given to these: one line, before the judge is asked
+    record.batch["responses"][1, 2] = 5
+    with pytest.raises(RuntimeError, match=r"^generation batch 1 of filter_groups: expected the responses its record"):
+        trainer._generate_scored(3, 1)

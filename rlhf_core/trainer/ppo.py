@@ -591,6 +591,11 @@ class PPOTrainer:
             if stage.name == "filter_groups":
                 break
             if stage.name == stage_table.SCORED and recorded is not None and JUDGE_CALLS in recorded.non_tensor_batch:
+                # row by row: the recorded answers are to the recorded responses only
+                if not torch.equal(batch.batch["responses"], recorded.batch["responses"]):
+                    raise RuntimeError(f"generation batch {generation} of filter_groups: expected the responses its "
+                                       f"record holds (the judge's recorded answers are to those); the rollout "
+                                       f"generated others (compare its rollout first)")
                 batch.non_tensor_batch[JUDGE_CALLS] = recorded.non_tensor_batch[JUDGE_CALLS]
             batch = getattr(self, stage.method)(batch)
         return batch
