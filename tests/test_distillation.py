@@ -86,6 +86,29 @@ def score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+def _student_and_teacher(tmp_path):
+    """A tiny student and a teacher from the same start, the teacher taught to answer 72 to
+    every prompt, the student a little (it samples the answer now and then, and the
+    teacher's log-probs say which tokens to keep); the task's reward zero. Returns (the
+    teacher's folder, a store URI, the run's overrides without the teacher and loss)."""
+    import pyarrow.parquet as pq
+
+    from rlhf_core.testing.model_folders import build_model_folder, teach, write_verl_parquet
+
+    data = write_verl_parquet(tmp_path / "train.parquet", count=16)
+    chats = [row["prompt"] for row in pq.read_table(data).to_pylist()]
+    student = teach(build_model_folder(tmp_path / "student", seed=0), chats, "72", steps=10)
+    teacher = teach(build_model_folder(tmp_path / "teacher", seed=0), chats, "72", steps=60)
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    common = [f"model.path={student}", f"data.train_files={data}",
+              "data.max_prompt_length=64", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=8",
+              "rollout.response_length=6", "actor.lr=1e-3", "trainer.progress=false",
+              f"custom_reward_function.path={reward}", "custom_reward_function.name=score",
+              f"trainer.output_dir={tmp_path / 'out'}", "distillation.enabled=true"]
+    return teacher, f"file://{tmp_path / 'store'}", common
+
+
 def test_a_student_moves_towards_its_teacher_and_the_record_names_the_teacher(tmp_path, ray_local):
     """A tiny student and a teacher taught to answer 72 (the student a little), the task's
     reward zero (distillation alone): the per-token KL of the student's samples falls over
@@ -94,29 +117,12 @@ def test_a_student_moves_towards_its_teacher_and_the_record_names_the_teacher(tm
     from rlhf_core.cli import main
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.record.run_layout import RunRef
-    from rlhf_core.testing.model_folders import build_model_folder, write_verl_parquet
+    from rlhf_core.testing.model_folders import build_model_folder
     from rlhf_core.trainer.replay import replay
     from rlhf_core.workers.modeling import content_sha256
 
-    import pyarrow.parquet as pq
-
-    from rlhf_core.testing.model_folders import teach
-
-    data = write_verl_parquet(tmp_path / "train.parquet", count=16)
-    chats = [row["prompt"] for row in pq.read_table(data).to_pylist()]
-    # the same start, the teacher taught to answer 72 to every prompt, the student a little:
-    # it samples the answer now and then, and the teacher's log-probs say which tokens to keep
-    student = teach(build_model_folder(tmp_path / "student", seed=0), chats, "72", steps=10)
-    teacher = teach(build_model_folder(tmp_path / "teacher", seed=0), chats, "72", steps=60)
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    store = f"file://{tmp_path / 'store'}"
-    common = [f"model.path={student}", f"data.train_files={data}",
-              "data.max_prompt_length=64", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=8",
-              "rollout.response_length=6", "actor.lr=1e-3", "trainer.progress=false",
-              f"custom_reward_function.path={reward}", "custom_reward_function.name=score",
-              f"trainer.output_dir={tmp_path / 'out'}", "distillation.enabled=true",
-              "distillation.distillation_loss.loss_mode=k1"]
+    teacher, store, common = _student_and_teacher(tmp_path)
+    common = [*common, "distillation.distillation_loss.loss_mode=k1"]
     assert main(["run", "--direct", "--iterations", "10", "--run-id", "opd", "--store", store, *common,
                  f"distillation.teacher_model.model_path={teacher}"]) == 0
     # the control: the same draws (the same seeds), the teacher's term weighted 0 (the task's zero advantages)
@@ -179,23 +185,10 @@ def test_the_top_k_forward_kl_pulls_a_student_to_its_teacher_and_replays(tmp_pat
     from rlhf_core.cli import main
     from rlhf_core.record.iteration_store import IterationStore
     from rlhf_core.record.run_layout import RunRef
-    from rlhf_core.testing.model_folders import build_model_folder, teach, write_verl_parquet
     from rlhf_core.trainer.replay import replay
 
-    import pyarrow.parquet as pq
-
-    data = write_verl_parquet(tmp_path / "train.parquet", count=16)
-    chats = [row["prompt"] for row in pq.read_table(data).to_pylist()]
-    student = teach(build_model_folder(tmp_path / "student", seed=0), chats, "72", steps=10)
-    teacher = teach(build_model_folder(tmp_path / "teacher", seed=0), chats, "72", steps=60)
-    reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
-    store = f"file://{tmp_path / 'store'}"
-    common = [f"model.path={student}", f"data.train_files={data}", f"distillation.teacher_model.model_path={teacher}",
-              "data.max_prompt_length=64", "data.train_batch_size=8", "actor.ppo_mini_batch_size=8", "rollout.n=8",
-              "rollout.response_length=6", "actor.lr=1e-3", "trainer.progress=false",
-              f"custom_reward_function.path={reward}", "custom_reward_function.name=score",
-              f"trainer.output_dir={tmp_path / 'out'}", "distillation.enabled=true",
+    teacher, store, common = _student_and_teacher(tmp_path)
+    common = [*common, f"distillation.teacher_model.model_path={teacher}",
               "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=8",
               "distillation.distillation_loss.use_policy_gradient=false"]
     assert main(["run", "--direct", "--iterations", "6", "--run-id", "topk", "--store", store, *common]) == 0
